@@ -1,0 +1,94 @@
+"""The offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages)`, run to completion."""
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.prompts import PromptType, is_single_prompt
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+def _ensure_log_handler() -> None:
+    # Like vLLM: show the start-up capacity line on stderr unless the application set up logging itself.
+    logger = logging.getLogger("kvserve")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+class LLM:
+    """An engine plus a loop that runs submitted prompts to completion."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        _ensure_log_handler()
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order. Every prompt is validated before any runs: one bad prompt raises ValueError."""
+        prompt_list = [prompts] if is_single_prompt(prompts) else list(prompts)
+        params_list = self._params_for(prompt_list, sampling_params)
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError as exc:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
+        return self._run(request_ids)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Apply the model's chat template and generate the assistant's reply (one conversation or a list)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt": self.apply_chat_template(c), **({"cache_salt": cache_salt} if cache_salt else {})}
+                   for c in conversations]
+        outputs = self.generate(prompts, sampling_params)
+        return outputs[0] if conversations is not messages else outputs
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def stats(self) -> dict[str, float | int]:
+        return self.engine.stats()
+
+    def _params_for(self, prompts: list, params: SamplingParams | Seq[SamplingParams] | None) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        return list(params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[request_id] for request_id in request_ids]

@@ -1,0 +1,264 @@
+"""The engine: requests in, one step at a time (schedule -> forward -> sample -> update blocks), outputs out."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.detokenizer import Detokenizer
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.prompts import PromptType, parse_prompt
+from kvserve.engine.request import Request
+from kvserve.engine.sampler import sample
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.kv_cache_manager import KVCacheManager, blocks_needed
+from kvserve.model.config import ModelConfig
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import load_weights, resolve_model
+from kvserve.outputs import RequestOutput
+from kvserve.planner.capacity import KVCachePlan, plan_kv_cache
+from kvserve.planner.model_spec import ModelSpec
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        hf_config = json.loads((source.path / "config.json").read_text())
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.max_model_len = self._max_model_len(config, self.model_config)
+        self.cache_plan: KVCachePlan = plan_kv_cache(
+            ModelSpec.from_hf_config(hf_config, name=source.name),
+            config.kv_cache_memory_bytes,
+            config.block_size,
+            KV_DTYPE_NAMES[config.torch_dtype],
+            self.max_model_len,
+        )
+        if not self.cache_plan.fits:
+            raise ValueError(self.cache_plan.error)
+        logger.info(self.cache_plan.summary_line())
+        self.tokenizer = _load_tokenizer(source.path)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
+        mc, plan = self.model_config, self.cache_plan
+        weights = load_weights(source.path, config.torch_dtype)
+        self.model = LlamaModel(mc, weights, self.max_model_len, config.torch_dtype, config.device)
+        self.cache = PagedKVCache(mc.num_layers, plan.num_blocks, plan.block_size, mc.num_kv_heads, mc.head_dim,
+                                  config.torch_dtype, config.device)
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.kv, config.device)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+        if config.max_model_len is None:
+            return mc.max_position_embeddings
+        if config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{mc.max_position_embeddings}"
+            )
+        return config.max_model_len
+
+    # ---- requests in -------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
+        """Validate and queue a request; raises ValueError naming the problem, queueing nothing."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        parsed = parse_prompt(prompt)
+        token_ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text)
+        max_tokens = self._check_lengths(token_ids, params)
+        request = Request(request_id, parsed.text, list(token_ids), params)
+        seq = self._new_sequence(request, 0, list(token_ids), max_tokens, parsed.cache_salt)
+        request.sequences.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer; pass prompt_token_ids instead of text")
+        return self.tokenizer(text, add_special_tokens=True).input_ids
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        prompt_len, limit = len(token_ids), self.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len={limit} leaves no room to generate")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ValueError(
+                f"max_tokens={max_tokens} exceeds max_model_len={limit} minus prompt length {prompt_len} "
+                f"(at most {limit - prompt_len})"
+            )
+        if blocks_needed(prompt_len + max_tokens, self.kv.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) tokens can never fit in the KV cache of "
+                f"{self.cache_plan.kv_cache_tokens} tokens; raise kv_cache_memory or lower max_tokens"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
+        return max_tokens
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int], max_tokens: int,
+                      cache_salt: str | None) -> Sequence:
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed + index)
+        return Sequence(
+            request_id=request.request_id if index == 0 else f"{request.request_id}#{index}",
+            index=index,
+            token_ids=token_ids,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            detokenizer=Detokenizer(self.tokenizer, list(params.stop), params.skip_special_tokens),
+            cache_salt=cache_salt,
+            generator=generator,
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks go back to the pool. Unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.is_finished:
+                seq.finish("abort")
+            self.scheduler.finish(seq)
+        request.metrics.finished_time = time.time()
+        output = request.to_output()
+        output.finished = True
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once over the whole batch, sample, and return outputs of requests that moved."""
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return []
+        self._count_tokens(out)
+        logits, seqs = self.runner.run(out)
+        self.scheduler.advance(out)
+        logits, seqs = self._fork_for_n(logits, seqs)
+        result = sample(logits, seqs, self.generator)
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(seqs):
+            seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            request = self.requests[_request_id(seq)]
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            touched[request.request_id] = request
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+        return [self._output(request, now) for request in touched.values()]
+
+    def _count_tokens(self, out: SchedulerOutput) -> None:
+        now = time.time()
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            is_decode = n == 1 and seq.num_output_tokens > 0 and seq not in out.admitted
+            if is_decode:
+                self.num_decode_tokens += n
+            else:
+                self.num_prefill_tokens += n
+        for seq in out.admitted:
+            request = self.requests[_request_id(seq)]
+            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+            if seq.index == 0 and seq.num_preemptions == 0:
+                request.num_cached_tokens = seq.num_computed_tokens
+
+    def _fork_for_n(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """After its prompt is computed once, sample 0 of an n>1 request gets n-1 siblings sharing its blocks."""
+        rows, expanded = [], []
+        for row, seq in enumerate(seqs):
+            rows.append(row)
+            expanded.append(seq)
+            if seq.params.n > 1 and not seq.forked:
+                seq.forked = True
+                request = self.requests[seq.request_id]
+                for index in range(1, seq.params.n):
+                    child = self._new_sequence(request, index, list(seq.token_ids), seq.max_tokens, seq.cache_salt)
+                    child.forked = True
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.kv.fork(seq, child)
+                    self.scheduler.add_running(child, after=seq)
+                    request.sequences.append(child)
+                    rows.append(row)
+                    expanded.append(child)
+        return (logits[rows] if len(rows) != len(seqs) else logits), expanded
+
+    def _output(self, request: Request, now: float) -> RequestOutput:
+        if request.finished:
+            request.metrics.finished_time = now
+            del self.requests[request.request_id]
+        return request.to_output()
+
+    # ---- what the cache holds ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, float | int]:
+        pool = self.kv.pool
+        live = self.scheduler.running
+        queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        return {
+            "num_blocks": pool.num_blocks,
+            "block_size": self.kv.block_size,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_used_blocks": pool.num_used_blocks,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
+            "num_tokens_stored": sum(s.num_computed_tokens for s in live),
+            "slot_waste_tokens": sum(self.kv.num_allocated_slots(s.request_id) - s.num_computed_tokens for s in live),
+            "num_running": len(live),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        }
+
+
+def _request_id(seq: Sequence) -> str:
+    return seq.request_id.rsplit("#", 1)[0] if seq.index else seq.request_id
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos(path: Path) -> frozenset[int]:
+    file = path / "generation_config.json"
+    if not file.exists():
+        return frozenset()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -1,0 +1,41 @@
+"""The prompt forms the API accepts, normalised to one shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None
+    token_ids: list[int] | None
+    cache_salt: str | None = None
+
+
+def parse_prompt(prompt: PromptType) -> Prompt:
+    """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]} with optional "cache_salt"."""
+    if isinstance(prompt, str):
+        return Prompt(prompt, None)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return Prompt(None, list(prompt))
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(
+                f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids' (plus optional 'cache_salt'), "
+                f"got keys {sorted(prompt)}"
+            )
+        salt = prompt.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+        inner = parse_prompt(prompt.get("prompt", prompt.get("prompt_token_ids")))
+        return Prompt(inner.text, inner.token_ids, salt)
+    raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def is_single_prompt(prompts: Any) -> bool:
+    return isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+    )

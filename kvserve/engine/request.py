@@ -1,0 +1,48 @@
+"""A user's request: its prompt, parameters, timing, and the n sequences sampled for it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvserve.engine.sequence import Sequence
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
+
+    def to_output(self) -> RequestOutput:
+        finished = self.finished
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.stable_text(seq.is_finished),
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in sorted(self.sequences, key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )

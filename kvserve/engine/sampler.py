@@ -1,0 +1,88 @@
+"""Logits -> next tokens for a batch of sequences, each with its own parameters and random generator."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each sampled token under the model's raw distribution
+    top_logprobs: list[dict[int, float] | None]  # when the sequence asked for logprobs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> SampleResult:
+    """logits: [N, V] float32, row i belongs to seqs[i]."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _apply_penalties(logits, seqs)
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        probs = _processed_probs(logits[rows], [seqs[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            token_ids[i] = _draw(probs[j], seqs[i].generator or default_generator)
+    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    return SampleResult(
+        token_ids=token_ids.tolist(),
+        logprobs=chosen.tolist(),
+        top_logprobs=[_top_logprobs(raw_logprobs[i], int(token_ids[i]), s) for i, s in enumerate(seqs)],
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        p = seqs[i].params
+        if p.repetition_penalty != 1:  # HF/vLLM: over prompt and output, shrink toward zero
+            seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.long)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:  # OpenAI: over generated tokens only
+            counts = torch.bincount(torch.tensor(seqs[i].output_token_ids, dtype=torch.long), minlength=vocab)
+            logits[i] -= p.frequency_penalty * counts[:vocab] + p.presence_penalty * (counts[:vocab] > 0)
+    return logits
+
+
+def _processed_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filtering, row by row parameters, one batched pass each."""
+    temperature = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)[:, None]
+    logits = logits / temperature
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs])
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
+    if bool((top_k < logits.shape[1]).any() or (top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1])[None, :]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (ranks >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype)[:, None]
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    # argmax(p / E) with E ~ Exp(1) picks index i with probability p_i: one draw per row from its own generator
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def _top_logprobs(row: torch.Tensor, token_id: int, seq: Sequence) -> dict[int, float] | None:
+    k = seq.params.logprobs
+    if k is None:
+        return None
+    top = {int(t): float(v) for v, t in zip(*row.topk(k))} if k else {}
+    top[token_id] = float(row[token_id])
+    return top

@@ -1,0 +1,75 @@
+"""One token stream being generated: its tokens, how many have K/V in the cache, and why it stopped."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.detokenizer import Detokenizer
+from kvserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str  # unique per sequence: the user's id, plus "#i" for the i-th of n samples
+    index: int  # which of the request's n outputs this is
+    token_ids: list[int]  # prompt then output
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int
+    detokenizer: Detokenizer
+    cache_salt: str | None = None
+    generator: torch.Generator | None = None
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    forked: bool = False  # True once the n-1 siblings of sample 0 exist
+    num_preemptions: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
+        """Add a sampled token and decide whether the sequence is done."""
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + [top_logprobs]
+        self.detokenizer.update(self.output_token_ids)
+        if token_id in self.eos_token_ids and not self.params.ignore_eos:
+            self.finish("stop", token_id)
+        elif token_id in self.params.stop_token_ids:
+            self.finish("stop", token_id)
+        elif self.detokenizer.stop_hit is not None:
+            self.finish("stop", self.detokenizer.stop_hit)
+        elif self.num_output_tokens >= self.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason

@@ -1,0 +1,28 @@
+"""Chained content hashes of full KV blocks: a block's key names its whole prefix, not just its tokens."""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
+    """sha256 over (parent key, token ids[, salt]); the salt only enters the first block, so it taints the chain."""
+    h = hashlib.sha256(parent or b"root")
+    if parent is None and cache_salt:
+        h.update(b"salt:" + cache_salt.encode())
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, known: Sequence[BlockHash] = ()
+) -> list[BlockHash]:
+    """Keys of every full block of `token_ids`, reusing the already-computed prefix `known`."""
+    hashes = list(known)
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[start : start + block_size], cache_salt))
+    return hashes

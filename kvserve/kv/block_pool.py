@@ -1,0 +1,89 @@
+"""The pool of physical KV blocks: free list in LRU order, reference counts, and the prefix-hash index."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvserve.kv.block_hash import BlockHash
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set once the block is full and registered in the prefix index
+
+
+class BlockPool:
+    """Blocks 0..N-1. A block with ref_cnt 0 sits in the free queue; if it still has a hash it stays
+    findable by prefix lookups until `allocate` hands it out again (least recently freed first)."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, Block] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no live request references (cached-but-unreferenced ones included, as in vLLM)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks that still hold a reusable prefix."""
+        return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take `n` blocks from the front of the free queue, evicting their cached content."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks with only {len(self._free)} free")
+        taken = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on blocks found by prefix lookup (or shared by a fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference each; blocks reaching zero join the back of the queue in the order given,
+        so callers pass a request's tail blocks first to have them reused before its head."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def register(self, block: Block, block_hash: BlockHash) -> None:
+        """Make a full block findable by its prefix key (the first block with a key keeps it)."""
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return
+        if block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,52 @@
+"""Where K and V live: one preallocated tensor per kind for all layers, addressed by slot = block * block_size + offset.
+
+This is the storage interface quantized formats will replace: write new tokens into slots, gather a batch's
+context for attention, copy blocks for copy-on-write."""
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # empty, not zeros: a slot is only ever read after it was written
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of the step's new tokens ([T, kv_heads, head_dim]) at their slots ([T])."""
+        self.k[layer].index_copy_(0, slot_mapping, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slot_mapping, v.to(self.v.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` ([S, C]) as [S, C, kv_heads, head_dim] each."""
+        flat = slots.reshape(-1)
+        k = self.k[layer].index_select(0, flat)
+        v = self.v[layer].index_select(0, flat)
+        return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer."""
+        if not pairs:
+            return
+        offsets = torch.arange(self.block_size, device=self.k.device)
+        src = torch.tensor([s for s, _ in pairs], device=self.k.device)[:, None] * self.block_size + offsets
+        dst = torch.tensor([d for _, d in pairs], device=self.k.device)[:, None] * self.block_size + offsets
+        for cache in (self.k, self.v):
+            cache[:, dst.reshape(-1)] = cache[:, src.reshape(-1)]

@@ -1,0 +1,79 @@
+"""The Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2) as plain tensor code over a flat batch."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.config import ModelConfig
+from kvserve.model.rotary import RotaryEmbedding, apply_rotary
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+        a = f"{prefix}.self_attn"
+        # q, k, v and gate, up are fused: one matmul each instead of three and two
+        self.qkv_weight = torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"])
+        self.qkv_bias = torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
+        self.o_weight = w[f"{a}.o_proj.weight"]
+        self.q_norm = w.get(f"{a}.q_norm.weight")
+        self.k_norm = w.get(f"{a}.k_norm.weight")
+        self.gate_up_weight = torch.cat([w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"]])
+        self.down_weight = w[f"{prefix}.mlp.down_proj.weight"]
+        self.input_norm = w[f"{prefix}.input_layernorm.weight"]
+        self.post_attention_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+        self.cfg = cfg
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = self._rms_norm(h, self.input_norm)
+        h = h + self._attention(x, cos, sin, layer, cache, meta)
+        x = self._rms_norm(h, self.post_attention_norm)
+        gate, up = F.linear(x, self.gate_up_weight).split(self.cfg.intermediate_size, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight)
+
+    def _attention(self, x, cos, sin, layer, cache, meta) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self._rms_norm(q, self.q_norm), self._rms_norm(k, self.k_norm)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, layer, cache, meta, self.scale)
+        return F.linear(out.reshape(-1, self.q_size), self.o_weight)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
+
+
+class LlamaModel:
+    """Weights plus forward(); holds no per-request state (that lives in the cache and the metadata)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
+        self.cfg = cfg
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
+        """input_ids: [T] flat tokens of all requests. Returns final hidden states [T, hidden]."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.lookup(meta.positions)
+        for i, layer in enumerate(self.layers):
+            h = layer.forward(h, cos, sin, i, cache, meta)
+        return F.rms_norm(h, self.norm.shape, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

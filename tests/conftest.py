@@ -1,0 +1,44 @@
+"""Tiny random-weight models built in the test from transformers' config classes: no download."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+TINY_KINDS = {
+    "llama-mha": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=4)),
+    "llama-gqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=2)),
+    "llama-mqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=1)),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=64)),
+    ),
+    "qwen2-gqa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
+    "qwen3-gqa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=16)),
+}
+
+
+def make_tiny_model(directory: Path, kind: str = "llama-gqa", seed: int = 0, **overrides) -> Path:
+    """Save a 2-layer random model (vocab 256, hidden 64, 4 heads) as an HF directory and return it."""
+    config_cls, model_cls, extra = TINY_KINDS[kind]
+    fields = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    fields.update(extra)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**fields)).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-gqa"))

@@ -21,9 +21,10 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        # empty, not zeros: a slot is only ever read after it was written
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # zeros, not empty: padded and masked key slots are still multiplied (by 0) in attention, and
+        # uninitialised memory may hold NaN, which 0 * NaN would spread into real outputs
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:

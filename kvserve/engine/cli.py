@@ -1,0 +1,103 @@
+"""`kvserve generate` and `kvserve chat`, plus the engine options every subcommand that runs a model shares."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from kvserve.config import EngineConfig
+from kvserve.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, same names with dashes."""
+    defaults = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="preset name, HF model directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype)
+    g.add_argument("--block-size", type=int, default=defaults.block_size)
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--seed", type=int, default=defaults.seed)
+    g.add_argument("--device", default=defaults.device)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def add_parser(subparsers) -> None:
+    gen = subparsers.add_parser("generate", help="complete a prompt, streaming tokens to the terminal")
+    gen.add_argument("prompt", nargs="+", help="prompt text (several words are joined)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=run_generate)
+    chat = subparsers.add_parser("chat", help="interactive multi-turn chat with the model's chat template")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=run_chat)
+
+
+def _stream(engine, request_id: str, prompt, params: SamplingParams) -> str:
+    """Run one request, printing text as it becomes final; returns the whole text."""
+    engine.add_request(request_id, prompt, params)
+    shown = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    return shown
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    _stream(llm.engine, "generate", " ".join(args.prompt), sampling_params_from_args(args))
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from kvserve.engine.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    params = sampling_params_from_args(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvserve chat: type a message, empty line or Ctrl-D to quit.", file=sys.stderr)
+    for turn in range(1_000_000):
+        try:
+            user = input("> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        reply = _stream(llm.engine, f"chat-{turn}", llm.apply_chat_template(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+        stats = llm.stats()
+        print(f"[prefix cache: {stats['prefix_cache_hits']:,} of {stats['prefix_cache_queries']:,} prompt tokens "
+              f"reused so far]", file=sys.stderr)
+    return 0

@@ -1,0 +1,182 @@
+"""GPU memory → KV cache: the budget left after weights, the blocks it holds, concurrency, and refusals.
+
+The engine sizes its block pool with `plan_kv_cache` and prints `summary_line()`, so the planner's
+prediction and the engine's allocation are the same computation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.planner.kv_size import (
+    KVDtype,
+    fixed_state_bytes,
+    kv_bytes_per_token,
+    request_kv_bytes,
+    resolve_kv_dtype,
+    round_up_to_blocks,
+)
+from kvserve.planner.model_spec import ModelSpec
+from kvserve.planner.units import GiB, KiB, format_bytes
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# Memory that is neither weights nor KV cache: CUDA context and cuBLAS/NCCL workspaces (~0.5-1 GiB),
+# the activation peak of a prefill chunk, CUDA graphs, allocator fragmentation. 1.5 GiB is an estimate,
+# not a measurement; it puts Llama 3.1 8B (bf16) on a 24 GiB RTX 4090 at ~42K KV tokens, the middle of
+# the 38K-46K that the seed article computes. Override it with --overhead-gib.
+DEFAULT_OVERHEAD_BYTES = 3 * GiB // 2
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """GPU memory × utilization − weights − overhead = what the KV cache may use."""
+
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    weights_bytes: int
+    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory_bytes <= 0:
+            raise ValueError(f"GPU memory must be positive, got {self.gpu_memory_bytes} bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.weights_bytes < 0 or self.overhead_bytes < 0:
+            raise ValueError("weights and overhead sizes must not be negative")
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.gpu_memory_bytes * self.gpu_memory_utilization)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return max(0, self.usable_bytes - self.weights_bytes - self.overhead_bytes)
+
+    @property
+    def error(self) -> str | None:
+        """Why nothing is left for the KV cache, or None."""
+        if self.kv_budget_bytes > 0:
+            return None
+        return (
+            f"weights ({format_bytes(self.weights_bytes)}) plus overhead ({format_bytes(self.overhead_bytes)}) "
+            f"leave no memory for the KV cache out of {format_bytes(self.usable_bytes)} usable "
+            f"({format_bytes(self.gpu_memory_bytes)} × {self.gpu_memory_utilization:g}). Use a GPU with more "
+            "memory, smaller weights (--weights-dtype fp8 or int4) or a higher --gpu-memory-utilization."
+        )
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """A block pool carved out of a KV budget: every block holds block_size tokens of every KV layer."""
+
+    spec: ModelSpec
+    kv_dtype: KVDtype
+    kv_budget_bytes: int
+    block_size: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    num_blocks: int
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def request_bytes(self, tokens: int) -> int:
+        """Memory one request of `tokens` needs: its KV blocks (windows applied) plus any fixed state."""
+        return request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size) + fixed_state_bytes(self.spec)
+
+    def concurrency(self, tokens: int) -> float:
+        """How many requests of `tokens` tokens the cache holds at once."""
+        return self.kv_cache_bytes / self.request_bytes(tokens)
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.concurrency(self.max_model_len)
+
+    @property
+    def fits(self) -> bool:
+        return self.request_bytes(self.max_model_len) <= self.kv_cache_bytes
+
+    @property
+    def max_fitting_len(self) -> int:
+        """Largest max_model_len (whole blocks, at most max_model_len) whose request fits the cache."""
+        low, high = 0, round_up_to_blocks(self.max_model_len, self.block_size)
+        while low < high:  # request_bytes grows with length, so bisect on the number of blocks
+            mid = (low + high + 1) // 2
+            if self.request_bytes(mid * self.block_size) <= self.kv_cache_bytes:
+                low = mid
+            else:
+                high = mid - 1
+        return min(low * self.block_size, self.max_model_len)
+
+    @property
+    def error(self) -> str | None:
+        """None when one max_model_len request fits, else a refusal in the spirit of vLLM's."""
+        if self.fits:
+            return None
+        fit = self.max_fitting_len
+        lower = f"lower --max-model-len to {fit:,} or less, or " if fit else ""
+        return (
+            f"{self.spec.name}: max_model_len {self.max_model_len:,} (the model's maximum length is "
+            f"{self.spec.max_position_embeddings:,}) needs {format_bytes(self.request_bytes(self.max_model_len))} "
+            f"of KV cache for one request, more than the {format_bytes(self.kv_cache_bytes)} KV cache, which "
+            f"holds {self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {self.block_size}). "
+            f"The largest max_model_len that fits is {fit:,}. To start, {lower}give the KV cache more memory: "
+            "raise kv_cache_memory / --gpu-memory-utilization, use --kv-cache-dtype fp8, or a GPU with more memory."
+        )
+
+    def summary_line(self) -> str:
+        """The start-up capacity line the engine logs."""
+        return (
+            f"KV cache: {self.num_blocks:,} blocks × {self.block_size} tokens = {self.kv_cache_tokens:,} tokens, "
+            f"{self.kv_cache_bytes / GiB:.2f} GiB ({self.kv_bytes_per_token / KiB:.1f} KiB/token); "
+            f"maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"
+        )
+
+
+def resolve_max_model_len(spec: ModelSpec, max_model_len: int | None) -> int:
+    """max_model_len, defaulting to the model's maximum length and never beyond it."""
+    if max_model_len is None:
+        return spec.max_position_embeddings
+    if not 1 <= max_model_len <= spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} must be between 1 and {spec.name}'s maximum length "
+            f"{spec.max_position_embeddings:,}"
+        )
+    return max_model_len
+
+
+def plan_kv_cache(
+    spec: ModelSpec,
+    kv_budget_bytes: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_cache_dtype: str = "bf16",
+    max_model_len: int | None = None,
+) -> KVCachePlan:
+    """Blocks that fit in kv_budget_bytes for this model and dtype; max_model_len defaults to the model's."""
+    if kv_budget_bytes < 0:
+        raise ValueError(f"KV cache budget must not be negative, got {kv_budget_bytes} bytes")
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    max_model_len = resolve_max_model_len(spec, max_model_len)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype, spec)
+    per_token = kv_bytes_per_token(spec, kv_dtype)
+    if per_token == 0:
+        raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")
+    return KVCachePlan(
+        spec=spec,
+        kv_dtype=kv_dtype,
+        kv_budget_bytes=int(kv_budget_bytes),
+        block_size=block_size,
+        max_model_len=max_model_len,
+        kv_bytes_per_token=per_token,
+        num_blocks=int(kv_budget_bytes) // (block_size * per_token),
+    )

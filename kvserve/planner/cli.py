@@ -1,0 +1,148 @@
+"""`kvserve plan`: how much KV cache a model needs, and how much of it a GPU holds."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+from kvserve.planner.capacity import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_OVERHEAD_BYTES,
+    MemoryBudget,
+    plan_kv_cache,
+    resolve_max_model_len,
+)
+from kvserve.planner.conversation import plan_conversation
+from kvserve.planner.gpus import GPU_MEMORY_GIB, gpu_memory_bytes
+from kvserve.planner.kv_size import KV_DTYPE_CHOICES, resolve_kv_dtype
+from kvserve.planner.loaders import load_model_spec, preset_names
+from kvserve.planner.model_spec import ModelSpec
+from kvserve.planner.report import PlanReport, render_report, report_to_json
+from kvserve.planner.units import GiB, parse_memory_size
+from kvserve.planner.weights import WEIGHT_BITS, weights_bytes
+
+DEFAULT_CONTEXTS = (2_048, 8_192, 32_768, 131_072)
+
+_DESCRIPTION = """\
+Plan a model's KV cache: bytes per token, size per request, what fits on a GPU, and the cost of a
+multi-turn conversation.
+
+KV bytes/token = 2 (K, V) x layers x KV heads x head_dim x bytes/element (MLA: layers x (kv_lora_rank
++ qk_rope_head_dim) x bytes). With a GPU: KV budget = memory x utilization - weights - overhead, cut
+into blocks of --block-size tokens. The default overhead (1.5 GiB) estimates the CUDA context,
+workspaces, activations and CUDA graphs; it puts Llama 3.1 8B on a 24 GiB card at ~42K tokens.
+Exit status 1 when one request of max_model_len does not fit.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `kvserve plan` on the top-level parser."""
+    parser = subparsers.add_parser(
+        "plan", help="KV cache capacity planner", description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL",
+                        help=f"preset ({', '.join(preset_names())}), HF config.json, model directory or GGUF file")
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", metavar="NAME", help=f"a known GPU: {', '.join(GPU_MEMORY_GIB)}")
+    gpu.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory, e.g. 24GiB, 80GB (a bare number is GiB)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        metavar="FRACTION", help="share of GPU memory the engine may use (default %(default)s)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPE_CHOICES, metavar="DTYPE",
+                        help=f"KV element type: {', '.join(KV_DTYPE_CHOICES)}; auto follows the model's "
+                             "torch_dtype (default %(default)s)")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
+                        help="tokens per KV block (default %(default)s)")
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="longest request (default: the model's maximum)")
+    parser.add_argument("--context", type=int, nargs="+", metavar="N",
+                        help="request lengths to size (default 2,048 / 8,192 / 32,768 / 131,072 and the maximum)")
+    parser.add_argument("--weights-dtype", default="auto", choices=("auto", *WEIGHT_BITS), metavar="DTYPE",
+                        help=f"weights type: auto, {', '.join(WEIGHT_BITS)}; auto is the config's torch_dtype, "
+                             "or a GGUF file's own size")
+    parser.add_argument("--weights-gib", type=float, metavar="GIB", help="weights size instead of an estimate")
+    parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GiB, metavar="GIB",
+                        help="memory for runtime and activations, neither weights nor KV (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
+    talk = parser.add_argument_group("conversation mode (stateless chat API, one request per turn)")
+    talk.add_argument("--conversation", action="store_true", help="plan a multi-turn conversation")
+    talk.add_argument("--first", type=int, default=1200, metavar="N",
+                      help="system prompt + first question tokens (%(default)s)")
+    talk.add_argument("--question", type=int, default=200, metavar="N",
+                      help="tokens of each later question (%(default)s)")
+    talk.add_argument("--answer", type=int, default=500, metavar="N", help="tokens of each answer (%(default)s)")
+    talk.add_argument("--turns", type=int, default=10, metavar="N", help="number of turns (%(default)s)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; 2 on bad input, 1 when the model does not fit, else 0."""
+    try:
+        report = build_report(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report_to_json(report), indent=2))
+    else:
+        render_report(report, Console(width=None if sys.stdout.isatty() else 120))
+    return 1 if report.error else 0
+
+
+def build_report(args: argparse.Namespace) -> PlanReport:
+    """Turn the parsed flags into a PlanReport, validating them on the way."""
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+    spec = load_model_spec(args.model)
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, spec)
+    max_model_len = resolve_max_model_len(spec, args.max_model_len)
+    gpu_bytes = _gpu_memory_bytes(args)
+    weights, weights_source = _weights(spec, args, needed=gpu_bytes is not None)
+    budget = kv_plan = None
+    if gpu_bytes is not None:
+        if args.overhead_gib < 0:
+            raise ValueError(f"--overhead-gib must not be negative, got {args.overhead_gib}")
+        budget = MemoryBudget(gpu_bytes, args.gpu_memory_utilization, weights, round(args.overhead_gib * GiB))
+        kv_plan = plan_kv_cache(spec, budget.kv_budget_bytes, args.block_size, kv_dtype.name, max_model_len)
+    conversation = None
+    if args.conversation:
+        conversation = plan_conversation(spec, kv_dtype, args.first, args.question, args.answer,
+                                         args.turns, args.block_size)
+    return PlanReport(
+        spec=spec, kv_dtype=kv_dtype, block_size=args.block_size, max_model_len=max_model_len,
+        contexts=_contexts(spec, args.context), weights_bytes=weights, weights_source=weights_source,
+        gpu_name=args.gpu or args.gpu_memory, budget=budget, kv_plan=kv_plan, conversation=conversation,
+    )
+
+
+def _gpu_memory_bytes(args: argparse.Namespace) -> int | None:
+    if args.gpu:
+        return gpu_memory_bytes(args.gpu)
+    return parse_memory_size(args.gpu_memory) if args.gpu_memory else None
+
+
+def _weights(spec: ModelSpec, args: argparse.Namespace, needed: bool) -> tuple[int | None, str]:
+    """Weights bytes and where the number comes from; None when unknown and no GPU asks for it."""
+    if args.weights_gib is not None:
+        if args.weights_gib < 0:
+            raise ValueError(f"--weights-gib must not be negative, got {args.weights_gib}")
+        return round(args.weights_gib * GiB), "--weights-gib"
+    if spec.num_parameters is None and spec.weights_bytes is None and not needed:
+        return None, "parameter count not in the config"
+    size = weights_bytes(spec, args.weights_dtype)
+    if args.weights_dtype == "auto" and spec.weights_bytes is not None:
+        return size, "tensor sizes in the file"
+    dtype = spec.torch_dtype if args.weights_dtype == "auto" else args.weights_dtype
+    return size, f"{spec.num_parameters / 1e9:.2f}B params × {WEIGHT_BITS[dtype]:g} bits ({dtype})"
+
+
+def _contexts(spec: ModelSpec, requested: list[int] | None) -> tuple[int, ...]:
+    if requested:
+        if min(requested) < 1:
+            raise ValueError(f"--context lengths must be at least 1, got {min(requested)}")
+        return tuple(requested)
+    maximum = spec.max_position_embeddings
+    return tuple(sorted({*(c for c in DEFAULT_CONTEXTS if c < maximum), maximum}))

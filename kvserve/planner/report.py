@@ -1,0 +1,223 @@
+"""What `kvserve plan` shows: a rich report for people and a JSON object for scripts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from kvserve.planner.capacity import KVCachePlan, MemoryBudget
+from kvserve.planner.conversation import ConversationPlan
+from kvserve.planner.kv_size import (
+    PER_GROUP,
+    PER_LAYER,
+    PER_VECTOR,
+    KVDtype,
+    fixed_state_bytes,
+    kv_bytes_per_token,
+    kv_bytes_per_token_per_layer,
+    request_kv_bytes,
+)
+from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
+from kvserve.planner.units import format_bytes
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Everything one `kvserve plan` invocation computed; kv_plan is None without a GPU."""
+
+    spec: ModelSpec
+    kv_dtype: KVDtype
+    block_size: int
+    max_model_len: int
+    contexts: tuple[int, ...]
+    weights_bytes: int | None
+    weights_source: str
+    gpu_name: str | None = None
+    budget: MemoryBudget | None = None
+    kv_plan: KVCachePlan | None = None
+    conversation: ConversationPlan | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.spec, self.kv_dtype)
+
+    @property
+    def error(self) -> str | None:
+        if self.budget is not None and self.budget.error:
+            return self.budget.error
+        return self.kv_plan.error if self.kv_plan is not None else None
+
+    def request_bytes(self, tokens: int) -> int:
+        return request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
+
+
+def kv_formula(spec: ModelSpec, dtype: KVDtype) -> str:
+    """The bytes-per-token formula with this model's numbers substituted."""
+    layers = f"{spec.num_kv_layers} layers"
+    if spec.num_kv_layers != spec.num_layers:
+        layers = f"{spec.num_kv_layers} attention layers (of {spec.num_layers})"
+    if spec.is_mla:
+        vector = f"({spec.kv_lora_rank} kv_lora_rank + {spec.qk_rope_head_dim} qk_rope_head_dim)"
+        head = f"{layers} × {_vector_bytes(vector, spec.kv_vector_elements, dtype)}"
+    else:
+        vector = f"{spec.head_dim} head_dim"
+        head = f"2 (K, V) × {layers} × {spec.num_kv_heads} KV heads × {_vector_bytes(vector, spec.head_dim, dtype)}"
+    total = kv_bytes_per_token(spec, dtype)
+    return f"KV bytes/token = {head} = {total:,} B = {format_bytes(total)}"
+
+
+def _vector_bytes(vector: str, elements: int, dtype: KVDtype) -> str:
+    element = f"{dtype.element_bits / 8:g} B ({dtype.name})"
+    if dtype.scale_scope not in (PER_VECTOR, PER_GROUP):
+        return f"{vector} × {element}"
+    scales = dtype.scales_per_vector(elements)
+    what = "scale" if not dtype.zero_point_bytes else "scale + zero point"
+    count = f"{scales} × " if scales > 1 else ""
+    return f"({vector} × {element} + {count}{dtype.scale_bytes + dtype.zero_point_bytes} B {what})"
+
+
+def kv_notes(spec: ModelSpec, dtype: KVDtype) -> list[str]:
+    """What the formula alone does not say: windows, fixed states, quantization scales."""
+    notes = []
+    if spec.num_layers_of(SLIDING):
+        grow = spec.num_layers_of(FULL) * kv_bytes_per_token_per_layer(spec, dtype)
+        past = f"grows by {format_bytes(grow)}/token" if grow else "stops growing"
+        notes.append(
+            f"{spec.num_layers_of(SLIDING)} of {spec.num_layers} layers attend to a {spec.sliding_window:,}-token "
+            f"sliding window and never hold more; past it a request {past}."
+        )
+    if spec.num_layers_of(LINEAR):
+        state = fixed_state_bytes(spec)
+        size = f"a fixed {format_bytes(state)} per request" if state else "a fixed state (size not in the config)"
+        notes.append(f"{spec.num_layers_of(LINEAR)} linear-attention layers hold no KV, only {size}.")
+    if dtype.scale_scope == PER_LAYER:
+        notes.append(f"{dtype.name}: one fp32 scale per layer for K and for V; nothing per token.")
+    elif dtype.scale_scope == PER_VECTOR:
+        notes.append(f"{dtype.name}: one fp16 scale per token, layer and head vector (symmetric).")
+    elif dtype.scale_scope == PER_GROUP:
+        notes.append(f"{dtype.name}: an fp16 scale and fp16 zero point per {dtype.group_size} elements.")
+    return notes
+
+
+def report_to_json(report: PlanReport) -> dict:
+    """The --json object: capacity keys are null when no GPU was given."""
+    plan, spec = report.kv_plan, report.spec
+    data = {
+        "model": spec.name,
+        "model_type": spec.model_type,
+        "attention": spec.attention_kind,
+        "kv_cache_dtype": report.kv_dtype.name,
+        "block_size": report.block_size,
+        "kv_bytes_per_token": report.kv_bytes_per_token,
+        "kv_bytes_per_token_formula": kv_formula(spec, report.kv_dtype),
+        "fixed_state_bytes_per_request": fixed_state_bytes(spec),
+        "num_parameters": spec.num_parameters,
+        "weights_bytes": report.weights_bytes,
+        "gpu": report.gpu_name,
+        "gpu_memory_bytes": report.budget.gpu_memory_bytes if report.budget else None,
+        "gpu_memory_utilization": report.budget.gpu_memory_utilization if report.budget else None,
+        "overhead_bytes": report.budget.overhead_bytes if report.budget else None,
+        "kv_budget_bytes": report.budget.kv_budget_bytes if report.budget else None,
+        "num_blocks": plan.num_blocks if plan else None,
+        "kv_cache_tokens": plan.kv_cache_tokens if plan else None,
+        "kv_cache_bytes": plan.kv_cache_bytes if plan else None,
+        "max_model_len": report.max_model_len,
+        "max_concurrency": plan.max_concurrency if plan else None,
+        "fits": plan.fits if plan else None,
+        "error": report.error,
+        "per_request": [
+            {"tokens": t, "bytes": report.request_bytes(t), "max_concurrency": plan.concurrency(t) if plan else None}
+            for t in report.contexts
+        ],
+    }
+    if report.conversation is not None:
+        data.update(_conversation_json(report.conversation))
+    return data
+
+
+def _conversation_json(conversation: ConversationPlan) -> dict:
+    return {
+        "turns": [vars(turn) for turn in conversation.turns],
+        "prefill_tokens_without_prefix_cache": conversation.prefill_tokens_without_prefix_cache,
+        "prefill_tokens_with_prefix_cache": conversation.prefill_tokens_with_prefix_cache,
+        "new_input_tokens": conversation.new_input_tokens,
+        "final_tokens": conversation.final_tokens,
+        "final_kv_bytes": conversation.final_kv_bytes,
+    }
+
+
+def render_report(report: PlanReport, console: Console) -> None:
+    """The human-readable report: model, formula, per-request sizes, GPU capacity, conversation."""
+    spec = report.spec
+    console.print(
+        f"[bold]{spec.name}[/bold] ({spec.model_type}, {spec.attention_kind}: {spec.num_attention_heads} query heads, "
+        f"{spec.num_kv_heads} KV heads, {spec.num_layers} layers, max {spec.max_position_embeddings:,} tokens)"
+    )
+    console.print(kv_formula(spec, report.kv_dtype), highlight=False, soft_wrap=True)
+    for note in kv_notes(spec, report.kv_dtype):
+        console.print(f"  • {note}", highlight=False, soft_wrap=True)
+    weights = format_bytes(report.weights_bytes) if report.weights_bytes is not None else "unknown"
+    console.print(f"Weights: {report.weights_source} = {weights}", highlight=False)
+    if report.conversation is not None:
+        console.print(_conversation_table(report))
+    else:
+        console.print(_per_request_table(report))
+    if report.budget is not None:
+        console.print(_budget_table(report))
+        if report.kv_plan is not None and report.budget.error is None:
+            console.print(report.kv_plan.summary_line(), highlight=False, soft_wrap=True)
+    if report.error:
+        console.print(f"[bold red]error:[/bold red] {report.error}", highlight=False, soft_wrap=True)
+
+
+def _per_request_table(report: PlanReport) -> Table:
+    table = Table(title=f"KV cache per request (blocks of {report.block_size} tokens)")
+    table.add_column("tokens", justify="right")
+    table.add_column("KV cache", justify="right")
+    if report.kv_plan is not None:
+        table.add_column("requests at once", justify="right")
+    for tokens in report.contexts:
+        row = [f"{tokens:,}", format_bytes(report.request_bytes(tokens))]
+        if report.kv_plan is not None:
+            row.append(f"{report.kv_plan.concurrency(tokens):.2f}")
+        table.add_row(*row)
+    return table
+
+
+def _budget_table(report: PlanReport) -> Table:
+    budget, plan = report.budget, report.kv_plan
+    table = Table(title=f"GPU capacity: {report.gpu_name or 'custom'}", show_header=False)
+    table.add_column("step")
+    table.add_column("value", justify="right")
+    table.add_row("GPU memory", format_bytes(budget.gpu_memory_bytes))
+    table.add_row(f"× utilization {budget.gpu_memory_utilization:g}", format_bytes(budget.usable_bytes))
+    table.add_row("− weights", format_bytes(budget.weights_bytes))
+    table.add_row("− overhead (runtime, activations)", format_bytes(budget.overhead_bytes))
+    table.add_row("= KV cache budget", format_bytes(budget.kv_budget_bytes))
+    if plan is not None and budget.error is None:
+        block = f"blocks of {plan.block_size} tokens ({format_bytes(plan.block_bytes)} each)"
+        table.add_row(block, f"{plan.num_blocks:,}")
+        counting = " (counting every layer)" if report.spec.num_layers_of(SLIDING) else ""
+        table.add_row(f"tokens that fit{counting}", f"{plan.kv_cache_tokens:,}")
+        table.add_row(f"requests of max_model_len {plan.max_model_len:,} at once", f"{plan.max_concurrency:.2f}")
+    return table
+
+
+def _conversation_table(report: PlanReport) -> Table:
+    conv = report.conversation
+    table = Table(title=f"Conversation, one request per turn (blocks of {report.block_size} tokens)")
+    for column in ("turn", "new input", "prompt", "tokens at end", "KV at end",
+                   "prefilled (no prefix cache)", "prefilled (prefix cache)"):
+        table.add_column(column, justify="right")
+    for t in conv.turns:
+        table.add_row(str(t.turn), f"{t.new_input_tokens:,}", f"{t.prompt_tokens:,}", f"{t.final_tokens:,}",
+                      format_bytes(t.kv_bytes), f"{t.prefill_tokens_without_prefix_cache:,}",
+                      f"{t.prefill_tokens_with_prefix_cache:,}")
+    table.add_row("total", f"{conv.new_input_tokens:,}", "", f"{conv.final_tokens:,}",
+                  format_bytes(conv.final_kv_bytes), f"{conv.prefill_tokens_without_prefix_cache:,}",
+                  f"{conv.prefill_tokens_with_prefix_cache:,}", style="bold")
+    table.caption = (f"{conv.prefill_tokens_without_prefix_cache:,} tokens prefilled for "
+                     f"{conv.new_input_tokens:,} new input tokens ({conv.recompute_factor:.1f}×) without "
+                     f"prefix caching; {conv.prefill_tokens_with_prefix_cache:,} with it")
+    return table

@@ -1,6 +1,7 @@
 """The engine: requests in, one step at a time (schedule -> forward -> sample -> update blocks), outputs out."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -15,7 +16,7 @@ from kvserve.engine.prompts import PromptType, parse_prompt
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import KVCacheManager, blocks_needed
 from kvserve.model.config import ModelConfig
@@ -35,6 +36,7 @@ class LLMEngine:
         self.config = config
         source = resolve_model(config.model)
         self.model_name = source.name
+        self.model_path = source.path
         hf_config = json.loads((source.path / "config.json").read_text())
         self.model_config = ModelConfig.from_hf(hf_config)
         self.max_model_len = self._max_model_len(config, self.model_config)
@@ -153,6 +155,36 @@ class LLMEngine:
         output = request.to_output()
         output.finished = True
         return output
+
+    def fork_request(self, request_id: str, new_request_id: str, last_token_id: int | None = None) -> Request:
+        """Start `new_request_id` as a copy of running one-sequence request `request_id` that shares all its KV
+        blocks (copy-on-write). `last_token_id` replaces the copy's newest, not yet computed token and must be
+        one of that step's reported logprobs alternatives. Beam search forks beams so; abort_request drops them."""
+        parent_request = self.requests.get(request_id)
+        parent = parent_request.sequences[0] if parent_request and len(parent_request.sequences) == 1 else None
+        if parent is None or parent.status is not SequenceStatus.RUNNING or parent.num_uncomputed_tokens != 1:
+            raise ValueError(f"request {request_id!r} is not a running one-sequence request between decode steps")
+        if new_request_id in self.requests:
+            raise ValueError(f"request_id {new_request_id!r} is already in use")
+        token_ids, cumulative_logprob = list(parent.token_ids), parent.cumulative_logprob
+        if last_token_id is not None:
+            alternatives = parent.logprobs[-1] if parent.logprobs and parent.num_output_tokens else {}
+            if last_token_id not in alternatives:
+                raise ValueError(f"token {last_token_id} is not among the last step's logprobs of {request_id!r}")
+            cumulative_logprob += alternatives[last_token_id] - alternatives[token_ids[-1]]
+            token_ids[-1] = last_token_id
+        request = Request(new_request_id, parent_request.prompt, parent_request.prompt_token_ids, parent.params,
+                          num_cached_tokens=parent_request.num_cached_tokens,
+                          metrics=dataclasses.replace(parent_request.metrics))
+        child = self._new_sequence(request, 0, token_ids, parent.max_tokens, parent.cache_salt)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.cumulative_logprob = cumulative_logprob
+        child.logprobs = list(parent.logprobs) if parent.logprobs is not None else None
+        self.kv.fork(parent, child)
+        self.scheduler.add_running(child, after=parent)
+        request.sequences.append(child)
+        self.requests[new_request_id] = request
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -57,7 +57,7 @@ class ModelRunner:
         return self._tensor(tokens), meta, chunks
 
     def _group(self, chunks: list[_Chunk], whole_batch: bool) -> AttentionGroup:
-        """Pad the chunks to [S, Q] queries over [S, C] keys and precompute the causal mask and slots."""
+        """Pad the chunks to [S, Q] queries over their [S, B] blocks and precompute the causal mask."""
         bs = self.block_size
         num_q = max(c.num_tokens for c in chunks)
         num_ctx = max(c.context_len for c in chunks)
@@ -71,8 +71,7 @@ class ModelRunner:
         max_blocks = -(-num_ctx // bs)
         table = torch.tensor([c.block_ids[:max_blocks] + [0] * (max_blocks - len(c.block_ids[:max_blocks]))
                               for c in chunks])
-        key_pos = torch.arange(num_ctx)
-        kv_slots = table[:, key_pos // bs] * bs + key_pos % bs
+        key_pos = torch.arange(max_blocks * bs)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
         out_rows = out_tokens = None
         if not (whole_batch and bool(valid.all())):
@@ -80,7 +79,7 @@ class ModelRunner:
             out_tokens = query_index.reshape(-1)[out_rows]
         return AttentionGroup(
             query_index=query_index.to(self.device),
-            kv_slots=kv_slots.to(self.device),
+            block_tables=table.to(self.device),
             mask=mask.to(self.device),
             out_rows=None if out_rows is None else out_rows.to(self.device),
             out_tokens=None if out_tokens is None else out_tokens.to(self.device),

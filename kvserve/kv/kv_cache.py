@@ -35,12 +35,14 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, slot_mapping, k.to(self.k.dtype))
         self.v[layer].index_copy_(0, slot_mapping, v.to(self.v.dtype))
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` ([S, C]) as [S, C, kv_heads, head_dim] each."""
-        flat = slots.reshape(-1)
-        k = self.k[layer].index_select(0, flat)
-        v = self.v[layer].index_select(0, flat)
-        return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks ([S, B] block ids) as [S, B * block_size, kv_heads, head_dim] each.
+        Copying whole blocks rather than single slots moves the same bytes in 16x fewer, larger pieces."""
+        flat = block_tables.reshape(-1)
+        shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, *self.k.shape[2:])
+        k = self.k[layer].view(self.num_blocks, self.block_size, *self.k.shape[2:]).index_select(0, flat)
+        v = self.v[layer].view(self.num_blocks, self.block_size, *self.v.shape[2:]).index_select(0, flat)
+        return k.view(shape), v.view(shape)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer."""

@@ -15,8 +15,8 @@ from kvserve.kv.kv_cache import PagedKVCache
 @dataclass
 class AttentionGroup:
     query_index: torch.Tensor  # [S, Q] flat token index of each (request, query row); padding points at 0
-    kv_slots: torch.Tensor  # [S, C] cache slot of each (request, key position); padding points at slot 0
-    mask: torch.Tensor  # [S, 1, Q, C] True where that query may attend to that key
+    block_tables: torch.Tensor  # [S, B] each request's blocks, padded with block 0
+    mask: torch.Tensor  # [S, 1, Q, B * block_size] True where that query may attend to that key
     out_rows: torch.Tensor | None  # [M] rows of the padded [S*Q] output that are real tokens (None: all are)
     out_tokens: torch.Tensor | None  # [M] flat token index of each of those rows (None: rows are tokens in order)
 
@@ -53,7 +53,7 @@ def paged_attention(
 def _group_attention(
     q: torch.Tensor, layer: int, cache: PagedKVCache, group: AttentionGroup, scale: float
 ) -> torch.Tensor:
-    keys, values = cache.gather(layer, group.kv_slots)  # [S, C, KVH, D]
+    keys, values = cache.gather(layer, group.block_tables)  # [S, C, KVH, D]
     queries = q[group.query_index]  # [S, Q, H, D]
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),

@@ -1,0 +1,164 @@
+"""`kvserve bench throughput`: the same synthetic requests through kvserve, transformers and llama.cpp, in one run.
+
+Batched: N requests (prompt lengths uniform in [min, max], fixed output length, fixed seed). kvserve takes them
+all at once (continuous batching); transformers runs padded static batches through `generate`; llama.cpp
+(llama-cpp-python, the Q4_1 GGUF itself) runs them one after another, as its Python API serves one sequence.
+Single stream: one request, decode tokens/s, and transformers with and without its KV cache.
+Greedy decoding with EOS ignored everywhere, so every engine produces exactly the same number of tokens."""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int = 32
+    min_prompt_len: int = 64
+    max_prompt_len: int = 512
+    output_len: int = 128
+    seed: int = 0
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed)
+        lengths = torch.randint(self.min_prompt_len, self.max_prompt_len + 1, (self.num_requests,), generator=g)
+        # stay clear of the special tokens at both ends of the vocabulary
+        return [torch.randint(100, vocab_size - 100, (int(n),), generator=g).tolist() for n in lengths]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    name: str
+    output_tokens: int
+    seconds: float
+    outputs: list[list[int]] | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
+    from kvserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return RunResult(name, sum(map(len, tokens)), seconds, tokens)
+
+
+def run_transformers(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
+                     use_cache: bool = True, name: str = "transformers") -> RunResult:
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding, as generate wants
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, use_cache=use_cache, pad_token_id=pad_id)
+        outputs.extend(out[:, width:].tolist())
+    seconds = time.perf_counter() - start
+    return RunResult(name, sum(map(len, outputs)), seconds, outputs)
+
+
+def run_llama_cpp(prompts: list[list[int]], output_len: int, n_ctx: int, name: str) -> RunResult | str:
+    """A RunResult, or the reason llama.cpp could not run here."""
+    from kvserve.bench.llama_cpp_baseline import run_in_child
+
+    result = run_in_child(prompts, output_len, n_ctx, torch.get_num_threads())
+    if "error" in result:
+        return result["error"]
+    return RunResult(name, sum(map(len, result["outputs"])), result["seconds"], result["outputs"])
+
+
+def load_transformers(path, dtype: torch.dtype):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def agreement(a: RunResult, b: RunResult) -> float:
+    """Fraction of requests whose greedy tokens are identical in both runs."""
+    return sum(x == y for x, y in zip(a.outputs, b.outputs)) / len(a.outputs)
+
+
+def add_throughput_parser(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("throughput", help="batched and single-stream tokens/s vs transformers and llama.cpp")
+    w = Workload()
+    p.add_argument("--num-requests", type=int, default=w.num_requests)
+    p.add_argument("--min-prompt-len", type=int, default=w.min_prompt_len)
+    p.add_argument("--max-prompt-len", type=int, default=w.max_prompt_len)
+    p.add_argument("--output-len", type=int, default=w.output_len)
+    p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="kvserve's dtype")
+    p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "single"],
+                   help="leave out a baseline or the single-stream part")
+    p.set_defaults(func=run_throughput)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvserve.engine.llm import LLM
+
+    console = Console()
+    workload = Workload(args.num_requests, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed)
+    max_len = workload.max_prompt_len + workload.output_len
+    llm = LLM(dtype=args.dtype, max_model_len=max(max_len, 1024), max_num_seqs=max(workload.num_requests, 1))
+    prompts = workload.prompts(llm.engine.model_config.vocab_size)
+    console.print(f"workload: {len(prompts)} requests, prompts {workload.min_prompt_len}-{workload.max_prompt_len} "
+                  f"tokens ({sum(map(len, prompts)):,} in all), {workload.output_len} output tokens each, "
+                  f"greedy, EOS ignored; torch threads: {torch.get_num_threads()}")
+    hf = None
+    if "transformers" not in args.skip:
+        hf = load_transformers(llm.engine.model_path, torch.float32)
+        pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+        run_transformers(hf, prompts[:2], 4, 2, pad_id)  # warm-up
+    run_kvserve(llm, prompts[:2], 4)  # warm-up
+
+    batched = [run_kvserve(llm, prompts, workload.output_len, f"kvserve ({args.dtype})")]
+    if hf is not None:
+        batched.append(run_transformers(hf, prompts, workload.output_len, args.hf_batch_size, pad_id,
+                                        name=f"transformers (float32, padded batches of {args.hf_batch_size})"))
+    if "llama.cpp" not in args.skip:
+        batched.append(run_llama_cpp(prompts, workload.output_len, max_len, "llama.cpp (Q4_1 GGUF, sequential)"))
+    _print_table(console, "Batched throughput (output tokens/s)", batched)
+    if hf is not None:
+        console.print(f"greedy outputs identical to transformers for {agreement(batched[0], batched[1]):.0%} of requests")
+    if "single" in args.skip:
+        return 0
+    single = prompts[:1]
+    singles = [run_kvserve(llm, single, workload.output_len, f"kvserve ({args.dtype})")]
+    if hf is not None:
+        for use_cache in (True, False):
+            singles.append(run_transformers(hf, single, workload.output_len, 1, pad_id, use_cache,
+                                            f"transformers (float32, {'' if use_cache else 'no '}KV cache)"))
+    if "llama.cpp" not in args.skip:
+        singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp (Q4_1 GGUF)"))
+    _print_table(console, f"Single stream ({len(single[0])}-token prompt, tokens/s incl. prefill)", singles)
+    return 0
+
+
+def _print_table(console, title: str, results: list[RunResult | str]) -> None:
+    """results[0] is kvserve; a str in the list is a baseline that could not run, with the reason."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("engine", "output tokens", "seconds", "tokens/s", "kvserve ÷ this"):
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    base = results[0].tokens_per_s
+    for r in results:
+        if isinstance(r, str):
+            table.add_row(f"did not run: {r}", "-", "-", "-", "-")
+            continue
+        table.add_row(r.name, f"{r.output_tokens:,}", f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}",
+                      f"{base / r.tokens_per_s:.2f}x")
+    console.print(table)

@@ -38,13 +38,15 @@ class DecoderLayer:
 
     def _attention(self, x, cos, sin, layer, cache, meta) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q, k = self._rms_norm(q, self.q_norm), self._rms_norm(k, self.k_norm)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat([self._rms_norm(qk[:, : cfg.num_heads], self.q_norm),
+                            self._rms_norm(qk[:, cfg.num_heads :], self.k_norm)], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one pass
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, layer, cache, meta, self.scale)
         return F.linear(out.reshape(-1, self.q_size), self.o_weight)
 

@@ -42,3 +42,25 @@ def make_tiny_model(directory: Path, kind: str = "llama-gqa", seed: int = 0, **o
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-gqa"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(monkeypatch):
+    """After every test, every engine it built has all its blocks back in the pool (free or cached-free),
+    unless the test left requests unfinished on purpose."""
+    from kvserve.engine.llm_engine import LLMEngine
+
+    engines = []
+    original_init = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", tracking_init)
+    yield
+    for engine in engines:
+        if not engine.has_unfinished_requests():
+            pool = engine.kv.pool
+            assert pool.num_free_blocks == pool.num_blocks, "KV blocks leaked after the last request finished"
+            assert all(block.ref_cnt == 0 for block in pool.blocks)

@@ -98,7 +98,8 @@ def add_throughput_parser(bench_subparsers) -> None:
     p.add_argument("--output-len", type=int, default=w.output_len)
     p.add_argument("--seed", type=int, default=w.seed)
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="kvserve's dtype")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                   help="kvserve runs once per dtype (transformers always runs float32: its fastest on CPU)")
     p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "single"],
                    help="leave out a baseline or the single-stream part")
     p.set_defaults(func=run_throughput)
@@ -109,56 +110,63 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from kvserve.engine.llm import LLM
 
-    console = Console()
+    console = Console(width=150)
     workload = Workload(args.num_requests, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed)
     max_len = workload.max_prompt_len + workload.output_len
-    llm = LLM(dtype=args.dtype, max_model_len=max(max_len, 1024), max_num_seqs=max(workload.num_requests, 1))
-    prompts = workload.prompts(llm.engine.model_config.vocab_size)
+    llms = {dtype: LLM(dtype=dtype, max_model_len=max(max_len, 1024), max_num_seqs=max(workload.num_requests, 1))
+            for dtype in args.dtypes}
+    engine = next(iter(llms.values())).engine
+    prompts = workload.prompts(engine.model_config.vocab_size)
     console.print(f"workload: {len(prompts)} requests, prompts {workload.min_prompt_len}-{workload.max_prompt_len} "
                   f"tokens ({sum(map(len, prompts)):,} in all), {workload.output_len} output tokens each, "
                   f"greedy, EOS ignored; torch threads: {torch.get_num_threads()}")
     hf = None
     if "transformers" not in args.skip:
-        hf = load_transformers(llm.engine.model_path, torch.float32)
-        pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+        hf = load_transformers(engine.model_path, torch.float32)
+        pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
         run_transformers(hf, prompts[:2], 4, 2, pad_id)  # warm-up
-    run_kvserve(llm, prompts[:2], 4)  # warm-up
+    for llm in llms.values():
+        run_kvserve(llm, prompts[:2], 4)  # warm-up
 
-    batched = [run_kvserve(llm, prompts, workload.output_len, f"kvserve ({args.dtype})")]
+    batched = [run_kvserve(llm, prompts, workload.output_len, f"kvserve ({dtype})") for dtype, llm in llms.items()]
     if hf is not None:
         batched.append(run_transformers(hf, prompts, workload.output_len, args.hf_batch_size, pad_id,
-                                        name=f"transformers (float32, padded batches of {args.hf_batch_size})"))
+                                        name="transformers"))
     if "llama.cpp" not in args.skip:
-        batched.append(run_llama_cpp(prompts, workload.output_len, max_len, "llama.cpp (Q4_1 GGUF, sequential)"))
+        batched.append(run_llama_cpp(prompts, workload.output_len, max_len, "llama.cpp"))
     _print_table(console, "Batched throughput (output tokens/s)", batched)
+    console.print(f"transformers: float32, generate() on left-padded static batches of {args.hf_batch_size}; "
+                  "llama.cpp: llama-cpp-python on the Q4_1 GGUF, one request after another")
     if hf is not None:
-        console.print(f"greedy outputs identical to transformers for {agreement(batched[0], batched[1]):.0%} of requests")
+        for r in batched[: len(llms)]:
+            console.print(f"{r.name}: greedy output identical to transformers for {agreement(r, batched[len(llms)]):.0%}"
+                          " of requests")
     if "single" in args.skip:
         return 0
     single = prompts[:1]
-    singles = [run_kvserve(llm, single, workload.output_len, f"kvserve ({args.dtype})")]
+    singles = [run_kvserve(llm, single, workload.output_len, f"kvserve ({dtype})") for dtype, llm in llms.items()]
     if hf is not None:
         for use_cache in (True, False):
             singles.append(run_transformers(hf, single, workload.output_len, 1, pad_id, use_cache,
-                                            f"transformers (float32, {'' if use_cache else 'no '}KV cache)"))
+                                            "transformers" if use_cache else "transformers, no KV cache"))
     if "llama.cpp" not in args.skip:
-        singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp (Q4_1 GGUF)"))
+        singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp"))
     _print_table(console, f"Single stream ({len(single[0])}-token prompt, tokens/s incl. prefill)", singles)
     return 0
 
 
 def _print_table(console, title: str, results: list[RunResult | str]) -> None:
-    """results[0] is kvserve; a str in the list is a baseline that could not run, with the reason."""
+    """One row per engine, with its speed relative to each baseline that ran (a str is one that could not)."""
     from rich.table import Table
 
+    baselines = [r for r in results if isinstance(r, RunResult) and not r.name.startswith("kvserve")]
     table = Table(title=title)
-    for column in ("engine", "output tokens", "seconds", "tokens/s", "kvserve ÷ this"):
+    for column in ["engine", "output tokens", "seconds", "tokens/s"] + [f"÷ {b.name}" for b in baselines]:
         table.add_column(column, justify="left" if column == "engine" else "right")
-    base = results[0].tokens_per_s
     for r in results:
         if isinstance(r, str):
-            table.add_row(f"did not run: {r}", "-", "-", "-", "-")
+            table.add_row(f"did not run: {r}", *["-"] * (3 + len(baselines)))
             continue
-        table.add_row(r.name, f"{r.output_tokens:,}", f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}",
-                      f"{base / r.tokens_per_s:.2f}x")
+        ratios = [f"{r.tokens_per_s / b.tokens_per_s:.2f}x" for b in baselines]
+        table.add_row(r.name, f"{r.output_tokens:,}", f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}", *ratios)
     console.print(table)

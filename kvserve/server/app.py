@@ -1,0 +1,110 @@
+"""The FastAPI app: OpenAI-compatible routes over one background engine, plus /health and /metrics."""
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.server.api_models import ChatCompletionRequest, CompletionRequest, parse_request
+from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.chat import create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.errors import APIError, engine_unavailable, unauthorized
+from kvserve.server.generation import ServingContext
+from kvserve.server.metrics import ServerMetrics
+
+DEFAULT_MAX_WAITING = 256
+
+
+def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
+              max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
+    """An app serving `engine` as `served_model_name`; the engine thread (app.state.engine) runs while the app's
+    lifespan does. With `api_key`, /v1 routes need `Authorization: Bearer <api_key>`. A request that finds
+    `max_waiting` requests already queued for the engine gets 503."""
+    if max_waiting < 1:
+        raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
+    model_name = served_model_name or engine.model_name
+    # Each needs the other: the metrics read the engine thread's stats, the engine thread feeds the metrics.
+    metrics = ServerMetrics(model_name, lambda: async_engine.stats())
+    async_engine = AsyncEngine(engine, max_waiting, metrics.observe)
+    ctx = ServingContext(async_engine, model_name, engine.tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.engine = async_engine
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    _add_open_routes(app, async_engine, metrics)
+    _add_v1_routes(app, ctx, engine.max_model_len, _api_key_check(api_key))
+    return app
+
+
+def _add_open_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.error is not None:
+            return engine_unavailable(async_engine.error).response()
+        return JSONResponse({})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_v1_routes(app: FastAPI, ctx: ServingContext, max_model_len: int, auth) -> None:
+    created = int(time.time())
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models() -> Response:
+        card = {"id": ctx.model_name, "object": "model", "created": created, "owned_by": "kvserve",
+                "root": ctx.model_name, "max_model_len": max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(request: Request) -> Response:
+        req = parse_request(CompletionRequest, await request.body())
+        return await create_completion(ctx, req, request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await request.body())
+        return await create_chat_completion(ctx, req, request)
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise unauthorized()
+
+    return check
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    # Unknown routes and wrong methods answer in the same error shape as everything else.
+    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code))
+    return error.response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # A bug, not the client's fault: say so in the usual shape (the traceback goes to the server log).
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()

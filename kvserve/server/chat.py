@@ -1,0 +1,100 @@
+"""POST /v1/chat/completions: the messages go through the model's chat template into one engine request."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.api_models import ChatCompletionRequest
+from kvserve.server.async_engine import updates
+from kvserve.server.errors import bad_request, bad_value
+from kvserve.server.generation import (CLIENT_CLOSED_REQUEST, ChoiceProgress, EventStreamResponse, Generation,
+                                       ServingContext, final_outputs, header, new_id, start,
+                                       token_text, usage)
+
+FIELDS = set(ChatCompletionRequest.model_fields)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
+    ctx.check_model(req.model)
+    req.check_stream_options()
+    try:
+        params = req.sampling_params()
+    except ValueError as exc:
+        raise bad_value(exc, FIELDS) from exc
+    prompt = render_chat(ctx, req)
+    engine_prompt = {"prompt": prompt, "cache_salt": req.cache_salt} if req.cache_salt is not None else prompt
+    generation = await start(ctx, new_id("chatcmpl"), [engine_prompt], params, FIELDS, "messages")
+    if req.stream:
+        return EventStreamResponse(ctx, generation, _chunks(ctx, req, generation))
+    outputs = await final_outputs(ctx, generation, request)
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choices = [
+        {"index": c.index, "message": {"role": "assistant", "content": c.text},
+         "logprobs": _logprobs(ctx, req, c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+         "stop_reason": c.stop_reason}
+        for c in outputs[0].outputs
+    ]
+    return JSONResponse({**header(ctx, generation, "chat.completion"), "choices": choices, "usage": usage(outputs)})
+
+
+def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    """The prompt text: the conversation through the model's chat template, ending where the assistant speaks."""
+    tokenizer = ctx.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+    messages = [m.to_template() for m in req.messages]
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as exc:
+        raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from exc
+
+
+def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int],
+              logprobs: list[dict[int, float]] | None) -> dict[str, list] | None:
+    """The chat logprobs object: each token with its logprob and the `top_logprobs` most likely alternatives."""
+    if not req.logprobs:
+        return None
+    k = req.top_logprobs or 0
+    content = []
+    for token_id, top in zip(token_ids, logprobs or []):
+        best = sorted(top.items(), key=lambda item: -item[1])[:k]
+        content.append({**_entry(ctx, token_id, top[token_id]),
+                        "top_logprobs": [_entry(ctx, t, logprob) for t, logprob in best]})
+    return {"content": content}
+
+
+def _entry(ctx: ServingContext, token_id: int, logprob: float) -> dict[str, Any]:
+    text = token_text(ctx.tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+async def _chunks(ctx: ServingContext, req: ChatCompletionRequest,
+                  generation: Generation) -> AsyncIterator[dict[str, Any]]:
+    head = header(ctx, generation, "chat.completion.chunk")
+    extra = {"usage": None} if req.include_usage else {}
+    # Like OpenAI, every choice opens with the assistant role before any content.
+    for index in range(req.n):
+        yield {**head, "choices": [_delta(index, {"role": "assistant", "content": ""}, None, None)], **extra}
+    progress = [ChoiceProgress() for _ in range(req.n)]
+    last: RequestOutput | None = None
+    async for batch in updates(generation.outputs, generation.request_ids):
+        for last in batch:
+            for c in last.outputs:
+                new = progress[c.index].advance(c, req.logprobs)
+                if new is not None:
+                    text, token_ids, top_logprobs = new
+                    logprobs = _logprobs(ctx, req, token_ids, top_logprobs)
+                    yield {**head, "choices": [_delta(c.index, {"content": text}, logprobs, c)], **extra}
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": usage([last])}
+
+
+def _delta(index: int, delta: dict[str, str], logprobs: dict | None, c: CompletionOutput | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": c.finish_reason if c else None, "stop_reason": c.stop_reason if c else None}

@@ -1,0 +1,109 @@
+"""POST /v1/completions: one engine request per prompt, `n` choices each (choice i*n+j is sample j of prompt i)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvserve.engine.prompts import PromptType
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.api_models import CompletionRequest
+from kvserve.server.async_engine import updates
+from kvserve.server.errors import bad_value
+from kvserve.server.generation import (CLIENT_CLOSED_REQUEST, ChoiceProgress, EventStreamResponse, Generation,
+                                       ServingContext, final_outputs, header, new_id, start,
+                                       token_text, usage)
+
+FIELDS = set(CompletionRequest.model_fields)
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Response:
+    ctx.check_model(req.model)
+    req.check_stream_options()
+    prompts = req.prompts()
+    try:
+        params = req.sampling_params()
+    except ValueError as exc:
+        raise bad_value(exc, FIELDS) from exc
+    engine_prompts = [_engine_prompt(p, req.cache_salt) for p in prompts]
+    generation = await start(ctx, new_id("cmpl"), engine_prompts, params, FIELDS, "prompt")
+    echoes = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
+    if req.stream:
+        return EventStreamResponse(ctx, generation, _chunks(ctx, req, generation, echoes))
+    outputs = await final_outputs(ctx, generation, request)
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choices = []
+    for i, output in enumerate(outputs):
+        for c in output.outputs:
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _logprobs(ctx, c.token_ids, c.logprobs or [], len(echoes[i]))
+            choices.append(_choice(req.n * i + c.index, echoes[i] + c.text, logprobs, c))
+    return JSONResponse({**header(ctx, generation, "text_completion"), "choices": choices, "usage": usage(outputs)})
+
+
+def _engine_prompt(prompt: str | list[int], cache_salt: str | None) -> PromptType:
+    if cache_salt is None:
+        return prompt
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": cache_salt}
+
+
+def _prompt_text(ctx: ServingContext, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return ctx.tokenizer.decode(prompt) if ctx.tokenizer is not None else ""
+
+
+def _choice(index: int, text: str, logprobs: dict | None, c: CompletionOutput) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason}
+
+
+def _logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[dict[int, float]],
+              text_offset: int) -> dict[str, list]:
+    """The legacy completions logprobs object, for the given tokens; offsets count from `text_offset`."""
+    tokens = [token_text(ctx.tokenizer, t) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
+        "top_logprobs": [{token_text(ctx.tokenizer, t): lp for t, lp in top.items()} for top in logprobs],
+        "text_offset": offsets,
+    }
+
+
+async def _chunks(ctx: ServingContext, req: CompletionRequest, generation: Generation,
+                  echoes: list[str]) -> AsyncIterator[dict[str, Any]]:
+    head = header(ctx, generation, "text_completion")
+    extra = {"usage": None} if req.include_usage else {}
+    prompt_index = {request_id: i for i, request_id in enumerate(generation.request_ids)}
+    progress: dict[int, ChoiceProgress] = {}  # by choice index
+    offsets: dict[int, int] = {}  # where the choice's next token starts in its text, echoed prompt included
+    last: dict[str, RequestOutput] = {}
+    async for batch in updates(generation.outputs, generation.request_ids):
+        for output in batch:
+            last[output.request_id] = output
+            i = prompt_index[output.request_id]
+            for c in output.outputs:
+                index = req.n * i + c.index
+                new = progress.setdefault(index, ChoiceProgress()).advance(c, req.logprobs is not None)
+                if new is None:
+                    continue
+                text, token_ids, top_logprobs = new
+                echo = echoes[i] if index not in offsets else ""  # the prompt goes out with a choice's first chunk
+                offset = offsets.get(index, len(echoes[i]))
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = _logprobs(ctx, token_ids, top_logprobs, offset)
+                    offset += sum(len(token) for token in logprobs["tokens"])
+                offsets[index] = offset
+                yield {**head, "choices": [_choice(index, echo + text, logprobs, c)], **extra}
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": usage([last[r] for r in generation.request_ids])}

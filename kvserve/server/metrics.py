@@ -1,0 +1,113 @@
+"""Prometheus metrics named like vLLM's (`vllm:` -> `kvserve:`), in a registry of their own per app.
+
+Engine state (blocks, queue lengths, prefix-cache counters) is read from the engine's latest stats at scrape
+time; token counters and latency histograms are fed by `observe`, which the engine thread calls after each step."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.outputs import RequestOutput
+
+# vLLM's buckets, so dashboards built for it read the same
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+
+# (metric name, stats key, help) read from engine.stats() at scrape time
+GAUGES = [
+    ("kvserve:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (1 = full)."),
+    ("kvserve:num_blocks", "num_blocks", "KV cache blocks in the pool."),
+    ("kvserve:num_free_blocks", "num_free_blocks", "KV cache blocks not held by any request."),
+    ("kvserve:num_used_blocks", "num_used_blocks", "KV cache blocks held by running requests."),
+    ("kvserve:num_cached_blocks", "num_cached_blocks", "Blocks whose contents are indexed for prefix reuse."),
+    ("kvserve:num_requests_running", "num_running", "Sequences being generated (a request with n=2 counts 2)."),
+    ("kvserve:num_requests_waiting", "num_waiting", "Sequences queued for the KV cache, preempted ones included."),
+]
+COUNTERS = [
+    ("kvserve:num_preemptions", "num_preemptions", "Sequences preempted to free KV cache blocks."),
+    ("kvserve:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("kvserve:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+]
+
+
+class _EngineStatsCollector:
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]):
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        for name, key, help_text in GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model_name], stats[key])
+            yield family
+        for name, key, help_text in COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model_name], stats[key])
+            yield family
+
+
+@dataclass
+class _Progress:
+    last_token_s: float
+    num_tokens: int = 0  # of its longest sample: one step adds one token to each of a request's n samples
+    num_tokens_all: int = 0  # over all n samples
+
+
+class ServerMetrics:
+    """The app's metrics. `observe` runs on the engine thread; `render` on the HTTP loop (prometheus locks)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(model_name, stats))
+        label = dict(labelnames=["model_name"], registry=self.registry)
+        self._prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of started requests.",
+                                      **label).labels(model_name)
+        self._generation_tokens = Counter("kvserve:generation_tokens", "Tokens generated.", **label).labels(model_name)
+        self._ttft = Histogram("kvserve:time_to_first_token_seconds", "Arrival at the engine to first token.",
+                               buckets=TTFT_BUCKETS_S, **label).labels(model_name)
+        self._itl = Histogram("kvserve:inter_token_latency_seconds", "Time between a request's successive tokens.",
+                              buckets=ITL_BUCKETS_S, **label).labels(model_name)
+        self._e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival at the engine to finish.",
+                              buckets=E2E_BUCKETS_S, **label).labels(model_name)
+        self._success = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self._seen: dict[str, _Progress] = {}  # by request id, until it finishes
+
+    def observe(self, outputs: list[RequestOutput], now: float) -> None:
+        """Count tokens and time them; called with every step's outputs, aborted requests included."""
+        for output in outputs:
+            longest = max((len(c.token_ids) for c in output.outputs), default=0)
+            total = sum(len(c.token_ids) for c in output.outputs)
+            progress = self._seen.get(output.request_id)
+            if progress is None:
+                progress = self._seen[output.request_id] = _Progress(now)
+                if longest:  # a request aborted before its first token has no time to first token
+                    self._prompt_tokens.inc(len(output.prompt_token_ids))
+                    metrics = output.metrics
+                    self._ttft.observe(metrics.first_token_time - metrics.arrival_time)
+            elif longest > progress.num_tokens:
+                gap_s = (now - progress.last_token_s) / (longest - progress.num_tokens)
+                self._itl.observe(gap_s)
+            self._generation_tokens.inc(total - progress.num_tokens_all)
+            progress.last_token_s, progress.num_tokens, progress.num_tokens_all = now, longest, total
+            if output.finished:
+                self._finish(output, now)
+
+    def _finish(self, output: RequestOutput, now: float) -> None:
+        del self._seen[output.request_id]
+        reason = output.outputs[0].finish_reason if output.outputs else "abort"
+        self._success.labels(self._model_name, reason).inc()
+        self._e2e.observe(now - output.metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,6 +1,7 @@
 """Engine configuration as the user gives it (immutable); derived numbers live in the planner's KVCachePlan."""
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -60,11 +61,12 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; use 'auto' (= dtype {self.dtype!r})"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
 

@@ -1,6 +1,7 @@
 """What the user asks of one request's decoding (follows vLLM's names)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -33,16 +34,20 @@ class SamplingParams:
 
     def _check(self) -> None:
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (_is_int(self.n) and self.n >= 1, f"n must be an integer of at least 1, got {self.n!r}"),
+            (self.max_tokens is None or _is_int(self.max_tokens) and self.max_tokens >= 1,
+             f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}"),
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0 or self.top_k == -1, f"top_k must be 0 or -1 (off) or positive, got {self.top_k}"),
+            (_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+             f"top_k must be an integer, 0 or -1 (off) or positive, got {self.top_k!r}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= 20,
+             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop}"),
         ]
         for ok, message in checks:
@@ -56,6 +61,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _is_int(value: object) -> bool:
+    # a float here would only fail later, inside a running step (range, topk, manual_seed)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass

@@ -6,6 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+# One thread: tiny models gain nothing from two, and a second OpenMP thread on a busy 2-core machine (the
+# server tests run an engine thread beside the client) makes every op wait for it.
+torch.set_num_threads(1)
 
 TINY_KINDS = {
     "llama-mha": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=4)),
@@ -18,6 +24,7 @@ TINY_KINDS = {
              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=64)),
     ),
+    "mistral-gqa": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_key_value_heads=2)),
     "qwen2-gqa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
     "qwen3-gqa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=16)),
 }
@@ -39,9 +46,24 @@ def make_tiny_model(directory: Path, kind: str = "llama-gqa", seed: int = 0, **o
     return directory
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-gqa"))
+CHAR_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, matching the tiny models' bos=1, eos=2
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A 256-token tokenizer, one token per character, for the tiny models (vocab 256)."""
+    chars = ["\n"] + [chr(c) for c in range(32, 127)] + [chr(c) for c in range(161, 256)]
+    chars += [chr(c) for c in range(0x391, 0x391 + 256 - len(CHAR_SPECIALS) - len(chars))]  # Greek
+    vocab = {token: i for i, token in enumerate(CHAR_SPECIALS + chars)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")
+
+
+def save_char_tokenizer(directory: Path) -> Path:
+    """Add the char tokenizer to a tiny model directory so the engine takes text prompts and stop strings."""
+    char_tokenizer().save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(autouse=True)

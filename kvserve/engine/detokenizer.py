@@ -31,4 +31,4 @@ class Detokenizer:
         if finished or not self.stop:
             return self.text
         hold = max(len(s) for s in self.stop) - 1
-        return self.text[: len(self.text) - hold] if hold else self.text
+        return self.text[: max(0, len(self.text) - hold)]

@@ -18,7 +18,7 @@ from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.kv.kv_cache_manager import KVCacheManager, blocks_needed
+from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_weights, resolve_model
@@ -67,19 +67,24 @@ class LLMEngine:
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+        limit, why = mc.max_position_embeddings, "the model's max_position_embeddings"
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # sliding-window attention is not implemented yet; within the window it equals full attention
+            limit, why = mc.sliding_window, "the model's sliding window (sliding-window attention is not supported yet)"
         if config.max_model_len is None:
-            return mc.max_position_embeddings
-        if config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                f"{mc.max_position_embeddings}"
-            )
+            if limit < mc.max_position_embeddings:
+                logger.warning(f"max_model_len capped to {limit:,}: {why}")
+            return limit
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds {why}={limit}")
         return config.max_model_len
 
     # ---- requests in -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
         """Validate and queue a request; raises ValueError naming the problem, queueing nothing."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         parsed = parse_prompt(prompt)
@@ -111,11 +116,6 @@ class LLMEngine:
             raise ValueError(
                 f"max_tokens={max_tokens} exceeds max_model_len={limit} minus prompt length {prompt_len} "
                 f"(at most {limit - prompt_len})"
-            )
-        if blocks_needed(prompt_len + max_tokens, self.kv.block_size) > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) tokens can never fit in the KV cache of "
-                f"{self.cache_plan.kv_cache_tokens} tokens; raise kv_cache_memory or lower max_tokens"
             )
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")

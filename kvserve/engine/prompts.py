@@ -18,7 +18,7 @@ def parse_prompt(prompt: PromptType) -> Prompt:
     """A string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]} with optional "cache_salt"."""
     if isinstance(prompt, str):
         return Prompt(prompt, None)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _is_token_ids(prompt):
         return Prompt(None, list(prompt))
     if isinstance(prompt, dict):
         unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
@@ -30,9 +30,15 @@ def parse_prompt(prompt: PromptType) -> Prompt:
         salt = prompt.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
-        inner = parse_prompt(prompt.get("prompt", prompt.get("prompt_token_ids")))
-        return Prompt(inner.text, inner.token_ids, salt)
+        text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if not (isinstance(text, str) or _is_token_ids(token_ids)):
+            raise ValueError("'prompt' must be a string and 'prompt_token_ids' a list of token ids")
+        return Prompt(text, None if token_ids is None else list(token_ids), salt)
     raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def is_single_prompt(prompts: Any) -> bool:

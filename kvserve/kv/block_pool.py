@@ -69,8 +69,9 @@ class BlockPool:
         """Drop one reference each; blocks reaching zero join the back of the queue in the order given,
         so callers pass a request's tail blocks first to have them reused before its head."""
         for block in blocks:
+            if block.ref_cnt == 0:  # checked before the decrement so a caught double free leaves the pool intact
+                raise RuntimeError(f"block {block.block_id} freed twice")
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 

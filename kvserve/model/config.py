@@ -30,6 +30,7 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2, some Llamas)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # set only when the config turns sliding-window attention on
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -58,8 +59,16 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            sliding_window=_sliding_window(cfg),
             hf_config=dict(cfg),
         )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    # Qwen2 configs carry a window but switch it off with use_sliding_window=false
+    if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
+        return None
+    return int(cfg["sliding_window"])
 
 
 def _architecture(cfg: dict[str, Any]) -> str:

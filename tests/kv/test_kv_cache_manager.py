@@ -1,0 +1,206 @@
+"""Block tables per request: prefill and decode take exactly the blocks their tokens need, a short pool changes
+nothing, forks share blocks until copy-on-write, freeing gives everything back, and prefix-cache lookups reuse
+whole computed blocks (never the last prompt token) only under the same cache salt."""
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvserve.kv.kv_cache_manager import BlockCopy, KVCacheManager
+
+BS = 16
+
+
+@dataclass
+class Seq:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def prefill(kv: KVCacheManager, seq: Seq) -> None:
+    """Admit and compute the whole prompt, using cached blocks, as the scheduler does."""
+    cached = kv.find_cached_prefix(seq)
+    assert kv.allocate(seq, len(seq.token_ids) - len(cached) * BS, cached) == []
+    seq.num_computed_tokens = len(seq.token_ids)
+    kv.cache_full_blocks(seq)
+
+
+def ref_counts(kv: KVCacheManager, seq: Seq) -> list[int]:
+    return [kv.pool.blocks[i].ref_cnt for i in kv.block_ids(seq.request_id)]
+
+
+@pytest.mark.parametrize("num_tokens, num_blocks", [(1, 1), (15, 1), (16, 1), (17, 2), (33, 3), (64, 4)])
+def test_prefill_allocates_ceil_tokens_over_block_size(num_tokens, num_blocks):
+    kv = KVCacheManager(8, BS)
+    seq = Seq("a", prompt(num_tokens))
+    assert kv.allocate(seq, num_tokens) == []
+    assert len(kv.block_ids("a")) == num_blocks
+    assert kv.num_allocated_slots("a") == num_blocks * BS
+    assert kv.pool.num_free_blocks == 8 - num_blocks
+
+
+def test_decode_grows_by_one_block_only_when_the_last_is_full():
+    kv = KVCacheManager(8, BS)
+    seq = Seq("a", prompt(30))
+    kv.allocate(seq, 30)
+    seq.num_computed_tokens = 30
+    grown_at = []
+    for _ in range(40):
+        seq.token_ids.append(7)
+        before = len(kv.block_ids("a"))
+        assert kv.allocate(seq, 1) == []
+        if len(kv.block_ids("a")) != before:
+            assert len(kv.block_ids("a")) == before + 1
+            grown_at.append(seq.num_computed_tokens)  # position of the token that needed the new block
+        seq.num_computed_tokens += 1
+    assert grown_at == [32, 48, 64]
+
+
+def test_short_pool_returns_none_and_changes_nothing():
+    kv = KVCacheManager(4, BS)
+    a = Seq("a", prompt(48))
+    kv.allocate(a, 48)
+    a.num_computed_tokens = 48
+    b = Seq("b", prompt(20, start=500))
+    assert kv.allocate(b, 20) is None  # needs 2 blocks, 1 free
+    assert kv.block_ids("b") == [] and kv.pool.num_free_blocks == 1
+
+    kv.allocate(Seq("c", prompt(3)), 3)  # takes the last block
+    a.token_ids.append(1)
+    table = kv.block_ids("a")
+    assert kv.allocate(a, 1) is None  # a decode that needs a 5th block
+    assert kv.block_ids("a") == table and kv.pool.num_free_blocks == 0
+
+
+def test_fork_shares_every_block():
+    kv = KVCacheManager(8, BS)
+    parent, child = Seq("p", prompt(40)), Seq("p#1", prompt(40))
+    prefill(kv, parent)
+    kv.fork(parent, child)
+    assert kv.block_ids("p#1") == kv.block_ids("p")
+    assert ref_counts(kv, parent) == [2, 2, 2]
+    assert kv.pool.num_free_blocks == 5
+    kv.free(parent)
+    assert ref_counts(kv, child) == [1, 1, 1] and kv.pool.num_free_blocks == 5
+    kv.free(child)
+    assert kv.pool.num_free_blocks == 8
+
+
+def test_first_write_into_a_shared_partial_block_copies_it():
+    kv = KVCacheManager(8, BS)
+    parent, child = Seq("p", prompt(20)), Seq("p#1", prompt(20))
+    prefill(kv, parent)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 20
+    shared = kv.block_ids("p")
+
+    child.token_ids.append(5)
+    copies = kv.allocate(child, 1)
+    new_block = kv.block_ids("p#1")[1]
+    assert copies == [BlockCopy(src=shared[1], dst=new_block)]
+    assert new_block not in shared
+    assert kv.block_ids("p#1") == [shared[0], new_block]
+    assert ref_counts(kv, parent) == [2, 1]  # the full first block stays shared
+
+    parent.token_ids.append(6)
+    assert kv.allocate(parent, 1) == []  # now the only owner: writes in place
+    assert kv.block_ids("p") == shared
+
+
+def test_fork_at_a_block_boundary_needs_no_copy():
+    kv = KVCacheManager(8, BS)
+    parent, child = Seq("p", prompt(32)), Seq("p#1", prompt(32))
+    prefill(kv, parent)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 32
+    child.token_ids.append(5)
+    assert kv.allocate(child, 1) == []
+    assert kv.block_ids("p#1")[:2] == kv.block_ids("p")
+    assert ref_counts(kv, parent) == [2, 2]
+
+
+def test_copy_on_write_with_no_free_block_changes_nothing():
+    kv = KVCacheManager(2, BS)
+    parent, child = Seq("p", prompt(20)), Seq("p#1", prompt(20))
+    prefill(kv, parent)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 20
+    child.token_ids.append(5)
+    assert kv.allocate(child, 1) is None
+    assert kv.block_ids("p#1") == kv.block_ids("p") and ref_counts(kv, parent) == [2, 2]
+
+
+def test_free_returns_every_block_tail_first():
+    kv = KVCacheManager(5, BS)
+    a, b = Seq("a", prompt(40)), Seq("b", prompt(20, start=900))
+    prefill(kv, a)
+    prefill(kv, b)
+    kv.fork(b, Seq("b#1"))
+    head, middle, tail = kv.block_ids("a")
+    kv.free(a)
+    kv.free(b)
+    kv.free(Seq("b#1"))
+    assert kv.pool.num_free_blocks == 5
+    assert all(block.ref_cnt == 0 for block in kv.pool.blocks)
+    assert kv.block_ids("a") == [] and kv.num_allocated_slots("a") == 0
+    reuse_order = [block.block_id for block in kv.pool.allocate(5)]
+    assert reuse_order.index(tail) < reuse_order.index(middle) < reuse_order.index(head)
+
+
+def test_cached_prefix_reuses_computed_full_blocks():
+    kv = KVCacheManager(8, BS)
+    a = Seq("a", prompt(40))
+    prefill(kv, a)
+    b = Seq("b", prompt(40) + [1, 2, 3])
+    hits = kv.find_cached_prefix(b)
+    assert [h.block_id for h in hits] == kv.block_ids("a")[:2]  # the partial third block is not cached
+    assert kv.allocate(b, 43 - 32, hits) == []
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert ref_counts(kv, b) == [2, 2, 1]
+
+
+def test_cached_prefix_never_covers_the_last_prompt_token():
+    kv = KVCacheManager(8, BS)
+    prefill(kv, Seq("a", prompt(48)))
+    assert len(kv.find_cached_prefix(Seq("same", prompt(48)))) == 2  # 3 blocks cached, the last token recomputed
+    assert len(kv.find_cached_prefix(Seq("longer", prompt(49)))) == 3
+    assert kv.find_cached_prefix(Seq("one-block", prompt(16))) == []
+
+
+def test_freed_prefix_is_reused_and_reclaimed_blocks_count_against_the_free_list():
+    kv = KVCacheManager(4, BS)
+    a = Seq("a", prompt(49))
+    prefill(kv, a)
+    kv.free(a)
+    assert kv.pool.num_cached_blocks == 3
+
+    too_long = Seq("long", prompt(49) + prompt(40, start=5000))  # 3 cached blocks + 3 new ones > 4
+    cached = kv.find_cached_prefix(too_long)
+    assert len(cached) == 3
+    assert kv.allocate(too_long, 89 - 48, cached) is None
+    assert kv.pool.num_free_blocks == 4 and kv.pool.num_cached_blocks == 3
+
+    fits = Seq("fits", prompt(49) + [1])
+    cached = kv.find_cached_prefix(fits)
+    assert kv.allocate(fits, 2, cached) == []
+    assert kv.block_ids("fits")[:3] == [c.block_id for c in cached]
+    assert kv.pool.num_free_blocks == 0
+
+
+def test_cache_salt_separates_prefixes():
+    kv = KVCacheManager(8, BS)
+    prefill(kv, Seq("a", prompt(40), cache_salt="alice"))
+    assert len(kv.find_cached_prefix(Seq("a2", prompt(40), cache_salt="alice"))) == 2
+    assert kv.find_cached_prefix(Seq("b", prompt(40), cache_salt="bob")) == []
+    assert kv.find_cached_prefix(Seq("anon", prompt(40))) == []
+
+
+def test_prefix_caching_disabled_finds_nothing():
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False)
+    prefill(kv, Seq("a", prompt(40)))
+    assert kv.find_cached_prefix(Seq("b", prompt(40))) == []

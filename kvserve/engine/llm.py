@@ -8,10 +8,11 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvserve.config import EngineConfig
+from kvserve.engine.beam_search import BeamSearchOutput, beam_search
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prompts import PromptType, is_single_prompt
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 def _ensure_log_handler() -> None:
@@ -50,10 +51,12 @@ class LLM:
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
-        except ValueError as exc:
-            for request_id in request_ids:
+        except Exception as exc:
+            for request_id in request_ids:  # all or nothing: no half-submitted batch stays queued
                 self.engine.abort_request(request_id)
-            raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
+            if isinstance(exc, ValueError):
+                raise ValueError(f"prompt {len(request_ids)}: {exc}") from exc
+            raise
         return self._run(request_ids)
 
     def chat(
@@ -77,6 +80,10 @@ class LLM:
 
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt (see kvserve.engine.beam_search for what it matches); beams share KV blocks."""
+        return beam_search(self.engine, prompts, params)
 
     def _params_for(self, prompts: list, params: SamplingParams | Seq[SamplingParams] | None) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):

@@ -1,0 +1,162 @@
+"""`kvserve bench multiturn`: one growing conversation, with and without prefix caching, turn by turn.
+
+Turn 1 sends a --first-token prompt; every later turn sends the whole history (all earlier prompts and answers)
+plus a new --question-token question. Prompts are random token ids (fixed seed) and answers are greedy, EOS
+ignored, exactly --answer tokens, so both runs see the same conversation. Per turn it prints the prompt length,
+the tokens prefilled (computed, from the engine's stats), the tokens reused from the cache and the time to first
+token, then the ratios at the last turn and over all turns.
+
+The cached run generates the answers; the run without the cache replays the same prompts with max_tokens=1,
+since neither what it prefills nor its time to first token depends on decoding the answer (without the cache
+nothing outlives a turn), and checks it starts each answer with the same token. On the embedded SmolLM2 on a
+2-core CPU the full default run (10 turns, 500-token answers) takes about 9 minutes, most of it decoding the
+answers at up to 7,500 tokens of context; `--answer 20` takes about a minute."""
+from __future__ import annotations
+
+import argparse
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Conversation:
+    first_tokens: int = 1200
+    question_tokens: int = 200
+    answer_tokens: int = 500
+    turns: int = 10
+    seed: int = 0
+
+    @property
+    def max_len_tokens(self) -> int:
+        """The last turn's prompt plus its answer."""
+        return self.first_tokens + (self.turns - 1) * (self.question_tokens + self.answer_tokens) + self.answer_tokens
+
+    def questions(self, vocab_size: int) -> list[list[int]]:
+        """Turn 1's prompt, then each later turn's new question, as random ids clear of the special tokens."""
+        g = torch.Generator().manual_seed(self.seed)
+        lengths = [self.first_tokens] + [self.question_tokens] * (self.turns - 1)
+        return [torch.randint(100, vocab_size - 100, (n,), generator=g).tolist() for n in lengths]
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt_tokens: int
+    prefilled_tokens: int  # computed this turn (prompt tokens not found in the cache)
+    cached_tokens: int
+    ttft_s: float
+    token_ids: list[int]  # the answer
+
+
+def run_conversation(llm, conversation: Conversation, answers: list[list[int]] | None = None,
+                     progress=None) -> list[Turn]:
+    """Hold the conversation, generating the answers, or replaying given ones with one generated token a turn;
+    `progress(turn_number, turn)` is called after each turn."""
+    questions = conversation.questions(llm.engine.model_config.vocab_size)
+    history: list[int] = []
+    turns = []
+    for i, question in enumerate(questions):
+        prompt = history + question
+        max_tokens = conversation.answer_tokens if answers is None else 1
+        before = llm.stats()["num_prefill_tokens"]
+        output = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+        metrics = output.metrics
+        turns.append(Turn(len(prompt), llm.stats()["num_prefill_tokens"] - before, output.num_cached_tokens,
+                          metrics.first_token_time - metrics.arrival_time, output.outputs[0].token_ids))
+        history = prompt + (answers[i] if answers is not None else output.outputs[0].token_ids)
+        if progress is not None:
+            progress(i + 1, turns[-1])
+    return turns
+
+
+def run_multiturn(conversation: Conversation, model: str | None = None, kv_cache_memory: str = "1GiB",
+                  max_model_len: int = 8192, console=None) -> dict[str, list[Turn]]:
+    """Run the conversation with and then without prefix caching, print the per-turn table, return both runs."""
+    from rich.console import Console
+
+    from kvserve.engine.llm import LLM
+
+    if conversation.max_len_tokens > max_model_len:
+        raise ValueError(f"the conversation grows to {conversation.max_len_tokens} tokens, more than "
+                         f"max_model_len={max_model_len}; use fewer turns or shorter turns")
+    console = console or Console()
+    console.print(f"conversation: {conversation.turns} turns; first prompt {conversation.first_tokens} tokens, "
+                  f"then +{conversation.question_tokens}-token questions; {conversation.answer_tokens}-token "
+                  f"answers (greedy, EOS ignored); torch threads: {torch.get_num_threads()}")
+    runs: dict[str, list[Turn]] = {}
+    for name, prefix_caching in (("prefix caching", True), ("no prefix caching", False)):
+        llm = LLM(model, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                  enable_prefix_caching=prefix_caching)
+        # warm-up at turn 1's size (its own tokens, so nothing of it is reused): first calls are slow
+        warm_up = Conversation(conversation.first_tokens, 1, 1, 1, seed=conversation.seed + 1)
+        run_conversation(llm, warm_up)
+        answers = [t.token_ids for t in runs["prefix caching"]] if runs else None
+        runs[name] = run_conversation(llm, conversation, answers, _progress(console, name))
+        del llm
+        gc.collect()
+    cached, baseline = runs["prefix caching"], runs["no prefix caching"]
+    if any(a.token_ids[:1] != b.token_ids for a, b in zip(cached, baseline)):
+        console.print("[red]warning: the runs start an answer with different tokens[/red]")
+    _print_table(console, cached, baseline)
+    return runs
+
+
+def _progress(console, run_name: str):
+    def report(turn_number: int, turn: Turn) -> None:
+        console.print(f"  {run_name}: turn {turn_number} done, {turn.prefilled_tokens:,} tokens prefilled, "
+                      f"TTFT {turn.ttft_s * 1e3:,.0f} ms", style="dim")
+    return report
+
+
+def _print_table(console, cached: list[Turn], baseline: list[Turn]) -> None:
+    from rich.table import Table
+
+    table = Table(title="Multi-turn conversation: tokens prefilled and time to first token per turn")
+    for column in ["turn", "prompt\ntokens", "cache:\nprefilled", "cache:\nreused", "cache:\nTTFT ms",
+                   "no cache:\nprefilled", "no cache:\nTTFT ms", "TTFT\nratio"]:
+        table.add_column(column, justify="right")
+    for i, (a, b) in enumerate(zip(cached, baseline), start=1):
+        table.add_row(str(i), f"{a.prompt_tokens:,}", f"{a.prefilled_tokens:,}", f"{a.cached_tokens:,}",
+                      f"{a.ttft_s * 1e3:,.0f}", f"{b.prefilled_tokens:,}", f"{b.ttft_s * 1e3:,.0f}",
+                      f"{b.ttft_s / a.ttft_s:.1f}x")
+    console.print(table)
+    last_a, last_b = cached[-1], baseline[-1]
+    console.print(f"turn {len(cached)}: {last_b.prefilled_tokens:,} vs {last_a.prefilled_tokens:,} tokens prefilled "
+                  f"({last_b.prefilled_tokens / last_a.prefilled_tokens:.1f}x fewer), TTFT "
+                  f"{last_b.ttft_s * 1e3:,.0f} vs {last_a.ttft_s * 1e3:,.0f} ms "
+                  f"({last_b.ttft_s / last_a.ttft_s:.1f}x faster) with prefix caching")
+    total_a = sum(t.prefilled_tokens for t in cached)
+    total_b = sum(t.prefilled_tokens for t in baseline)
+    ttft_a, ttft_b = sum(t.ttft_s for t in cached), sum(t.ttft_s for t in baseline)
+    console.print(f"all turns: {total_b:,} vs {total_a:,} tokens prefilled ({total_b / total_a:.1f}x fewer), "
+                  f"summed TTFT {ttft_b:,.2f} vs {ttft_a:,.2f} s ({ttft_b / ttft_a:.1f}x faster)")
+
+
+def add_multiturn_parser(bench_subparsers) -> None:
+    c = Conversation()
+    p = bench_subparsers.add_parser("multiturn", help="a growing conversation with and without prefix caching")
+    p.add_argument("--first", type=int, default=c.first_tokens, help="turn 1's prompt tokens")
+    p.add_argument("--question", type=int, default=c.question_tokens, help="new tokens each later turn adds")
+    p.add_argument("--answer", type=int, default=c.answer_tokens,
+                   help="answer tokens per turn (the full run takes minutes; --answer 20 is a quick one)")
+    p.add_argument("--turns", type=int, default=c.turns)
+    p.add_argument("--seed", type=int, default=c.seed)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.set_defaults(func=_run_from_args)
+
+
+def _run_from_args(args: argparse.Namespace) -> int:
+    for name in ("first", "question", "answer", "turns"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"kvserve bench multiturn: --{name} must be at least 1, got {getattr(args, name)}")
+    conversation = Conversation(args.first, args.question, args.answer, args.turns, args.seed)
+    try:
+        run_multiturn(conversation, args.model, args.kv_cache_memory, args.max_model_len)
+    except ValueError as exc:
+        raise SystemExit(f"kvserve bench multiturn: {exc}") from exc
+    return 0

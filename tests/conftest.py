@@ -1,6 +1,7 @@
 """Tiny random-weight models built in the test from transformers' config classes: no download."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,29 @@ TINY_KINDS = {
     "qwen2-gqa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
     "qwen3-gqa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=16)),
 }
+
+
+def make_tiny_chat_model(directory: Path, **overrides) -> Path:
+    """A tiny random model that speaks SmolLM2's vocabulary and chat template (the embedded model's tokenizer)."""
+    from kvserve.model.loader import resolve_model
+
+    make_tiny_model(directory, vocab_size=49152, **overrides)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(resolve_model(None).path / name, directory / name)
+    return directory
+
+
+def scrape_metrics(url: str, model_name: str) -> dict[str, float]:
+    """/metrics of a running server as {name{labels}: value}, the model_name label left out."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("kvserve:"):
+            name, value = line.rsplit(" ", 1)
+            values[name.replace(f'model_name="{model_name}"', "").replace("{,", "{").replace(",}", "}")
+                   .removesuffix("{}")] = float(value)
+    return values
 
 
 def make_tiny_model(directory: Path, kind: str = "llama-gqa", seed: int = 0, **overrides) -> Path:

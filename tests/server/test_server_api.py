@@ -4,31 +4,20 @@ The model is a tiny random Llama (2 layers, hidden 64) with SmolLM2's vocabulary
 copied in, so text, stop strings and chat templates are real while a step takes milliseconds. Its text is
 gibberish, which is fine: every check compares the server with the offline `LLM` on the same model and options,
 or with itself."""
-import shutil
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from kvserve import LLM, LLMEngine, EngineConfig, SamplingParams
-from kvserve.model.loader import resolve_model
 from kvserve.server.app import build_app
 from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_chat_model, scrape_metrics
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024)
 MAX_TOKENS_GREEDY = 12
 GREEDY = dict(temperature=0, max_tokens=MAX_TOKENS_GREEDY, extra_body={"ignore_eos": True})
 OFFLINE_GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS_GREEDY, ignore_eos=True)
-
-
-def make_tiny_chat_model(directory):
-    """A tiny random model that speaks SmolLM2's vocabulary and chat template."""
-    make_tiny_model(directory, vocab_size=49152)
-    tokenizer_dir = resolve_model(None).path
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_dir / name, directory / name)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -164,14 +153,7 @@ def test_echo_and_logprobs(client):
 
 
 def scrape(server) -> dict[str, float]:
-    """/metrics as {name{labels}: value}, the model_name label left out."""
-    values = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("kvserve:"):
-            name, value = line.rsplit(" ", 1)
-            values[name.replace('model_name="tiny-chat"', "").replace("{,", "{").replace(",}", "}")
-                   .removesuffix("{}")] = float(value)
-    return values
+    return scrape_metrics(server.url, "tiny-chat")
 
 
 def test_metrics_count_what_was_served(server, client):

@@ -1,23 +1,19 @@
 """`kvserve bench serve` against a live server: every request completes with the asked-for output length and
 the report carries vLLM's figures. Tiny random model with SmolLM2's tokenizer, as in test_server_api.py."""
 import asyncio
-import shutil
 
 import pytest
 
 from kvserve import LLMEngine, EngineConfig
 from kvserve.bench.serve import ServeBenchConfig, format_report, run_serve_bench, synthetic_requests
-from kvserve.model.loader import resolve_model
 from kvserve.server.app import build_app
 from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    directory = make_tiny_model(tmp_path_factory.mktemp("bench") / "tiny-chat", vocab_size=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model(None).path / name, directory / name)
+    directory = make_tiny_chat_model(tmp_path_factory.mktemp("bench") / "tiny-chat")
     engine = LLMEngine(EngineConfig(model=str(directory), kv_cache_memory="64MiB", max_model_len=1024))
     with ServerThread(build_app(engine)) as server:
         yield server

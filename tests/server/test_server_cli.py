@@ -4,7 +4,6 @@ Tiny random model (8K context) with SmolLM2's tokenizer, as in test_server_api.p
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,19 +13,14 @@ import time
 import httpx
 import pytest
 
-from kvserve.model.loader import resolve_model
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_chat_model
 
 SHUTDOWN_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    directory = make_tiny_model(tmp_path_factory.mktemp("cli") / "tiny-chat", vocab_size=49152,
-                                max_position_embeddings=8192)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model(None).path / name, directory / name)
-    return directory
+    return make_tiny_chat_model(tmp_path_factory.mktemp("cli") / "tiny-chat", max_position_embeddings=8192)
 
 
 def start_server(model_dir) -> tuple[subprocess.Popen, str, list[str]]:

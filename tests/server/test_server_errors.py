@@ -1,7 +1,6 @@
 """Bad input, missing keys and overload get a 4xx/503 with an OpenAI-style error body naming the problem, and the
 server keeps serving. Tiny random model with SmolLM2's tokenizer, as in test_server_api.py."""
 import json
-import shutil
 import time
 from contextlib import ExitStack
 
@@ -11,10 +10,9 @@ import pytest
 from openai import OpenAI
 
 from kvserve import LLMEngine, EngineConfig
-from kvserve.model.loader import resolve_model
 from kvserve.server.app import build_app
 from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_chat_model
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=8)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -22,10 +20,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    directory = make_tiny_model(tmp_path_factory.mktemp("errors") / "tiny-chat", vocab_size=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model(None).path / name, directory / name)
-    return directory
+    return make_tiny_chat_model(tmp_path_factory.mktemp("errors") / "tiny-chat")
 
 
 def serve(model_dir, **app_options) -> ServerThread:

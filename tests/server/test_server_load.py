@@ -2,18 +2,15 @@
 offline output, the leavers' requests are aborted rather than run on, and afterwards no KV block is in use.
 Tiny random model with SmolLM2's tokenizer, as in test_server_api.py."""
 import asyncio
-import shutil
 import time
 
-import httpx
 import pytest
 from openai import AsyncOpenAI
 
 from kvserve import LLM, LLMEngine, EngineConfig, SamplingParams
-from kvserve.model.loader import resolve_model
 from kvserve.server.app import build_app
 from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_chat_model, scrape_metrics
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024)
 NUM_CLIENTS, MAX_TOKENS, LEAVER_MAX_TOKENS = 32, 12, 900
@@ -21,21 +18,11 @@ NUM_CLIENTS, MAX_TOKENS, LEAVER_MAX_TOKENS = 32, 12, 900
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    directory = make_tiny_model(tmp_path_factory.mktemp("load") / "tiny-chat", vocab_size=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model(None).path / name, directory / name)
-    return directory
+    return make_tiny_chat_model(tmp_path_factory.mktemp("load") / "tiny-chat")
 
 
 def scrape(server: ServerThread) -> dict[str, float]:
-    """/metrics as {name{labels}: value}, the model_name label left out."""
-    values = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith("kvserve:"):
-            name, value = line.rsplit(" ", 1)
-            values[name.replace('model_name="tiny-chat"', "").replace("{,", "{").replace(",}", "}")
-                   .removesuffix("{}")] = float(value)
-    return values
+    return scrape_metrics(server.url, "tiny-chat")
 
 
 async def stay(client: AsyncOpenAI, prompt: str) -> tuple[str, str]:

@@ -35,7 +35,8 @@ def run_in_child(prompts: list[list[int]], output_len: int, n_ctx: int, n_thread
     if proc.returncode != 0:
         reason = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
         last = proc.stderr.strip().splitlines()[-1:] or [""]
-        return {"error": f"llama-cpp-python process failed ({reason}) {last[0]}".strip()}
+        hint = " (on AMX CPUs: rebuild llama-cpp-python without AMX, see docs/benchmarks.md)" if proc.returncode < 0 else ""
+        return {"error": f"llama-cpp-python process failed ({reason}){hint} {last[0]}".strip()}
     return json.loads(proc.stdout)
 
 

@@ -100,6 +100,8 @@ def add_throughput_parser(bench_subparsers) -> None:
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="kvserve runs once per dtype (transformers always runs float32: its fastest on CPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where kvserve's batched run spends its time (cProfile, top functions)")
     p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "single"],
                    help="leave out a baseline or the single-stream part")
     p.set_defaults(func=run_throughput)
@@ -128,15 +130,18 @@ def run_throughput(args: argparse.Namespace) -> int:
     for llm in llms.values():
         run_kvserve(llm, prompts[:2], 4)  # warm-up
 
-    batched = [run_kvserve(llm, prompts, workload.output_len, f"kvserve ({dtype})") for dtype, llm in llms.items()]
+    batched = [_maybe_profiled(args.profile, console, run_kvserve, llm, prompts, workload.output_len,
+                               f"kvserve ({dtype})") for dtype, llm in llms.items()]
     if hf is not None:
         batched.append(run_transformers(hf, prompts, workload.output_len, args.hf_batch_size, pad_id,
                                         name="transformers"))
     if "llama.cpp" not in args.skip:
         batched.append(run_llama_cpp(prompts, workload.output_len, max_len, "llama.cpp"))
     _print_table(console, "Batched throughput (output tokens/s)", batched)
-    console.print(f"transformers: float32, generate() on left-padded static batches of {args.hf_batch_size}; "
-                  "llama.cpp: llama-cpp-python on the Q4_1 GGUF, one request after another")
+    if hf is not None:
+        console.print(f"transformers: float32, generate() on left-padded static batches of {args.hf_batch_size}")
+    if "llama.cpp" not in args.skip:
+        console.print("llama.cpp: llama-cpp-python on the Q4_1 GGUF, one request after another")
     if hf is not None:
         for r in batched[: len(llms)]:
             console.print(f"{r.name}: greedy output identical to transformers for {agreement(r, batched[len(llms)]):.0%}"
@@ -153,6 +158,22 @@ def run_throughput(args: argparse.Namespace) -> int:
         singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp"))
     _print_table(console, f"Single stream ({len(single[0])}-token prompt, tokens/s incl. prefill)", singles)
     return 0
+
+
+def _maybe_profiled(profile: bool, console, fn, *args):
+    if not profile:
+        return fn(*args)
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    result = profiler.runcall(fn, *args)
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    total = sum(row[2] for row in stats.stats.values())  # tottime summed over all functions
+    console.print(f"{result.name}: share of time by function (cProfile tottime)")
+    for (file, line, name), row in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:8]:
+        console.print(f"  {row[2] / total:6.1%}  {name}  ({file.rsplit('/', 1)[-1]}:{line})")
+    return result
 
 
 def _print_table(console, title: str, results: list[RunResult | str]) -> None:

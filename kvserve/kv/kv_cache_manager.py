@@ -34,6 +34,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._tables: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the prefix index
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -86,27 +87,34 @@ class KVCacheManager:
         return copies
 
     def cache_full_blocks(self, seq: CachedSequence) -> None:
-        """Register every block whose tokens are all computed, so later requests can reuse it."""
+        """Register the blocks that became full since the last call, so later requests can reuse them."""
         if not self.pool.enable_prefix_caching:
             return
-        table = self._tables.get(seq.request_id, [])
         num_full = seq.num_computed_tokens // self.block_size
+        done = self._num_registered.get(seq.request_id, 0)
+        if num_full <= done:  # the common decode step: the last block is still filling
+            return
         hashes = self._block_hashes(seq, num_full * self.block_size)
-        for block, block_hash in zip(table[:num_full], hashes):
+        table = self._tables[seq.request_id]
+        for block, block_hash in zip(table[done:num_full], hashes[done:num_full]):
             self.pool.register(block, block_hash)
+        self._num_registered[seq.request_id] = num_full
 
     def fork(self, parent: CachedSequence, child: CachedSequence) -> None:
         """The child shares every parent block (copy-on-write when either writes into a shared one)."""
         table = list(self._tables.get(parent.request_id, ()))
         self.pool.touch(table)
         self._tables[child.request_id] = table
-        if parent.request_id in self._hashes:
-            self._hashes[child.request_id] = list(self._hashes[parent.request_id])
+        if parent.request_id in self._hashes:  # only computed blocks: the child's uncomputed tokens may differ
+            computed = parent.num_computed_tokens // self.block_size
+            self._hashes[child.request_id] = self._hashes[parent.request_id][:computed]
+        self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
 
     def free(self, seq: CachedSequence) -> None:
         """Return the request's blocks, tail first, so its head stays cached longest."""
         table = self._tables.pop(seq.request_id, [])
         self._hashes.pop(seq.request_id, None)
+        self._num_registered.pop(seq.request_id, None)
         self.pool.free(reversed(table))
 
     def _shared_partial_block(self, table: list[Block], start: int) -> int | None:
@@ -116,9 +124,10 @@ class KVCacheManager:
         return None
 
     def _block_hashes(self, seq: CachedSequence, num_tokens: int | None = None) -> list[BlockHash]:
-        tokens = seq.token_ids if num_tokens is None else seq.token_ids[:num_tokens]
+        num_blocks = (len(seq.token_ids) if num_tokens is None else num_tokens) // self.block_size
         known = self._hashes.get(seq.request_id, [])
-        if len(known) < len(tokens) // self.block_size:
-            known = hash_full_blocks(tokens, self.block_size, seq.cache_salt, known)
+        if len(known) < num_blocks:
+            known = hash_full_blocks(seq.token_ids[: num_blocks * self.block_size], self.block_size,
+                                     seq.cache_salt, known)
             self._hashes[seq.request_id] = known
-        return known[: len(tokens) // self.block_size]
+        return known[:num_blocks]

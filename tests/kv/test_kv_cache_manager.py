@@ -204,3 +204,21 @@ def test_prefix_caching_disabled_finds_nothing():
     kv = KVCacheManager(8, BS, enable_prefix_caching=False)
     prefill(kv, Seq("a", prompt(40)))
     assert kv.find_cached_prefix(Seq("b", prompt(40))) == []
+
+
+def test_fork_with_a_different_uncomputed_token_caches_the_child_under_its_own_tokens():
+    # The parent has 32 tokens, 31 computed; its hashes were taken over all 32 on admission. A child forked with
+    # another 32nd token (beam search) must register its second block under its own tokens, not the parent's.
+    kv = KVCacheManager(8, BS)
+    parent = Seq("parent", prompt(32))
+    assert kv.find_cached_prefix(parent) == []  # hashes both blocks, uncomputed last token included
+    kv.allocate(parent, 31)
+    parent.num_computed_tokens = 31
+    kv.cache_full_blocks(parent)
+    child = Seq("child", prompt(31) + [7], num_computed_tokens=31)
+    kv.fork(parent, child)
+    assert kv.allocate(child, 1) != []  # copy-on-write of the shared partial block
+    child.num_computed_tokens = 32
+    kv.cache_full_blocks(child)
+    assert len(kv.find_cached_prefix(Seq("same as child", prompt(31) + [7, 0]))) == 2
+    assert len(kv.find_cached_prefix(Seq("same as parent", prompt(32) + [0]))) == 1

@@ -72,33 +72,33 @@ class ModelRunner:
         return self._tensor(tokens), meta, chunks
 
     def _group(self, chunks: list[_Chunk], whole_batch: bool) -> AttentionGroup:
-        """Pad the chunks to [S, Q] queries over their [S, B] blocks and precompute the causal mask."""
-        bs = self.block_size
+        """Pad the chunks to [S, Q] queries and, unless they are fresh prompts, describe the [S, B] blocks their
+        keys live in with a causal mask over them."""
         num_q = max(c.num_tokens for c in chunks)
-        num_ctx = max(c.context_len for c in chunks)
         q_idx = torch.arange(num_q)
         offsets = torch.tensor([c.offset for c in chunks])[:, None]
         lengths = torch.tensor([c.num_tokens for c in chunks])[:, None]
-        context = torch.tensor([c.context_len for c in chunks])[:, None]
         valid = q_idx[None, :] < lengths  # [S, Q]
         query_index = torch.where(valid, offsets + q_idx, 0)
+        out_rows = out_tokens = None
+        if not (whole_batch and bool(valid.all())):
+            out_rows = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
+            out_tokens = query_index.reshape(-1)[out_rows].to(self.device)
+        fresh = all(c.context_len == c.num_tokens > 1 for c in chunks)
+        table, mask = (None, None) if fresh else self._blocks_and_mask(chunks, lengths, q_idx, valid)
+        return AttentionGroup(query_index.to(self.device), table, mask, out_rows, out_tokens, fresh)
+
+    def _blocks_and_mask(self, chunks: list[_Chunk], lengths: torch.Tensor, q_idx: torch.Tensor,
+                         valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        context = torch.tensor([c.context_len for c in chunks])[:, None]
         query_pos = torch.where(valid, context - lengths + q_idx, 0)  # padded rows attend to key 0 only
-        max_blocks = -(-num_ctx // bs)
+        max_blocks = -(-int(context.max()) // bs)
         table = torch.tensor([c.block_ids[:max_blocks] + [0] * (max_blocks - len(c.block_ids[:max_blocks]))
                               for c in chunks])
         key_pos = torch.arange(max_blocks * bs)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
-        out_rows = out_tokens = None
-        if not (whole_batch and bool(valid.all())):
-            out_rows = valid.reshape(-1).nonzero().squeeze(1)
-            out_tokens = query_index.reshape(-1)[out_rows]
-        return AttentionGroup(
-            query_index=query_index.to(self.device),
-            block_tables=table.to(self.device),
-            mask=mask.to(self.device),
-            out_rows=None if out_rows is None else out_rows.to(self.device),
-            out_tokens=None if out_tokens is None else out_tokens.to(self.device),
-        )
+        return table.to(self.device), mask.to(self.device)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -128,7 +128,7 @@ def _publish(tmp: Path, target: Path) -> None:
 def _announce(gguf: Path, target: Path) -> None:
     home = Path.home()
     shown = f"~/{target.relative_to(home)}" if target.is_relative_to(home) else str(target)
-    print(f"Converting {gguf.name} to safetensors in {shown} (once, ~30 s)", file=sys.stderr)
+    print(f"Converting {gguf.name} to safetensors in {shown} (once, ~20 s)", file=sys.stderr)
 
 
 def _convert(gguf: Path, out: Path) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.planner.kv_size import KV_DTYPE_CHOICES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: holds ~23K SmolLM2 tokens in float32 on a CPU box
@@ -56,11 +58,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
-        kv_dtype = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if kv_dtype != "auto" and kv_dtype != DTYPE_ALIASES.get(self.dtype, self.dtype):
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; use 'auto' (= dtype {self.dtype!r})"
-            )
+        if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_DTYPE_CHOICES)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if value is None and name == "max_model_len":
@@ -73,6 +73,13 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
+
+    @property
+    def kv_cache_format(self) -> str:
+        """The KV storage format's canonical name: "auto" is the model's dtype; fp8 is fp8_e4m3."""
+        name = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
+            self.kv_cache_dtype, self.kv_cache_dtype)
+        return DTYPE_ALIASES.get(self.dtype, self.dtype) if name == "auto" else name
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -9,10 +9,18 @@ from kvserve.config import EngineConfig
 from kvserve.sampling_params import SamplingParams
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, same names with dashes."""
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field, same names with dashes; `exclude` names fields the caller defines itself."""
     defaults = EngineConfig()
-    g = parser.add_argument_group("engine")
+    group = parser.add_argument_group("engine")
+
+    class _Group:  # skips the excluded fields, so each flag is written once below
+        def add_argument(self, flag: str, *args, **kwargs):
+            dest = kwargs.get("dest", flag.removeprefix("--").replace("-", "_"))
+            if dest not in exclude:
+                group.add_argument(flag, *args, **kwargs)
+
+    g = _Group()
     g.add_argument("--model", default=None, help="preset name, HF model directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype)

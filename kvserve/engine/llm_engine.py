@@ -17,7 +17,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
-from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaModel
@@ -28,7 +28,6 @@ from kvserve.planner.model_spec import ModelSpec
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
-KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class LLMEngine:
@@ -44,26 +43,34 @@ class LLMEngine:
             ModelSpec.from_hf_config(hf_config, name=source.name),
             config.kv_cache_memory_bytes,
             config.block_size,
-            KV_DTYPE_NAMES[config.torch_dtype],
+            config.kv_cache_format,
             self.max_model_len,
         )
         if not self.cache_plan.fits:
             raise ValueError(self.cache_plan.error)
-        logger.info(self.cache_plan.summary_line())
         self.tokenizer = _load_tokenizer(source.path)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
         mc, plan = self.model_config, self.cache_plan
         weights = load_weights(source.path, config.torch_dtype)
         self.model = LlamaModel(mc, weights, self.max_model_len, config.torch_dtype, config.device)
-        self.cache = PagedKVCache(mc.num_layers, plan.num_blocks, plan.block_size, mc.num_kv_heads, mc.head_dim,
-                                  config.torch_dtype, config.device)
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+        self.cache = make_kv_cache(config.kv_cache_format, mc.num_layers, plan.num_blocks, plan.block_size,
+                                   mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs)
+        logger.info(self._capacity_line())
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
+                                 hash_namespace=config.kv_cache_format)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.kv, config.device)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+
+    def _capacity_line(self) -> str:
+        line = self.cache_plan.summary_line(self.cache.describe())
+        if self.cache.extra_nbytes:
+            line += (f"; plus {self.cache.extra_nbytes / 2**20:.1f} MiB of full-precision staging for partly "
+                     f"filled blocks ({self.config.max_num_seqs} sequences)")
+        return line
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -186,6 +193,15 @@ class LLMEngine:
         self.requests[new_request_id] = request
         return request
 
+    def take_prompt_logprobs(self, request_id: str) -> torch.Tensor:
+        """The [n, vocab] prompt log-probability rows of a prompt_logprobs=-1 request computed since the last call,
+        handed over and dropped from the request, so a text too long to hold its rows can be scored as it runs."""
+        seq = self.requests[request_id].sequences[0]
+        if seq.params.prompt_logprobs != -1:
+            raise ValueError(f"request {request_id!r} did not ask for prompt_logprobs=-1")
+        rows, seq.prompt_logprobs = seq.prompt_logprobs, []
+        return torch.cat(rows) if rows else torch.empty(0, self.model_config.vocab_size)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -196,7 +212,10 @@ class LLMEngine:
         if not out.seqs:
             return []
         self._count_tokens(out)
-        logits, seqs = self.runner.run(out)
+        step = self.runner.run(out)
+        for seq, prompt_logits in step.prompt_logits:
+            seq.record_prompt_logprobs(torch.log_softmax(prompt_logits, dim=-1))
+        logits, seqs = step.logits, step.seqs
         self.scheduler.advance(out)
         logits, seqs = self._fork_for_n(logits, seqs)
         result = sample(logits, seqs, self.generator)

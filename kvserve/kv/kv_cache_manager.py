@@ -29,8 +29,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_namespace: str = ""):
         self.block_size = block_size
+        self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._tables: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -128,6 +129,6 @@ class KVCacheManager:
         known = self._hashes.get(seq.request_id, [])
         if len(known) < num_blocks:
             known = hash_full_blocks(seq.token_ids[: num_blocks * self.block_size], self.block_size,
-                                     seq.cache_salt, known)
+                                     seq.cache_salt, known, self.hash_namespace)
             self._hashes[seq.request_id] = known
         return known[:num_blocks]

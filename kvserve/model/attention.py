@@ -1,7 +1,9 @@
 """Attention over a flat batch of tokens whose K/V live in the paged cache.
 
 The batch mixes requests in prefill (many query tokens) and decode (one). Requests with the same kind of work
-form a group; each group is one padded scaled-dot-product call per layer, reading K/V through precomputed slots."""
+form a group; each group is one padded scaled-dot-product call per layer, over K/V gathered from the cache in
+whole blocks. A format that keeps a sequence's newest tokens in full precision (int4) adds them as extra keys
+after the gathered ones; the runner's mask says which query sees which key."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,10 +18,13 @@ from kvserve.kv.kv_cache import PagedKVCache
 class AttentionGroup:
     query_index: torch.Tensor  # [S, Q] flat token index of each (request, query row); padding points at 0
     block_tables: torch.Tensor | None  # [S, B] each request's blocks, padded with block 0 (None when fresh)
-    mask: torch.Tensor | None  # [S, 1, Q, B * block_size] True where that query may attend to that key
+    mask: torch.Tensor | None  # [S, 1, Q, keys] True where that query may attend to that key
     out_rows: torch.Tensor | None  # [M] rows of the padded [S*Q] output that are real tokens (None: all are)
     out_tokens: torch.Tensor | None  # [M] flat token index of each of those rows (None: rows are tokens in order)
-    fresh: bool = False  # every request starts at position 0: its keys are this step's, so read no cache
+    fresh: bool = False  # every request starts at position 0 and reads exactly: its keys are this step's own
+    # cache.exact_own_block: the block whose staged, full-precision tokens precede each request's chunk (-1: none);
+    # keys are then [gathered blocks | that block's staged tokens | the chunk's new tokens]
+    residual_blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,6 +67,10 @@ def _group_attention(
         keys, values, mask = k[group.query_index], v[group.query_index], None
     else:
         keys, values = cache.gather(layer, group.block_tables)  # [S, C, KVH, D]
+        if group.residual_blocks is not None:
+            staged_k, staged_v = cache.gather_residual(layer, group.residual_blocks)
+            keys = torch.cat([keys, staged_k, k[group.query_index]], dim=1)
+            values = torch.cat([values, staged_v, v[group.query_index]], dim=1)
         mask = group.mask
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),

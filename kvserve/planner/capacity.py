@@ -133,10 +133,10 @@ class KVCachePlan:
             "raise kv_cache_memory / --gpu-memory-utilization, use --kv-cache-dtype fp8, or a GPU with more memory."
         )
 
-    def summary_line(self) -> str:
-        """The start-up capacity line the engine logs."""
+    def summary_line(self, kv_format: str | None = None) -> str:
+        """The start-up capacity line the engine logs, naming the storage format when given."""
         return (
-            f"KV cache: {self.num_blocks:,} blocks × {self.block_size} tokens = {self.kv_cache_tokens:,} tokens, "
+            f"KV cache{f' ({kv_format})' if kv_format else ''}: {self.num_blocks:,} blocks × {self.block_size} tokens = {self.kv_cache_tokens:,} tokens, "
             f"{self.kv_cache_bytes / GiB:.2f} GiB ({self.kv_bytes_per_token / KiB:.1f} KiB/token); "
             f"maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"
         )
@@ -168,7 +168,7 @@ def plan_kv_cache(
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     max_model_len = resolve_max_model_len(spec, max_model_len)
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, spec)
-    per_token = kv_bytes_per_token(spec, kv_dtype)
+    per_token = kv_bytes_per_token(spec, kv_dtype, block_size)
     if per_token == 0:
         raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")
     return KVCachePlan(

@@ -7,8 +7,10 @@ import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.attention_mask import GroupChunk, group_keys
+from kvserve.kv.eviction import AttentionScores
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.kv.kv_cache_manager import KVCacheManager
+from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
 from kvserve.model.attention import AttentionGroup, AttentionMetadata
 from kvserve.model.llama import LlamaModel
 
@@ -24,8 +26,17 @@ class StepLogits:
 class _Chunk:
     offset: int  # index of the chunk's first token in the flat batch
     num_tokens: int
-    context_len: int  # tokens in the cache after this step, chunk included
-    block_ids: list[int]
+    context_len: int  # tokens computed after this step, chunk included
+    table: BlockTable  # the sequence's kept blocks
+    slots: list[int]  # cache slot of each new token
+
+    @property
+    def start(self) -> int:
+        return self.context_len - self.num_tokens
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.table.blocks)
 
 
 # A bucket's requests are padded to its longest context; a request joins it only if that wastes at most a third
@@ -36,8 +47,8 @@ MIN_BUCKET_FILL = 0.75
 def _buckets(chunks: list[_Chunk]) -> list[list[_Chunk]]:
     """Split chunks of one kind (decode or prefill) into groups of similar context length, longest first."""
     buckets: list[list[_Chunk]] = []
-    for chunk in sorted(chunks, key=lambda c: c.context_len, reverse=True):
-        if buckets and chunk.context_len >= MIN_BUCKET_FILL * buckets[-1][0].context_len:
+    for chunk in sorted(chunks, key=lambda c: c.num_keys, reverse=True):
+        if buckets and chunk.num_keys >= MIN_BUCKET_FILL * buckets[-1][0].num_keys:
             buckets[-1].append(chunk)
         else:
             buckets.append([chunk])
@@ -45,19 +56,23 @@ def _buckets(chunks: list[_Chunk]) -> list[list[_Chunk]]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu"):
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu",
+                 scores: AttentionScores | None = None):
         self.model = model
         self.cache = cache
         self.kv = kv
         self.block_size = kv.block_size
         self.device = device
+        self.scores = scores  # H2O's accumulated attention, when the eviction policy needs it
 
     def run(self, out: SchedulerOutput) -> StepLogits:
         """Logits of the sequences whose last known token was computed this step, and of the prompt positions
         whose log-probabilities were asked for."""
         input_ids, meta, chunks = self.build_batch(out)
-        self.cache.begin_step(self.kv.pool.take_freed(), [(c.src, c.dst) for c in out.block_copies],
-                              meta.slot_mapping)
+        freed = self.kv.pool.take_freed()
+        self.cache.begin_step(freed, [(c.src, c.dst) for c in out.block_copies], meta.slot_mapping)
+        if self.scores is not None:
+            self.scores.reset(freed)
         hidden = self.model.forward(input_ids, meta, self.cache)
         sampling = [(seq, c) for seq, c in zip(out.seqs, chunks) if c.context_len == len(seq.token_ids)]
         rows = torch.tensor([c.offset + c.num_tokens - 1 for _, c in sampling], dtype=torch.long, device=self.device)
@@ -86,21 +101,24 @@ class ModelRunner:
         bs = self.block_size
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
-            block_ids = self.kv.block_ids(seq.request_id)
-            chunks.append(_Chunk(len(tokens), n, start + n, block_ids))
+            table = self.kv.block_table(seq.request_id)
+            first = table.index(start // bs)  # the chunk's blocks are the table's newest, in order
+            chunk_slots = [table.blocks[first + p // bs - start // bs].block_id * bs + p % bs
+                           for p in range(start, start + n)]
+            chunks.append(_Chunk(len(tokens), n, start + n, table, chunk_slots))
             tokens.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(chunk_slots)
         buckets = _buckets([c for c in chunks if c.num_tokens == 1]) + _buckets([c for c in chunks if c.num_tokens > 1])
         groups = [self._group(g, whole_batch=len(g) == len(chunks)) for g in buckets]
         meta = AttentionMetadata(
-            positions=self._tensor(positions), slot_mapping=self._tensor(slots), groups=groups
+            positions=self._tensor(positions), slot_mapping=self._tensor(slots), groups=groups, scores=self.scores
         )
         return self._tensor(tokens), meta, chunks
 
     def _group(self, chunks: list[_Chunk], whole_batch: bool) -> AttentionGroup:
         """Pad the chunks to [S, Q] queries and, unless they are fresh prompts read exactly, describe the [S, B]
-        blocks their keys live in with the mask over them."""
+        blocks their keys live in and which query sees which key."""
         num_q = max(c.num_tokens for c in chunks)
         q_idx = torch.arange(num_q)
         offsets = torch.tensor([c.offset for c in chunks])[:, None]
@@ -111,42 +129,26 @@ class ModelRunner:
         if not (whole_batch and bool(valid.all())):
             out_rows = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
             out_tokens = query_index.reshape(-1)[out_rows].to(self.device)
-        if self.cache.exact and all(c.context_len == c.num_tokens > 1 for c in chunks):
+        plain = self.cache.exact and not self.kv.eviction.evicts
+        if plain and all(c.context_len == c.num_tokens > 1 for c in chunks):
             return AttentionGroup(query_index.to(self.device), None, None, out_rows, out_tokens, fresh=True)
-        table, mask, residual = self._blocks_and_mask(chunks, lengths, q_idx, valid)
-        return AttentionGroup(query_index.to(self.device), table, mask, out_rows, out_tokens, False, residual)
-
-    def _blocks_and_mask(self, chunks: list[_Chunk], lengths: torch.Tensor, q_idx: torch.Tensor, valid: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Block tables, the attention mask over every key the group reads, and (for formats that read a query's
-        own block in full precision) the block whose staged tokens precede each chunk."""
-        bs = self.block_size
-        start = torch.tensor([c.context_len - c.num_tokens for c in chunks])[:, None]
-        query_pos = start + q_idx  # [S, Q]
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        table = torch.tensor([c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks])
-        slot_in_table = torch.arange(max_blocks * bs)
-        key_pos = slot_in_table.expand(len(chunks), -1)  # logical position of each gathered key
-        key_ok = key_pos < torch.tensor([len(c.block_ids) * bs for c in chunks])[:, None]
-        stored = torch.ones_like(key_ok)
-        residual = None
-        if self.cache.exact_own_block:
-            own_block = start // bs  # [S, 1]
-            staged_pos = own_block * bs + torch.arange(bs)  # the own block's tokens computed in earlier steps
-            new_pos = start + q_idx
-            key_pos = torch.cat([key_pos, staged_pos, new_pos], dim=1)
-            key_ok = torch.cat([key_ok, staged_pos < start, valid], dim=1)
-            stored = torch.cat([stored, torch.zeros(len(chunks), bs + len(q_idx), dtype=torch.bool)], dim=1)
-            residual = torch.tensor([c.block_ids[c_start // bs] if c_start % bs else -1
-                                     for c, c_start in zip(chunks, start.squeeze(1).tolist())])
-        visible = key_ok[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])  # [S, Q, K]
-        if self.cache.exact_own_block:
-            same_block = (key_pos[:, None, :] // bs) == (query_pos[:, :, None] // bs)
-            visible &= torch.where(stored[:, None, :], ~same_block, same_block)
-        visible &= valid[:, :, None]
-        visible[:, :, 0] |= ~valid  # padded query rows see one key, so no row is fully masked
-        residual = residual.to(self.device) if residual is not None else None
-        return table.to(self.device), visible.unsqueeze(1).to(self.device), residual
+        keys = group_keys([GroupChunk(c.start, c.num_tokens, [b.block_id for b in c.table.blocks], c.table.logical,
+                                      c.slots) for c in chunks],
+                          q_idx, valid, self.block_size, self.cache.exact_own_block, self.kv.eviction,
+                          self.model.rotary)
+        dev = self.device
+        return AttentionGroup(
+            query_index.to(dev), keys.table.to(dev), keys.mask.to(dev), out_rows, out_tokens, False,
+            residual_blocks=_to(keys.residual_blocks, dev),
+            key_slots=keys.key_slots.to(dev) if self.scores is not None else None,
+            query_valid=valid.to(dev) if self.scores is not None else None,
+            sink_keys=_to(keys.sink_keys, dev),
+            sink_rotation=tuple(t.to(dev) for t in keys.sink_rotation) if keys.sink_rotation else None,
+        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _to(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return tensor.to(device) if tensor is not None else None

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.eval.settings import SWEPT_FIELDS, Setting, cross_product, parse_list
+from kvserve.eval.settings import SWEPT_FIELDS, Setting, cross_product, parse_list, parse_setting
 
 GiB = 1 << 30
 
@@ -19,9 +19,12 @@ Comma-separated values of --kv-cache-dtype give one setting each; the first is t
 
 Perplexity uses windows of --context tokens every --stride tokens; each token after the first is scored
 once, in the window where it is new. --streaming instead feeds the whole text through one sequence,
---stride tokens per step, so a cache policy sees the whole history. KLD is the mean over scored positions
-of KL(reference || tested); top-1 agreement is the share of positions whose most likely next token is
-unchanged. Lossy formats are read back for every query, prefill included, as decode reads them.
+so a cache policy sees the whole history. KLD is the mean over scored positions of KL(reference || tested);
+top-1 agreement is the share of positions whose most likely next token is unchanged.
+
+What decode would see is what is measured: lossy formats are read back for every query, prefill included,
+and settings with eviction prefill --chunk tokens per step (decode is one), so the policy acts while the
+text is read rather than after it.
 """
 
 
@@ -31,6 +34,7 @@ class Row:
 
     setting: Setting
     bytes_per_token: int | None = None
+    max_tokens_per_sequence: int | None = None  # an eviction policy's bound (None: every token is kept)
     ppl: float | None = None
     delta_ppl_pct: float | None = None
     kld: float | None = None
@@ -55,6 +59,7 @@ class Row:
             "kv_eviction": self.setting.value("kv_eviction", "none"),
             "bytes_per_token": self.bytes_per_token,
             "tokens_in_1gib": self.tokens_in_gib,
+            "max_tokens_per_sequence": self.max_tokens_per_sequence,
             "ppl": self.ppl,
             "delta_ppl_pct": self.delta_ppl_pct,
             "kld": self.kld,
@@ -75,13 +80,21 @@ def add_parser(subparsers) -> None:
     add_engine_args(p, exclude=SWEPT_FIELDS)
     s = p.add_argument_group("settings (comma-separated lists; the first setting is the reference)")
     s.add_argument("--kv-cache-dtype", default="auto", help="e.g. auto,fp8,fp8_e5m2,int8,int4 (default: auto)")
+    s.add_argument("--kv-eviction", default="none", help="e.g. none,streaming,h2o (default: none)")
+    s.add_argument("--kv-sink-tokens", default="4", help="streaming/h2o sinks, e.g. 4,0 (default: 4)")
+    s.add_argument("--kv-recent-tokens", default="1024", help="streaming/h2o recent window (default: 1024)")
+    s.add_argument("--kv-budget-tokens", default="2048", help="h2o tokens kept in all (default: 2048)")
+    s.add_argument("--setting", action="append", default=[], metavar="SPEC",
+                   help="an explicit setting instead of the lists above, repeatable, e.g. "
+                        "kv_eviction=streaming,kv_sink_tokens=0,kv_recent_tokens=1024")
     t = p.add_argument_group("text")
     t.add_argument("--corpus", default=None, metavar="FILE",
                    help="UTF-8 text to score (default: Python's pydoc_data.topics, ~465K characters of English)")
     t.add_argument("--tokens", type=int, default=8192, help="score the text's first N tokens (default %(default)s)")
     t.add_argument("--context", type=int, default=2048, help="window length in tokens (default %(default)s)")
-    t.add_argument("--stride", type=int, default=512,
-                   help="window step; with --streaming, tokens per step (default %(default)s)")
+    t.add_argument("--stride", type=int, default=512, help="window step (default %(default)s)")
+    t.add_argument("--chunk", type=int, default=32,
+                   help="tokens per step for settings with eviction, and for all with --streaming (default %(default)s)")
     t.add_argument("--streaming", action="store_true", help="one sequence over the whole text instead of windows")
     t.add_argument("--segment", type=int, default=1024,
                    help="with --streaming, report perplexity per segment of N tokens (default %(default)s)")
@@ -98,7 +111,7 @@ def add_parser(subparsers) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve eval: error: {exc}", file=sys.stderr)
         return 2
 
@@ -109,7 +122,13 @@ def _run(args: argparse.Namespace) -> int:
     from kvserve.eval.corpus import load_corpus
     from kvserve.eval.windows import sliding_windows
 
-    settings = cross_product({"kv_cache_dtype": parse_list(args.kv_cache_dtype)})
+    settings = [parse_setting(spec) for spec in args.setting] or cross_product({
+        "kv_cache_dtype": parse_list(args.kv_cache_dtype),
+        "kv_eviction": parse_list(args.kv_eviction),
+        "kv_sink_tokens": parse_list(args.kv_sink_tokens, int),
+        "kv_recent_tokens": parse_list(args.kv_recent_tokens, int),
+        "kv_budget_tokens": parse_list(args.kv_budget_tokens, int),
+    })
     shared = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in SWEPT_FIELDS})
     base = dataclasses.asdict(engine_config_from_args(shared))
     configs = [EngineConfig(**{**base, **s.options}) for s in settings]  # bad values fail here, before loading
@@ -118,10 +137,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("passkey trials must be at least 1 and lengths at least 64 tokens")
     if args.tokens < 2:
         raise ValueError(f"--tokens must be at least 2, got {args.tokens}")
-    if args.streaming:
-        if args.stride < 1:
-            raise ValueError(f"--stride must be positive, got {args.stride}")
-    else:
+    if args.chunk < 1:
+        raise ValueError(f"--chunk must be positive, got {args.chunk}")
+    if not args.streaming:
         sliding_windows(args.tokens, args.context, args.stride)  # checks stride < context
     corpus = load_corpus(args.corpus)
     if args.plot:
@@ -139,8 +157,8 @@ def _evaluate(args, settings: list[Setting], configs, corpus, lengths: list[int]
     console = Console(stderr=True)
     llms = []
     for config in configs:
-        if args.streaming:  # one sequence prefilled --stride tokens per step
-            config = dataclasses.replace(config, max_num_batched_tokens=args.stride)
+        if args.streaming or config.kv_eviction != "none":
+            config = dataclasses.replace(config, max_num_batched_tokens=args.chunk)
         llms.append(LLM(**dataclasses.asdict(config)))
     reference = llms[0].engine
     if reference.tokenizer is None:
@@ -154,7 +172,8 @@ def _evaluate(args, settings: list[Setting], configs, corpus, lengths: list[int]
     header = {
         "model": reference.model_name, "corpus": corpus.name, "corpus_sha256": corpus.sha256,
         "tokens": len(token_ids), "mode": "streaming" if args.streaming else "windows",
-        "context": None if args.streaming else args.context, "stride": args.stride,
+        "context": None if args.streaming else args.context, "stride": None if args.streaming else args.stride,
+        "chunk": args.chunk,
         "passkey_lengths": lengths, "passkey_trials": args.passkey_trials if lengths else 0,
     }
     if args.json:
@@ -176,10 +195,10 @@ def _run_all(args, settings, llms, token_ids, lengths, console) -> list[Row]:
     from kvserve.eval.passkey import make_trials
     from kvserve.eval.windows import sliding_windows
 
-    rows = [Row(s, llm.engine.cache_plan.kv_bytes_per_token) for s, llm in zip(settings, llms)]
+    rows = [Row(s, llm.engine.cache_plan.kv_bytes_per_token, _max_tokens(llm.engine)) for s, llm in zip(settings, llms)]
     ref_len = llms[0].engine.max_model_len
     windows = [] if args.streaming else sliding_windows(len(token_ids), args.context, args.stride)
-    stream_steps = -(-(len(token_ids) - 1) // args.stride) if args.streaming else 0
+    stream_steps = -(-len(token_ids) // args.chunk) if args.streaming else 0
     trials = {n: make_trials(llms[0].tokenizer, n, args.passkey_trials, args.seed) for n in lengths}
     work = len(windows) * len(llms) + stream_steps + len(lengths) * len(llms)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -187,7 +206,8 @@ def _run_all(args, settings, llms, token_ids, lengths, console) -> list[Row]:
         task = progress.add_task("evaluating", total=work)
         advance = lambda: progress.advance(task)  # noqa: E731
         if args.streaming:
-            fits = [len(token_ids) + 2 <= llm.engine.max_model_len for llm in llms]
+            fits = [llm.engine.eviction.unbounded_length or len(token_ids) + 2 <= llm.engine.max_model_len
+                    for llm in llms]
             running = [llm for llm, ok in zip(llms, fits) if ok]
             with_reference = fits[0]
             results = iter(harness.score_stream(running, token_ids, with_reference, args.segment, advance))
@@ -218,6 +238,11 @@ def _run_all(args, settings, llms, token_ids, lengths, console) -> list[Row]:
     return rows
 
 
+def _max_tokens(engine) -> int | None:
+    max_blocks = engine.eviction.max_blocks(engine.kv.block_size)
+    return max_blocks * engine.kv.block_size if max_blocks is not None else None
+
+
 def _fill(row: Row, totals, with_reference: bool) -> None:
     row.tokens_scored = totals.tokens_scored
     row.ppl = totals.ppl
@@ -231,18 +256,19 @@ def _print_table(header: dict[str, Any], rows: list[Row]) -> None:
 
     console = Console(width=160)
     where = f"context {header['context']}, stride {header['stride']}" if header["mode"] == "windows" else \
-        f"one sequence, {header['stride']} tokens per step"
+        f"one sequence, {header['chunk']} tokens per step"
     console.print(f"model {header['model']}; text {header['corpus']} (sha256 {header['corpus_sha256'][:12]}), "
                   f"first {header['tokens']:,} tokens; {where}")
     table = Table()
-    for column in ("setting", "bytes/token", "tokens in 1 GiB", "ppl", "Δppl", "mean KLD vs reference",
-                   "top-1 agreement", "passkey"):
+    for column in ("setting", "bytes/token", "tokens in 1 GiB", "kept per sequence", "ppl", "Δppl",
+                   "mean KLD vs reference", "top-1 agreement", "passkey"):
         table.add_column(column, justify="left" if column in ("setting", "passkey") else "right")
     for row in rows:
         table.add_row(
             row.setting.label,
             f"{row.bytes_per_token:,}",
             f"{row.tokens_in_gib:,}",
+            f"≤ {row.max_tokens_per_sequence:,} tokens" if row.max_tokens_per_sequence else "all",
             _cell(row, "ppl", row.ppl, "{:.3f}"),
             _cell(row, "ppl", row.delta_ppl_pct, "{:+.2f}%"),
             _cell(row, "kld", row.kld, "{:.5f}"),

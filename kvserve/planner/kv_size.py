@@ -114,3 +114,14 @@ def fixed_state_bytes(spec: ModelSpec) -> int:
         return 0
     dtype = KV_DTYPES.get(spec.torch_dtype, BF16)
     return spec.num_layers_of(LINEAR) * dtype.vector_bytes(spec.linear_state_elements)
+
+
+def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,
+                        block_size: int) -> int | None:
+    """The most blocks one sequence holds under a KV eviction policy (between steps), or None when unbounded:
+    streaming keeps the sink and recent-window blocks plus the one being filled; h2o its budget plus that one."""
+    if policy == "streaming":
+        return round_up_to_blocks(sink_tokens, block_size) + round_up_to_blocks(recent_tokens, block_size) + 1
+    if policy == "h2o":
+        return round_up_to_blocks(budget_tokens, block_size) + 1
+    return None

@@ -162,7 +162,8 @@ def test_a_failed_engine_answers_503(model_dir):
             raise RuntimeError("injected fault")
 
         engine.step = broken_step
-        assert httpx.post(server.url + "/v1/completions", json={"model": "tiny-chat", "prompt": "hi"}).status_code == 503
+        failed_request = httpx.post(server.url + "/v1/completions", json={"model": "tiny-chat", "prompt": "hi"})
+        assert failed_request.status_code == 503
         failed = httpx.get(server.url + "/v1/kv/blocks")
         assert failed.status_code == 503 and "injected fault" in failed.json()["error"]["message"]
 

@@ -1,6 +1,7 @@
 """The dashboard's routes: /v1/kv/blocks shows which blocks each running request holds, agrees with the engine's
 stats, needs the API key like every /v1 route, and /v1/kv/history keeps per-second rates. The page itself
 (/dashboard) is checked in a real browser in test_dashboard_browser.py; here only that it is served whole."""
+import asyncio
 import re
 import threading
 import time
@@ -10,6 +11,7 @@ import pytest
 
 from kvserve import EngineConfig, LLMEngine
 from kvserve.server.app import build_app
+from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.dashboard import StatsHistory
 from kvserve.server.launch import ServerThread
 from tests.conftest import make_tiny_chat_model
@@ -166,6 +168,23 @@ def test_a_failed_engine_answers_503(model_dir):
         assert failed_request.status_code == 503
         failed = httpx.get(server.url + "/v1/kv/blocks")
         assert failed.status_code == 503 and "injected fault" in failed.json()["error"]["message"]
+
+
+def test_the_engine_thread_answers_calls_and_outlives_a_failing_one(model_dir):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
+
+    async def calls():
+        async_engine = AsyncEngine(engine, max_waiting=4)
+        async_engine.start()
+        try:
+            assert await async_engine.call(lambda e: e.kv.pool.num_blocks) == 128
+            with pytest.raises(ZeroDivisionError):
+                await async_engine.call(lambda e: 1 / 0)
+            assert await async_engine.call(lambda e: e.stats()) == engine.stats()
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(calls())
 
 
 def wait_until(condition, timeout_s: float = 10.0) -> None:

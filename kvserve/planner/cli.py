@@ -114,19 +114,19 @@ def _check_plot_args(args: argparse.Namespace) -> None:
 
 
 def _write_plot(report: PlanReport, path: str):
-    """The memory split and, per KV dtype of a distinct size, requests that fit against context length."""
+    """The memory split and, per KV dtype, requests that fit against context length."""
     from kvserve.plots import plot_plan
 
     budget, spec = report.budget, report.spec
     split = [("weights", budget.weights_bytes), ("other", budget.overhead_bytes),
              ("KV cache", budget.kv_budget_bytes), ("unused", budget.gpu_memory_bytes - budget.usable_bytes)]
     contexts = _context_grid(spec.max_position_embeddings)
-    curves, sizes = {}, set()
+    curves, drawn = {}, set()
     dtypes = () if budget.error else (report.kv_dtype.name, *PLOT_KV_DTYPES)  # no KV memory: nothing fits
     for dtype in dtypes:
         plan = plan_kv_cache(spec, budget.kv_budget_bytes, report.block_size, dtype, report.max_model_len)
-        if plan.kv_bytes_per_token not in sizes:
-            sizes.add(plan.kv_bytes_per_token)
+        if plan.kv_dtype.name not in drawn:  # the planned dtype is one of PLOT_KV_DTYPES, or an alias of one
+            drawn.add(plan.kv_dtype.name)
             curves[f"{plan.kv_dtype.name}, {format_bytes(plan.kv_bytes_per_token)}/token"] = [
                 (tokens, plan.concurrency(tokens)) for tokens in contexts]
     title = (f"{spec.name} on {report.gpu_name} ({format_bytes(budget.gpu_memory_bytes)}, "

@@ -119,10 +119,14 @@ def test_pages_are_served_whole_and_load_nothing_from_elsewhere(server):
 
 
 def test_history_keeps_samples_and_filters_by_time(server):
-    whole = httpx.get(server.url + "/v1/kv/history").json()
-    assert whole["interval_s"] == 1.0 and whole["samples"]  # one sample at start-up, then one a second
-    newest = whole["samples"][-1]["time"]
-    assert httpx.get(server.url + f"/v1/kv/history?after={newest}").json()["samples"] == []
+    def sample_times(query: str = "") -> list[float]:
+        return [sample["time"] for sample in httpx.get(server.url + "/v1/kv/history" + query).json()["samples"]]
+
+    assert httpx.get(server.url + "/v1/kv/history").json()["interval_s"] == 1.0
+    times = sample_times()  # one sample at start-up, then one a second
+    assert times and times == sorted(times)
+    assert sample_times(f"?after={times[0]}")[: len(times) - 1] == times[1:]  # (newer ones may have come since)
+    assert all(time_s > times[-1] for time_s in sample_times(f"?after={times[-1]}"))
     bad = httpx.get(server.url + "/v1/kv/history?after=yesterday")
     assert bad.status_code == 400 and "after='yesterday' is not a number" in bad.json()["error"]["message"]
 

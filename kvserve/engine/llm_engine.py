@@ -20,8 +20,8 @@ from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
-from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_weights, resolve_model
+from kvserve.model.registry import build_model
 from kvserve.outputs import RequestOutput
 from kvserve.planner.capacity import KVCachePlan, plan_kv_cache
 from kvserve.planner.model_spec import ModelSpec
@@ -54,7 +54,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
         mc, plan = self.model_config, self.cache_plan
         weights = load_weights(source.path, config.torch_dtype)
-        self.model = LlamaModel(mc, weights, self.max_model_len, config.torch_dtype, config.device)
+        self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device)
         self.cache = PagedKVCache(mc.num_layers, plan.num_blocks, plan.block_size, mc.num_kv_heads, mc.head_dim,
                                   config.torch_dtype, config.device)
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)

@@ -39,8 +39,10 @@ def paged_attention(
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D].
+    sliding_window: the layer's window (None: full attention); masking comes with the sliding-window KV cache."""
     cache.write(layer, meta.slot_mapping, k, v)
     if len(meta.groups) == 1 and meta.groups[0].out_rows is None:
         return _group_attention(q, k, v, layer, cache, meta.groups[0], scale).reshape(q.shape)

@@ -28,6 +28,24 @@ TINY_KINDS = {
     "mistral-gqa": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(num_key_value_heads=2)),
     "qwen2-gqa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
     "qwen3-gqa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=16)),
+    # Gemma 3 270M's shape in small: MQA, head_dim above hidden/heads, a query_pre_attn_scalar apart from head_dim,
+    # tied embeddings, a sliding then a full-attention layer with their two RoPE bases (10,000 and 1,000,000)
+    "gemma3-mqa": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True,
+             sliding_window=512, layer_types=["sliding_attention", "full_attention"]),
+    ),
+    # the larger Gemma 3s' extras: linear RoPE scaling on full-attention layers only, a 2:1 interleave from
+    # sliding_window_pattern, GQA, untied head, and final logit softcapping (low, so it bends the logits)
+    "gemma3-gqa-scaled": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window_pattern=3, sliding_window=512,
+             final_logit_softcapping=2.0,
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    ),
 }
 
 
@@ -66,8 +84,18 @@ def make_tiny_model(directory: Path, kind: str = "llama-gqa", seed: int = 0, **o
     fields.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**fields)).eval()
+    if config_cls is transformers.Gemma3TextConfig:
+        _randomize_norms(model)
     model.save_pretrained(directory)
     return directory
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    # Gemma stores each RMSNorm scale as w in (1 + w), initialised to 0: random w makes a wrong offset show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
 
 
 CHAR_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, matching the tiny models' bos=1, eos=2

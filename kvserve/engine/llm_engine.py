@@ -21,8 +21,8 @@ from kvserve.kv.eviction import AttentionScores, make_policy
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
-from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_weights, resolve_model
+from kvserve.model.registry import build_model
 from kvserve.outputs import RequestOutput
 from kvserve.planner.capacity import KVCachePlan, plan_kv_cache
 from kvserve.planner.kv_size import kv_layout
@@ -63,7 +63,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
         mc, plan = self.model_config, self.cache_plan
         weights = load_weights(source.path, config.torch_dtype)
-        self.model = LlamaModel(mc, weights, self.max_model_len, config.torch_dtype, config.device)
+        self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device)
+        model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+        if model_windows != [self.layout.windows[g] for g in self.layout.group_of]:
+            raise ValueError(f"{self.model_name}: the model's sliding-window layers {model_windows} disagree with "
+                             "the KV layout the planner derived from its config")
         self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
                                    mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs)
         logger.info(self._capacity_line())

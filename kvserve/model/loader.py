@@ -14,13 +14,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from kvserve.model.chat_templates import fallback_chat_template
 from kvserve.model.embedded import EMBEDDED_MODEL_NAME, embedded_gguf_path
+from kvserve.model.gemma_package import GEMMA_ALIASES, GEMMA_MODEL_NAME, gemma_gguf_path
 
 EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL_NAME, "smollm2-135m-instruct"})
 GGUF_MAGIC = b"GGUF"
 # Bump when the conversion output changes, so caches written by older code are not reused.
 CONVERSION_VERSION = 1
-CHATML_END_OF_TURN = "<|im_end|>"
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>")  # ChatML's, Gemma's
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ def resolve_model(model: str | None = None, cache_dir: str | Path | None = None)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if model is None or model.lower() in EMBEDDED_ALIASES:
         return ModelSource(EMBEDDED_MODEL_NAME, _converted(embedded_gguf_path(), cache))
+    if model.lower() in GEMMA_ALIASES:
+        return ModelSource(GEMMA_MODEL_NAME, _converted(gemma_gguf_path(cache), cache))
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -128,7 +132,7 @@ def _publish(tmp: Path, target: Path) -> None:
 def _announce(gguf: Path, target: Path) -> None:
     home = Path.home()
     shown = f"~/{target.relative_to(home)}" if target.is_relative_to(home) else str(target)
-    print(f"Converting {gguf.name} to safetensors in {shown} (once, ~20 s)", file=sys.stderr)
+    print(f"Converting {gguf.name} to safetensors in {shown} (once, 20 s to a few minutes)", file=sys.stderr)
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -141,6 +145,7 @@ def _convert(gguf: Path, out: Path) -> None:
     # would record a GGUF quantization config that the saved safetensors do not match.
     model.hf_quantizer = None
     del model.config.quantization_config
+    tokenizer.chat_template = tokenizer.chat_template or fallback_chat_template(model.config.model_type)
     model.generation_config.eos_token_id = _eos_token_ids(model.config.eos_token_id, tokenizer)
     # The GGUF tokenizer comes with an unbounded max length; the model's context is the real limit.
     tokenizer.model_max_length = model.config.max_position_embeddings
@@ -149,10 +154,9 @@ def _convert(gguf: Path, out: Path) -> None:
 
 
 def _eos_token_ids(config_eos: int | list[int] | None, tokenizer) -> int | list[int] | None:
-    """The GGUF's EOS ids plus <|im_end|> when the chat template is ChatML, so chat replies stop."""
+    """The GGUF's EOS ids plus the template's end-of-turn token (ChatML's or Gemma's), so chat replies stop."""
     ids = [i for i in (config_eos if isinstance(config_eos, list) else [config_eos]) if i is not None]
-    end_of_turn = tokenizer.get_vocab().get(CHATML_END_OF_TURN)
-    if end_of_turn is not None and CHATML_END_OF_TURN in (tokenizer.chat_template or ""):
-        ids.append(end_of_turn)
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in (tokenizer.chat_template or "")]
     ids = list(dict.fromkeys(ids))
     return ids[0] if len(ids) == 1 else (ids or None)

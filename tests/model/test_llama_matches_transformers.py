@@ -24,7 +24,7 @@ def engine_logits(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, l
     return logits[0], [step[-1] for step in logits], tokens
 
 
-@pytest.mark.parametrize("kind", sorted(TINY_KINDS))
+@pytest.mark.parametrize("kind", sorted(k for k in TINY_KINDS if not k.startswith("gemma3")))  # see test_gemma3
 def test_logits_match_transformers(tmp_path, kind):
     path = make_tiny_model(tmp_path, kind)
     engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256))

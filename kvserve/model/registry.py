@@ -1,0 +1,22 @@
+"""Which decoder runs which architecture family (ModelConfig.architecture): one file per family."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.gemma3 import Gemma3Model
+from kvserve.model.llama import LlamaModel
+
+MODEL_CLASSES: dict[str, type] = {
+    "llama": LlamaModel,
+    "mistral": LlamaModel,
+    "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
+    "gemma3_text": Gemma3Model,
+}
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel | Gemma3Model:
+    """The decoder for `cfg.architecture`, holding `weights` cast to `dtype` on `device`."""
+    return MODEL_CLASSES[cfg.architecture](cfg, weights, max_positions, dtype, device)

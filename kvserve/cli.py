@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "plan": "kvserve.planner.cli",
     "serve": "kvserve.server.cli",
     "bench": "kvserve.bench.cli",
+    "eval": "kvserve.eval.cli",
 }
 
 

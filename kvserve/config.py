@@ -6,12 +6,15 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.planner.kv_size import KV_DTYPE_CHOICES
+
 if TYPE_CHECKING:
     import torch
 
 # Names, not torch dtypes: the CLI builds its parsers from this module, and must not wait for torch to import.
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+KV_EVICTION_POLICIES = ("none", "streaming", "h2o")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: holds ~23K SmolLM2 tokens in float32 on a CPU box
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
@@ -62,16 +65,18 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    kv_eviction: str = "none"  # "none", "streaming" (StreamingLLM) or "h2o"
+    kv_sink_tokens: int = 4  # streaming/h2o: the first tokens, always kept ("attention sinks")
+    kv_recent_tokens: int = 1024  # streaming/h2o: the window of last tokens always kept
+    kv_budget_tokens: int = 2048  # h2o: tokens kept in all (sinks + heavy hitters + recent)
     seed: int = 0
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)
-        kv_dtype = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if kv_dtype != "auto" and kv_dtype != DTYPE_ALIASES.get(self.dtype, self.dtype):
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; use 'auto' (= dtype {self.dtype!r})"
-            )
+        if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_DTYPE_CHOICES)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if value is None and name == "max_model_len":
@@ -80,10 +85,37 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
+        self._check_eviction()
+
+    def _check_eviction(self) -> None:
+        if self.kv_eviction not in KV_EVICTION_POLICIES:
+            raise ValueError(f"kv_eviction={self.kv_eviction!r} is not supported; choose one of "
+                             f"{', '.join(KV_EVICTION_POLICIES)}")
+        for name in ("kv_sink_tokens", "kv_recent_tokens", "kv_budget_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.kv_eviction != "none" and self.kv_recent_tokens < 1:
+            raise ValueError(f"kv_recent_tokens must be at least 1 with kv_eviction={self.kv_eviction!r}")
+        if self.kv_eviction == "h2o":
+            blocks = lambda tokens: -(-tokens // self.block_size)  # noqa: E731
+            needed = blocks(self.kv_sink_tokens) + blocks(self.kv_recent_tokens) + 1
+            if blocks(self.kv_budget_tokens) < needed:
+                raise ValueError(
+                    f"kv_budget_tokens={self.kv_budget_tokens} leaves no room for heavy hitters: the sinks and the "
+                    f"recent window take {needed - 1} blocks of {self.block_size}; give at least "
+                    f"{needed * self.block_size} tokens")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
+
+    @property
+    def kv_cache_format(self) -> str:
+        """The KV storage format's canonical name: "auto" is the model's dtype; fp8 is fp8_e4m3."""
+        name = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
+            self.kv_cache_dtype, self.kv_cache_dtype)
+        return DTYPE_ALIASES.get(self.dtype, self.dtype) if name == "auto" else name
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -36,4 +40,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # per prompt token (None for the first): {token id: logprob} with the top-k and the actual token; or, when
+    # SamplingParams(prompt_logprobs=-1), one [prompt_len, vocab] float32 tensor whose first row is NaN
+    prompt_logprobs: list[dict[int, float] | None] | torch.Tensor | None = None
     error: str | None = field(default=None)

@@ -23,6 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k per prompt token; -1: the whole vocabulary as one tensor
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -47,6 +48,9 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= 20,
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or _is_int(self.prompt_logprobs) and -1 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be an integer in [0, 20], or -1 for the whole vocabulary, got "
+             f"{self.prompt_logprobs!r}"),
             (self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop}"),
         ]

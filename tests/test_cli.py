@@ -28,7 +28,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 HELP_COMMANDS = [[], ["generate"], ["chat"], ["plan"], ["serve"], ["bench"], ["bench", "throughput"],
-                 ["bench", "multiturn"], ["bench", "serve"]]
+                 ["bench", "multiturn"], ["bench", "serve"], ["eval"]]
 
 
 def _kvserve(*args: str) -> subprocess.CompletedProcess:
@@ -47,7 +47,7 @@ def test_help_imports_no_model_library_and_no_extra(command):
 def test_top_level_help_lists_every_subcommand():
     help_text = _kvserve("--help").stdout
 
-    for name in ("generate", "chat", "plan", "serve", "bench"):
+    for name in ("generate", "chat", "plan", "serve", "bench", "eval"):
         assert f"    {name}" in help_text
 
 

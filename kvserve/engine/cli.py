@@ -9,19 +9,37 @@ from kvserve.config import EngineConfig
 from kvserve.sampling_params import SamplingParams
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, same names with dashes."""
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field, same names with dashes; `exclude` names fields the caller defines itself."""
     defaults = EngineConfig()
-    g = parser.add_argument_group("engine")
+    group = parser.add_argument_group("engine")
+
+    class _Group:  # skips the excluded fields, so each flag is written once below
+        def add_argument(self, flag: str, *args, **kwargs):
+            dest = kwargs.get("dest", flag.removeprefix("--").replace("-", "_"))
+            if dest not in exclude:
+                group.add_argument(flag, *args, **kwargs)
+
+    g = _Group()
     g.add_argument("--model", default=None, help="preset name, HF model directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype)
+    g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
+                   help="KV storage: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2, "
+                        "int8, int4 (default %(default)s)")
     g.add_argument("--block-size", type=int, default=defaults.block_size)
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default 1GiB)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--kv-eviction", default=defaults.kv_eviction, choices=["none", "streaming", "h2o"],
+                   help="drop KV blocks a sequence no longer needs: StreamingLLM sinks + window, or H2O heavy hitters")
+    g.add_argument("--kv-sink-tokens", type=int, default=defaults.kv_sink_tokens,
+                   help="streaming/h2o: first tokens always kept (default %(default)s)")
+    g.add_argument("--kv-recent-tokens", type=int, default=defaults.kv_recent_tokens,
+                   help="streaming/h2o: window of last tokens kept (default %(default)s)")
+    g.add_argument("--kv-budget-tokens", type=int, default=defaults.kv_budget_tokens,
+                   help="h2o: tokens kept in all (default %(default)s)")
     g.add_argument("--seed", type=int, default=defaults.seed)
     g.add_argument("--device", default=defaults.device)
 

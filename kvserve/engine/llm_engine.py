@@ -17,7 +17,8 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
-from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.eviction import AttentionScores, make_policy
+from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaModel
@@ -28,7 +29,6 @@ from kvserve.planner.model_spec import ModelSpec
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
-KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class LLMEngine:
@@ -40,30 +40,47 @@ class LLMEngine:
         hf_config = json.loads((source.path / "config.json").read_text())
         self.model_config = ModelConfig.from_hf(hf_config)
         self.max_model_len = self._max_model_len(config, self.model_config)
+        self.eviction = make_policy(config.kv_eviction, config.kv_sink_tokens, config.kv_recent_tokens,
+                                    config.kv_budget_tokens)
+        if self.eviction.evicts and self.model_config.sliding_window is not None:
+            raise ValueError(f"kv_eviction={config.kv_eviction!r} is not supported with sliding-window models; "
+                             "their sliding layers already bound the cache")
         self.cache_plan: KVCachePlan = plan_kv_cache(
             ModelSpec.from_hf_config(hf_config, name=source.name),
             config.kv_cache_memory_bytes,
             config.block_size,
-            KV_DTYPE_NAMES[config.torch_dtype],
+            config.kv_cache_format,
             self.max_model_len,
+            config.kv_eviction,
+            self.eviction.max_blocks(config.block_size),
         )
         if not self.cache_plan.fits:
             raise ValueError(self.cache_plan.error)
-        logger.info(self.cache_plan.summary_line())
         self.tokenizer = _load_tokenizer(source.path)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
         mc, plan = self.model_config, self.cache_plan
         weights = load_weights(source.path, config.torch_dtype)
         self.model = LlamaModel(mc, weights, self.max_model_len, config.torch_dtype, config.device)
-        self.cache = PagedKVCache(mc.num_layers, plan.num_blocks, plan.block_size, mc.num_kv_heads, mc.head_dim,
-                                  config.torch_dtype, config.device)
-        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching)
+        self.cache = make_kv_cache(config.kv_cache_format, mc.num_layers, plan.num_blocks, plan.block_size,
+                                   mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs)
+        logger.info(self._capacity_line())
+        self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
+                                 hash_namespace=config.kv_cache_format, eviction=self.eviction)
+        self.scores = (AttentionScores(plan.num_blocks * plan.block_size, plan.block_size, config.device)
+                       if self.eviction.needs_attention_scores else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.kv, config.device)
+        self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+
+    def _capacity_line(self) -> str:
+        line = self.cache_plan.summary_line(self.cache.describe())
+        if self.cache.extra_nbytes:
+            line += (f"; plus {self.cache.extra_nbytes / 2**20:.1f} MiB of full-precision staging for partly "
+                     f"filled blocks ({self.config.max_num_seqs} sequences)")
+        return line
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -109,6 +126,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
         prompt_len, limit = len(token_ids), self.max_model_len
+        if self.eviction.unbounded_length:  # positions stay within the cache: only max_tokens bounds the length
+            max_tokens = params.max_tokens if params.max_tokens is not None else limit
+            return self._check_n_and_stop(params, max_tokens)
         if prompt_len >= limit:
             raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len={limit} leaves no room to generate")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
@@ -117,6 +137,9 @@ class LLMEngine:
                 f"max_tokens={max_tokens} exceeds max_model_len={limit} minus prompt length {prompt_len} "
                 f"(at most {limit - prompt_len})"
             )
+        return self._check_n_and_stop(params, max_tokens)
+
+    def _check_n_and_stop(self, params: SamplingParams, max_tokens: int) -> int:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if params.stop and self.tokenizer is None:
@@ -186,6 +209,15 @@ class LLMEngine:
         self.requests[new_request_id] = request
         return request
 
+    def take_prompt_logprobs(self, request_id: str) -> torch.Tensor:
+        """The [n, vocab] prompt log-probability rows of a prompt_logprobs=-1 request computed since the last call,
+        handed over and dropped from the request, so a text too long to hold its rows can be scored as it runs."""
+        seq = self.requests[request_id].sequences[0]
+        if seq.params.prompt_logprobs != -1:
+            raise ValueError(f"request {request_id!r} did not ask for prompt_logprobs=-1")
+        rows, seq.prompt_logprobs = seq.prompt_logprobs, []
+        return torch.cat(rows) if rows else torch.empty(0, self.model_config.vocab_size)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -196,8 +228,14 @@ class LLMEngine:
         if not out.seqs:
             return []
         self._count_tokens(out)
-        logits, seqs = self.runner.run(out)
+        step = self.runner.run(out)
+        for seq, prompt_logits in step.prompt_logits:
+            seq.record_prompt_logprobs(torch.log_softmax(prompt_logits, dim=-1))
+        logits, seqs = step.logits, step.seqs
         self.scheduler.advance(out)
+        if self.eviction.evicts:
+            for seq in self.scheduler.running:
+                self.kv.evict(seq, self.scores)
         logits, seqs = self._fork_for_n(logits, seqs)
         result = sample(logits, seqs, self.generator)
         now = time.time()
@@ -263,11 +301,13 @@ class LLMEngine:
             "num_used_blocks": pool.num_used_blocks,
             "num_cached_blocks": pool.num_cached_blocks,
             "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
-            "num_tokens_stored": sum(s.num_computed_tokens for s in live),
-            "slot_waste_tokens": sum(self.kv.num_allocated_slots(s.request_id) - s.num_computed_tokens for s in live),
+            "num_tokens_stored": sum(self.kv.num_stored_tokens(s) for s in live),
+            "slot_waste_tokens": sum(self.kv.num_allocated_slots(s.request_id) - self.kv.num_stored_tokens(s)
+                                     for s in live),
             "num_running": len(live),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_evicted_blocks": self.kv.num_evicted_blocks,
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
             "prefix_cache_queries": queries,

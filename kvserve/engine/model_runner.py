@@ -7,18 +7,36 @@ import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.attention_mask import GroupChunk, group_keys
+from kvserve.kv.eviction import AttentionScores
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.kv.kv_cache_manager import KVCacheManager
+from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
 from kvserve.model.attention import AttentionGroup, AttentionMetadata
 from kvserve.model.llama import LlamaModel
+
+
+@dataclass
+class StepLogits:
+    logits: torch.Tensor  # [N, V] float32, row i for seqs[i]: the distribution its next token is sampled from
+    seqs: list[Sequence]
+    prompt_logits: list[tuple[Sequence, torch.Tensor]]  # [n, V] logits of the next n unscored prompt tokens
 
 
 @dataclass
 class _Chunk:
     offset: int  # index of the chunk's first token in the flat batch
     num_tokens: int
-    context_len: int  # tokens in the cache after this step, chunk included
-    block_ids: list[int]
+    context_len: int  # tokens computed after this step, chunk included
+    table: BlockTable  # the sequence's kept blocks
+    slots: list[int]  # cache slot of each new token
+
+    @property
+    def start(self) -> int:
+        return self.context_len - self.num_tokens
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.table.blocks)
 
 
 # A bucket's requests are padded to its longest context; a request joins it only if that wastes at most a third
@@ -29,8 +47,8 @@ MIN_BUCKET_FILL = 0.75
 def _buckets(chunks: list[_Chunk]) -> list[list[_Chunk]]:
     """Split chunks of one kind (decode or prefill) into groups of similar context length, longest first."""
     buckets: list[list[_Chunk]] = []
-    for chunk in sorted(chunks, key=lambda c: c.context_len, reverse=True):
-        if buckets and chunk.context_len >= MIN_BUCKET_FILL * buckets[-1][0].context_len:
+    for chunk in sorted(chunks, key=lambda c: c.num_keys, reverse=True):
+        if buckets and chunk.num_keys >= MIN_BUCKET_FILL * buckets[-1][0].num_keys:
             buckets[-1].append(chunk)
         else:
             buckets.append([chunk])
@@ -38,42 +56,69 @@ def _buckets(chunks: list[_Chunk]) -> list[list[_Chunk]]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu"):
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu",
+                 scores: AttentionScores | None = None):
         self.model = model
         self.cache = cache
         self.kv = kv
         self.block_size = kv.block_size
         self.device = device
+        self.scores = scores  # H2O's accumulated attention, when the eviction policy needs it
 
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Logits [N, V] for the N sequences whose last known token was computed this step, and those sequences."""
-        self.cache.copy_blocks([(c.src, c.dst) for c in out.block_copies])
+    def run(self, out: SchedulerOutput) -> StepLogits:
+        """Logits of the sequences whose last known token was computed this step, and of the prompt positions
+        whose log-probabilities were asked for."""
         input_ids, meta, chunks = self.build_batch(out)
+        freed = self.kv.pool.take_freed()
+        self.cache.begin_step(freed, [(c.src, c.dst) for c in out.block_copies], meta.slot_mapping)
+        if self.scores is not None:
+            self.scores.reset(freed)
         hidden = self.model.forward(input_ids, meta, self.cache)
         sampling = [(seq, c) for seq, c in zip(out.seqs, chunks) if c.context_len == len(seq.token_ids)]
         rows = torch.tensor([c.offset + c.num_tokens - 1 for _, c in sampling], dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu(), [seq for seq, _ in sampling]
+        prompt_logits = []
+        for seq, c in zip(out.seqs, chunks):
+            scored = self._prompt_rows(seq, c)
+            if scored is not None:
+                prompt_logits.append((seq, self.model.compute_logits(hidden[scored[0] : scored[1]]).cpu()))
+        return StepLogits(self.model.compute_logits(hidden[rows]).cpu(), [seq for seq, _ in sampling], prompt_logits)
+
+    @staticmethod
+    def _prompt_rows(seq: Sequence, chunk: _Chunk) -> tuple[int, int] | None:
+        """Rows of the flat batch whose logits score prompt tokens not scored yet (position p predicts token p+1;
+        the last prompt position predicts the first output token, which is sampled, not scored)."""
+        if seq.params.prompt_logprobs is None:
+            return None
+        start = chunk.context_len - chunk.num_tokens
+        first = max(start, seq.num_scored_prompt_tokens)  # a recomputed (preempted) prompt is scored once
+        end = min(chunk.context_len, seq.num_prompt_tokens - 1)
+        if first >= end:
+            return None
+        return chunk.offset + first - start, chunk.offset + end - start
 
     def build_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[_Chunk]]:
         tokens, positions, slots, chunks = [], [], [], []
         bs = self.block_size
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
-            block_ids = self.kv.block_ids(seq.request_id)
-            chunks.append(_Chunk(len(tokens), n, start + n, block_ids))
+            table = self.kv.block_table(seq.request_id)
+            first = table.index(start // bs)  # the chunk's blocks are the table's newest, in order
+            chunk_slots = [table.blocks[first + p // bs - start // bs].block_id * bs + p % bs
+                           for p in range(start, start + n)]
+            chunks.append(_Chunk(len(tokens), n, start + n, table, chunk_slots))
             tokens.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(chunk_slots)
         buckets = _buckets([c for c in chunks if c.num_tokens == 1]) + _buckets([c for c in chunks if c.num_tokens > 1])
         groups = [self._group(g, whole_batch=len(g) == len(chunks)) for g in buckets]
         meta = AttentionMetadata(
-            positions=self._tensor(positions), slot_mapping=self._tensor(slots), groups=groups
+            positions=self._tensor(positions), slot_mapping=self._tensor(slots), groups=groups, scores=self.scores
         )
         return self._tensor(tokens), meta, chunks
 
     def _group(self, chunks: list[_Chunk], whole_batch: bool) -> AttentionGroup:
-        """Pad the chunks to [S, Q] queries and, unless they are fresh prompts, describe the [S, B] blocks their
-        keys live in with a causal mask over them."""
+        """Pad the chunks to [S, Q] queries and, unless they are fresh prompts read exactly, describe the [S, B]
+        blocks their keys live in and which query sees which key."""
         num_q = max(c.num_tokens for c in chunks)
         q_idx = torch.arange(num_q)
         offsets = torch.tensor([c.offset for c in chunks])[:, None]
@@ -84,21 +129,26 @@ class ModelRunner:
         if not (whole_batch and bool(valid.all())):
             out_rows = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
             out_tokens = query_index.reshape(-1)[out_rows].to(self.device)
-        fresh = all(c.context_len == c.num_tokens > 1 for c in chunks)
-        table, mask = (None, None) if fresh else self._blocks_and_mask(chunks, lengths, q_idx, valid)
-        return AttentionGroup(query_index.to(self.device), table, mask, out_rows, out_tokens, fresh)
-
-    def _blocks_and_mask(self, chunks: list[_Chunk], lengths: torch.Tensor, q_idx: torch.Tensor,
-                         valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.block_size
-        context = torch.tensor([c.context_len for c in chunks])[:, None]
-        query_pos = torch.where(valid, context - lengths + q_idx, 0)  # padded rows attend to key 0 only
-        max_blocks = -(-int(context.max()) // bs)
-        table = torch.tensor([c.block_ids[:max_blocks] + [0] * (max_blocks - len(c.block_ids[:max_blocks]))
-                              for c in chunks])
-        key_pos = torch.arange(max_blocks * bs)
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
-        return table.to(self.device), mask.to(self.device)
+        plain = self.cache.exact and not self.kv.eviction.evicts
+        if plain and all(c.context_len == c.num_tokens > 1 for c in chunks):
+            return AttentionGroup(query_index.to(self.device), None, None, out_rows, out_tokens, fresh=True)
+        keys = group_keys([GroupChunk(c.start, c.num_tokens, [b.block_id for b in c.table.blocks], c.table.logical,
+                                      c.slots) for c in chunks],
+                          q_idx, valid, self.block_size, self.cache.exact_own_block, self.kv.eviction,
+                          self.model.rotary)
+        dev = self.device
+        return AttentionGroup(
+            query_index.to(dev), keys.table.to(dev), keys.mask.to(dev), out_rows, out_tokens, False,
+            residual_blocks=_to(keys.residual_blocks, dev),
+            key_slots=keys.key_slots.to(dev) if self.scores is not None else None,
+            query_valid=valid.to(dev) if self.scores is not None else None,
+            sink_keys=_to(keys.sink_keys, dev),
+            sink_rotation=tuple(t.to(dev) for t in keys.sink_rotation) if keys.sink_rotation else None,
+        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _to(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return tensor.to(device) if tensor is not None else None

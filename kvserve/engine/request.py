@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.engine.sequence import Sequence
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -38,6 +40,7 @@ class Request:
             for seq in sorted(self.sequences, key=lambda s: s.index)
         ]
         return RequestOutput(
+            prompt_logprobs=self._prompt_logprobs(),
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
@@ -46,3 +49,12 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )
+
+    def _prompt_logprobs(self) -> list[dict[int, float] | None] | torch.Tensor | None:
+        if self.params.prompt_logprobs is None or not self.sequences:
+            return None
+        scored = self.sequences[0].prompt_logprobs  # the prompt is computed once, by the first sequence
+        if self.params.prompt_logprobs != -1:
+            return [None, *scored]
+        vocab = scored[0].shape[1] if scored else 0
+        return torch.cat([torch.full((1, vocab), float("nan")), *scored])

@@ -71,7 +71,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.kv.find_cached_prefix(seq)
+            # a prompt whose log-probabilities were asked for is computed whole: cached blocks keep no logits
+            cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             num_cached_tokens = len(cached) * self.kv.block_size
             n = min(len(seq.token_ids) - num_cached_tokens, budget)
             if self.kv.allocate(seq, n, cached) is None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    # prompt_logprobs: one dict per scored prompt token, or [n, vocab] tensors for the whole vocabulary (-1)
+    prompt_logprobs: list[dict[int, float] | torch.Tensor] = field(default_factory=list)
+    num_scored_prompt_tokens: int = 0  # prompt tokens after the first whose log-probabilities were recorded
     cumulative_logprob: float = 0.0
     forked: bool = False  # True once the n-1 siblings of sample 0 exist
     num_preemptions: int = 0
@@ -52,6 +55,22 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def record_prompt_logprobs(self, logprobs: torch.Tensor) -> None:
+        """Log-softmax rows [n, vocab] predicting the next `n` unscored prompt tokens."""
+        k = self.params.prompt_logprobs
+        first = self.num_scored_prompt_tokens + 1
+        self.num_scored_prompt_tokens += len(logprobs)
+        if k == -1:
+            self.prompt_logprobs.append(logprobs)
+            return
+        actual = torch.tensor(self.token_ids[first : first + len(logprobs)])
+        chosen = logprobs.gather(1, actual[:, None]).squeeze(1).tolist()
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        for token_id, value, ids, values in zip(actual.tolist(), chosen, top_ids.tolist(), top_values.tolist()):
+            entry = dict(zip(ids, values))
+            entry[token_id] = value
+            self.prompt_logprobs.append(entry)
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
         """Add a sampled token and decide whether the sequence is done."""

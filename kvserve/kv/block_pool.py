@@ -27,6 +27,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, Block] = {}
+        self._freed_since_taken: list[int] = []  # blocks whose contents stopped mattering, for the storage
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,6 +75,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                self._freed_since_taken.append(block.block_id)
+
+    def take_freed(self) -> list[int]:
+        """Blocks whose last reference went since the last call (a storage format may drop per-block state)."""
+        freed, self._freed_since_taken = self._freed_since_taken, []
+        return freed
 
     def register(self, block: Block, block_hash: BlockHash) -> None:
         """Make a full block findable by its prefix key (the first block with a key keeps it)."""

@@ -1,7 +1,11 @@
 """Attention over a flat batch of tokens whose K/V live in the paged cache.
 
 The batch mixes requests in prefill (many query tokens) and decode (one). Requests with the same kind of work
-form a group; each group is one padded scaled-dot-product call per layer, reading K/V through precomputed slots."""
+form a group; each group is one padded attention call per layer, over K/V gathered from the cache in whole
+blocks. A format that keeps a sequence's newest tokens in full precision (int4) adds them as extra keys after the
+gathered ones; the runner's mask says which query sees which key. Groups are one fused scaled-dot-product call,
+except where the scores themselves are needed: H2O accumulates them, and StreamingLLM scores its sink keys with a
+differently rotated query."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,17 +13,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.eviction import AttentionScores
 from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.model.rotary import apply_rotary
 
 
 @dataclass
 class AttentionGroup:
     query_index: torch.Tensor  # [S, Q] flat token index of each (request, query row); padding points at 0
     block_tables: torch.Tensor | None  # [S, B] each request's blocks, padded with block 0 (None when fresh)
-    mask: torch.Tensor | None  # [S, 1, Q, B * block_size] True where that query may attend to that key
+    mask: torch.Tensor | None  # [S, 1, Q, keys] True where that query may attend to that key
     out_rows: torch.Tensor | None  # [M] rows of the padded [S*Q] output that are real tokens (None: all are)
     out_tokens: torch.Tensor | None  # [M] flat token index of each of those rows (None: rows are tokens in order)
-    fresh: bool = False  # every request starts at position 0: its keys are this step's, so read no cache
+    fresh: bool = False  # every request starts at position 0 and reads exactly: its keys are this step's own
+    # cache.exact_own_block: the block whose staged, full-precision tokens precede each request's chunk (-1: none);
+    # keys are then [gathered blocks | that block's staged tokens | the chunk's new tokens]
+    residual_blocks: torch.Tensor | None = None
+    key_slots: torch.Tensor | None = None  # [S, keys] cache slot of each key (-1: none), where H2O adds scores
+    query_valid: torch.Tensor | None = None  # [S, Q] real (not padded) query rows, for H2O
+    sink_keys: torch.Tensor | None = None  # [S, A] which of the first A keys are StreamingLLM sinks ...
+    sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # ... scored with queries rotated by this
 
 
 @dataclass
@@ -29,6 +42,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     groups: list[AttentionGroup]
+    scores: AttentionScores | None = None  # H2O: where each layer adds the attention each key received
 
 
 def paged_attention(
@@ -43,17 +57,17 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
     cache.write(layer, meta.slot_mapping, k, v)
     if len(meta.groups) == 1 and meta.groups[0].out_rows is None:
-        return _group_attention(q, k, v, layer, cache, meta.groups[0], scale).reshape(q.shape)
+        return _group_attention(q, k, v, layer, cache, meta, meta.groups[0], scale).reshape(q.shape)
     out = torch.empty_like(q)
     for group in meta.groups:
-        rows = _group_attention(q, k, v, layer, cache, group, scale).reshape(-1, *q.shape[1:])
+        rows = _group_attention(q, k, v, layer, cache, meta, group, scale).reshape(-1, *q.shape[1:])
         out[group.out_tokens] = rows[group.out_rows] if group.out_rows is not None else rows
     return out
 
 
 def _group_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache, group: AttentionGroup,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache, meta: AttentionMetadata,
+    group: AttentionGroup, scale: float,
 ) -> torch.Tensor:
     queries = q[group.query_index]  # [S, Q, H, D]
     if group.fresh:
@@ -62,7 +76,13 @@ def _group_attention(
         keys, values, mask = k[group.query_index], v[group.query_index], None
     else:
         keys, values = cache.gather(layer, group.block_tables)  # [S, C, KVH, D]
+        if group.residual_blocks is not None:
+            staged_k, staged_v = cache.gather_residual(layer, group.residual_blocks)
+            keys = torch.cat([keys, staged_k, k[group.query_index]], dim=1)
+            values = torch.cat([values, staged_v, v[group.query_index]], dim=1)
         mask = group.mask
+    if meta.scores is not None or group.sink_rotation is not None:
+        return _scored_attention(queries, keys, values, mask, scale, group, meta.scores)
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),
         keys.transpose(1, 2),
@@ -73,3 +93,31 @@ def _group_attention(
         enable_gqa=True,
     )
     return out.transpose(1, 2)  # [S, Q, H, D]
+
+
+def _scored_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float, group: AttentionGroup, scores: AttentionScores | None) -> torch.Tensor:
+    """Attention written out, for when the probabilities are needed or sink keys take a rotated query."""
+    S, Q, H, D = queries.shape
+    kv_heads = keys.shape[2]
+    per_kv = H // kv_heads
+
+    def logits(qs: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:  # [S, KVH, per_kv * Q, K]
+        qs = qs.view(S, Q, kv_heads, per_kv, D).permute(0, 2, 3, 1, 4).reshape(S, kv_heads, per_kv * Q, D)
+        return qs @ ks.permute(0, 2, 3, 1) * scale
+
+    weights = logits(queries, keys)
+    if group.sink_rotation is not None:
+        cos, sin = group.sink_rotation
+        num_sink = group.sink_keys.shape[1]
+        rotated = logits(apply_rotary(queries, cos, sin), keys[:, :num_sink])
+        is_sink = group.sink_keys[:, None, None, :]
+        weights[..., :num_sink] = torch.where(is_sink, rotated, weights[..., :num_sink])
+    weights = weights.view(S, kv_heads, per_kv, Q, -1).masked_fill(~mask.view(S, 1, 1, Q, -1), float("-inf"))
+    probs = weights.softmax(dim=-1)
+    if scores is not None:
+        received = (probs * group.query_valid.view(S, 1, 1, Q, 1)).sum(dim=(1, 2, 3))  # [S, K]
+        taken = group.key_slots >= 0
+        scores.per_slot.index_add_(0, group.key_slots[taken], received[taken].float())
+    out = probs.view(S, kv_heads, per_kv * Q, -1) @ values.permute(0, 2, 1, 3)  # [S, KVH, per_kv * Q, D]
+    return out.view(S, kv_heads, per_kv, Q, D).permute(0, 3, 1, 2, 4).reshape(S, Q, H, D)

@@ -33,14 +33,21 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: str | torch.device = "cpu"):
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin as [T, 1, head_dim], ready to broadcast over heads."""
+        """cos, sin as [T, 1, head_dim], ready to broadcast over heads. Positions past the table (a streaming
+        sequence grows without end) are computed on the spot, in float64 so large angles stay exact."""
+        if len(positions) and int(positions.max()) >= len(self.cos):
+            freqs = positions.double()[:, None].cpu() * self.inv_freq.double()[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = emb.cos().to(dtype=self.cos.dtype, device=self.cos.device)
+            sin = emb.sin().to(dtype=self.sin.dtype, device=self.sin.device)
+            return cos.unsqueeze(1), sin.unsqueeze(1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

@@ -76,6 +76,8 @@ class KVCachePlan:
     max_model_len: int
     kv_bytes_per_token: int
     num_blocks: int
+    max_blocks_per_request: int | None = None  # a KV eviction policy's bound on one sequence's blocks
+    eviction: str = "none"
 
     @property
     def block_bytes(self) -> int:
@@ -91,7 +93,10 @@ class KVCachePlan:
 
     def request_bytes(self, tokens: int) -> int:
         """Memory one request of `tokens` needs: its KV blocks (windows applied) plus any fixed state."""
-        return request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size) + fixed_state_bytes(self.spec)
+        kv = request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
+        if self.max_blocks_per_request is not None:
+            kv = min(kv, self.max_blocks_per_request * self.block_bytes)
+        return kv + fixed_state_bytes(self.spec)
 
     def concurrency(self, tokens: int) -> float:
         """How many requests of `tokens` tokens the cache holds at once."""
@@ -133,12 +138,17 @@ class KVCachePlan:
             "raise kv_cache_memory / --gpu-memory-utilization, use --kv-cache-dtype fp8, or a GPU with more memory."
         )
 
-    def summary_line(self) -> str:
-        """The start-up capacity line the engine logs."""
+    def summary_line(self, kv_format: str | None = None) -> str:
+        """The start-up capacity line the engine logs, naming the storage format when given."""
+        per_request = f"{self.max_model_len:,} tokens per request"
+        if self.max_blocks_per_request is not None:
+            per_request = (f"{self.eviction} eviction, at most {self.max_blocks_per_request:,} blocks per request "
+                           "at any length")
         return (
-            f"KV cache: {self.num_blocks:,} blocks × {self.block_size} tokens = {self.kv_cache_tokens:,} tokens, "
-            f"{self.kv_cache_bytes / GiB:.2f} GiB ({self.kv_bytes_per_token / KiB:.1f} KiB/token); "
-            f"maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"
+            f"KV cache{f' ({kv_format})' if kv_format else ''}: {self.num_blocks:,} blocks × {self.block_size} "
+            f"tokens = {self.kv_cache_tokens:,} tokens, {self.kv_cache_bytes / GiB:.2f} GiB "
+            f"({self.kv_bytes_per_token / KiB:.1f} KiB/token); maximum concurrency for {per_request}: "
+            f"{self.max_concurrency:.2f}x"
         )
 
 
@@ -160,15 +170,18 @@ def plan_kv_cache(
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_cache_dtype: str = "bf16",
     max_model_len: int | None = None,
+    eviction: str = "none",
+    max_blocks_per_request: int | None = None,
 ) -> KVCachePlan:
-    """Blocks that fit in kv_budget_bytes for this model and dtype; max_model_len defaults to the model's."""
+    """Blocks that fit in kv_budget_bytes for this model and dtype; max_model_len defaults to the model's.
+    With a KV eviction policy, `max_blocks_per_request` bounds what one request holds at any length."""
     if kv_budget_bytes < 0:
         raise ValueError(f"KV cache budget must not be negative, got {kv_budget_bytes} bytes")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     max_model_len = resolve_max_model_len(spec, max_model_len)
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, spec)
-    per_token = kv_bytes_per_token(spec, kv_dtype)
+    per_token = kv_bytes_per_token(spec, kv_dtype, block_size)
     if per_token == 0:
         raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")
     return KVCachePlan(
@@ -179,4 +192,6 @@ def plan_kv_cache(
         max_model_len=max_model_len,
         kv_bytes_per_token=per_token,
         num_blocks=int(kv_budget_bytes) // (block_size * per_token),
+        max_blocks_per_request=max_blocks_per_request,
+        eviction=eviction,
     )

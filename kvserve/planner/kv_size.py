@@ -1,13 +1,14 @@
 """KV cache sizes: bytes per element, per token and per request, including quantization scales.
 
-How kvserve stores each KV dtype (the scales are part of the cache, so they are part of its size):
+How kvserve stores each KV dtype (the scales are part of the cache, so they are part of its size; the engine's
+storage formats in kvserve/kv/ allocate exactly this, and a test holds them to it):
 - bf16 / fp16 / fp32: plain elements, no scales.
-- fp8 (e4m3) / fp8_e5m2: 1 byte per element and one fp32 scale per layer for K and one for V. Those
-  scales do not grow with tokens, so the per-token size is exactly half of bf16.
-- int8: 1 byte per element plus one fp16 scale per token, layer and head vector (symmetric), i.e. for
-  GQA 2 bytes per KV head for K and again for V; for MLA 2 bytes per cached latent.
-- int4: 2 elements per byte plus an fp16 scale and an fp16 zero point per group of 32 elements
-  (asymmetric, as in KIVI or llama.cpp's q4_1): 0.125 extra bytes per element.
+- fp8 (e4m3) / fp8_e5m2: 1 byte per element plus one fp16 scale per token, layer and head vector (dynamic,
+  symmetric): 2 bytes per KV head for K and again for V; for MLA 2 bytes per cached latent.
+- int8: the same layout with int8 elements.
+- int4 (KIVI): 2 elements per byte; values carry an fp16 scale and an fp16 zero point per token and head
+  vector; keys carry them per channel per block (one pair for each of head_dim channels, shared by the
+  block's tokens): head_dim x 4 / block_size bytes per token and head. For MLA the latent is treated as a value.
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
 
 NO_SCALE = "none"
-PER_LAYER = "layer"  # one scale per layer and tensor: no per-token cost
 PER_VECTOR = "vector"  # one scale (and zero point) per token, layer and head vector
-PER_GROUP = "group"  # one scale (and zero point) per group_size elements
+PER_CHANNEL = "channel"  # one scale (and zero point) per element position per block, shared by the block's tokens
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -28,33 +29,35 @@ class KVDtype:
     name: str
     element_bits: int
     scale_scope: str = NO_SCALE
-    group_size: int = 0
     scale_bytes: int = 0
     zero_point_bytes: int = 0
+    key_scale_scope: str | None = None  # keys scaled differently from values (KIVI: PER_CHANNEL)
 
-    def vector_bytes(self, elements: int) -> int:
-        """Bytes one stored vector of `elements` values takes, scales included."""
+    def scope(self, key: bool) -> str:
+        return self.key_scale_scope if key and self.key_scale_scope else self.scale_scope
+
+    def vector_bytes(self, elements: int, block_size: int = DEFAULT_BLOCK_SIZE, key: bool = False) -> int:
+        """Bytes one stored vector of `elements` values takes per token, scales included."""
         data = -(-elements * self.element_bits // 8)
         per_scale = self.scale_bytes + self.zero_point_bytes
-        if self.scale_scope == PER_VECTOR:
+        scope = self.scope(key)
+        if scope == PER_VECTOR:
             return data + per_scale
-        if self.scale_scope == PER_GROUP:
-            return data + -(-elements // self.group_size) * per_scale
+        if scope == PER_CHANNEL:
+            if elements * per_scale % block_size:
+                raise ValueError(f"{self.name} keeps {per_scale} bytes per channel per block: block_size "
+                                 f"{block_size} must divide {elements * per_scale} ({elements} channels)")
+            return data + elements * per_scale // block_size
         return data
-
-    def scales_per_vector(self, elements: int) -> int:
-        if self.scale_scope == PER_VECTOR:
-            return 1
-        return -(-elements // self.group_size) if self.scale_scope == PER_GROUP else 0
 
 
 BF16 = KVDtype("bf16", 16)
 FP16 = KVDtype("fp16", 16)
 FP32 = KVDtype("fp32", 32)
-FP8_E4M3 = KVDtype("fp8", 8, PER_LAYER, scale_bytes=4)
-FP8_E5M2 = KVDtype("fp8_e5m2", 8, PER_LAYER, scale_bytes=4)
+FP8_E4M3 = KVDtype("fp8", 8, PER_VECTOR, scale_bytes=2)
+FP8_E5M2 = KVDtype("fp8_e5m2", 8, PER_VECTOR, scale_bytes=2)
 INT8 = KVDtype("int8", 8, PER_VECTOR, scale_bytes=2)
-INT4 = KVDtype("int4", 4, PER_GROUP, group_size=32, scale_bytes=2, zero_point_bytes=2)
+INT4 = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2, key_scale_scope=PER_CHANNEL)
 
 KV_DTYPES = {
     "bf16": BF16, "bfloat16": BF16,
@@ -77,13 +80,17 @@ def resolve_kv_dtype(name: str, spec: ModelSpec) -> KVDtype:
     return KV_DTYPES[name]
 
 
-def kv_bytes_per_token_per_layer(spec: ModelSpec, dtype: KVDtype) -> int:
-    return spec.kv_vectors_per_layer * dtype.vector_bytes(spec.kv_vector_elements)
+def kv_bytes_per_token_per_layer(spec: ModelSpec, dtype: KVDtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """One token's K and V vectors in one layer (MLA: its one latent, stored like a value)."""
+    if spec.is_mla:
+        return dtype.vector_bytes(spec.kv_vector_elements, block_size)
+    key = dtype.vector_bytes(spec.head_dim, block_size, key=True)
+    return spec.num_kv_heads * (key + dtype.vector_bytes(spec.head_dim, block_size))
 
 
-def kv_bytes_per_token(spec: ModelSpec, dtype: KVDtype) -> int:
+def kv_bytes_per_token(spec: ModelSpec, dtype: KVDtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Bytes one token adds to a uniform pool: every layer that holds KV (full and sliding attention)."""
-    return spec.num_kv_layers * kv_bytes_per_token_per_layer(spec, dtype)
+    return spec.num_kv_layers * kv_bytes_per_token_per_layer(spec, dtype, block_size)
 
 
 def round_up_to_blocks(tokens: int, block_size: int) -> int:
@@ -92,7 +99,7 @@ def round_up_to_blocks(tokens: int, block_size: int) -> int:
 
 def request_kv_bytes(spec: ModelSpec, dtype: KVDtype, tokens: int, block_size: int) -> int:
     """KV one request of `tokens` holds in whole blocks; sliding layers never hold more than their window."""
-    per_layer_block = block_size * kv_bytes_per_token_per_layer(spec, dtype)
+    per_layer_block = block_size * kv_bytes_per_token_per_layer(spec, dtype, block_size)
     full_blocks = spec.num_layers_of(FULL) * round_up_to_blocks(tokens, block_size)
     sliding_blocks = 0
     if spec.sliding_window is not None:
@@ -107,3 +114,14 @@ def fixed_state_bytes(spec: ModelSpec) -> int:
         return 0
     dtype = KV_DTYPES.get(spec.torch_dtype, BF16)
     return spec.num_layers_of(LINEAR) * dtype.vector_bytes(spec.linear_state_elements)
+
+
+def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,
+                        block_size: int) -> int | None:
+    """The most blocks one sequence holds under a KV eviction policy (between steps), or None when unbounded:
+    streaming keeps the sink and recent-window blocks plus the one being filled; h2o its budget plus that one."""
+    if policy == "streaming":
+        return round_up_to_blocks(sink_tokens, block_size) + round_up_to_blocks(recent_tokens, block_size) + 1
+    if policy == "h2o":
+        return round_up_to_blocks(budget_tokens, block_size) + 1
+    return None

@@ -9,8 +9,7 @@ from rich.table import Table
 from kvserve.planner.capacity import KVCachePlan, MemoryBudget
 from kvserve.planner.conversation import ConversationPlan
 from kvserve.planner.kv_size import (
-    PER_GROUP,
-    PER_LAYER,
+    PER_CHANNEL,
     PER_VECTOR,
     KVDtype,
     fixed_state_bytes,
@@ -40,7 +39,7 @@ class PlanReport:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.spec, self.kv_dtype)
+        return kv_bytes_per_token(self.spec, self.kv_dtype, self.block_size)
 
     @property
     def error(self) -> str | None:
@@ -52,36 +51,41 @@ class PlanReport:
         return request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
 
 
-def kv_formula(spec: ModelSpec, dtype: KVDtype) -> str:
+def kv_formula(spec: ModelSpec, dtype: KVDtype, block_size: int) -> str:
     """The bytes-per-token formula with this model's numbers substituted."""
     layers = f"{spec.num_kv_layers} layers"
     if spec.num_kv_layers != spec.num_layers:
         layers = f"{spec.num_kv_layers} attention layers (of {spec.num_layers})"
     if spec.is_mla:
         vector = f"({spec.kv_lora_rank} kv_lora_rank + {spec.qk_rope_head_dim} qk_rope_head_dim)"
-        head = f"{layers} × {_vector_bytes(vector, spec.kv_vector_elements, dtype)}"
+        head = f"{layers} × {_vector_bytes(vector, spec.kv_vector_elements, dtype, block_size, False)}"
     else:
         vector = f"{spec.head_dim} head_dim"
-        head = f"2 (K, V) × {layers} × {spec.num_kv_heads} KV heads × {_vector_bytes(vector, spec.head_dim, dtype)}"
-    total = kv_bytes_per_token(spec, dtype)
+        key = _vector_bytes(vector, spec.head_dim, dtype, block_size, True)
+        value = _vector_bytes(vector, spec.head_dim, dtype, block_size, False)
+        heads = f"{layers} × {spec.num_kv_heads} KV heads"
+        head = f"2 (K, V) × {heads} × {value}" if key == value else f"{heads} × (K {key} + V {value})"
+    total = kv_bytes_per_token(spec, dtype, block_size)
     return f"KV bytes/token = {head} = {total:,} B = {format_bytes(total)}"
 
 
-def _vector_bytes(vector: str, elements: int, dtype: KVDtype) -> str:
+def _vector_bytes(vector: str, elements: int, dtype: KVDtype, block_size: int, key: bool) -> str:
     element = f"{dtype.element_bits / 8:g} B ({dtype.name})"
-    if dtype.scale_scope not in (PER_VECTOR, PER_GROUP):
-        return f"{vector} × {element}"
-    scales = dtype.scales_per_vector(elements)
+    scope = dtype.scope(key)
+    per_scale = dtype.scale_bytes + dtype.zero_point_bytes
     what = "scale" if not dtype.zero_point_bytes else "scale + zero point"
-    count = f"{scales} × " if scales > 1 else ""
-    return f"({vector} × {element} + {count}{dtype.scale_bytes + dtype.zero_point_bytes} B {what})"
+    if scope == PER_VECTOR:
+        return f"({vector} × {element} + {per_scale} B {what})"
+    if scope == PER_CHANNEL:
+        return f"({vector} × {element} + {elements} channels × {per_scale} B {what} / {block_size}-token block)"
+    return f"{vector} × {element}"
 
 
-def kv_notes(spec: ModelSpec, dtype: KVDtype) -> list[str]:
+def kv_notes(spec: ModelSpec, dtype: KVDtype, block_size: int) -> list[str]:
     """What the formula alone does not say: windows, fixed states, quantization scales."""
     notes = []
     if spec.num_layers_of(SLIDING):
-        grow = spec.num_layers_of(FULL) * kv_bytes_per_token_per_layer(spec, dtype)
+        grow = spec.num_layers_of(FULL) * kv_bytes_per_token_per_layer(spec, dtype, block_size)
         past = f"grows by {format_bytes(grow)}/token" if grow else "stops growing"
         notes.append(
             f"{spec.num_layers_of(SLIDING)} of {spec.num_layers} layers attend to a {spec.sliding_window:,}-token "
@@ -91,12 +95,13 @@ def kv_notes(spec: ModelSpec, dtype: KVDtype) -> list[str]:
         state = fixed_state_bytes(spec)
         size = f"a fixed {format_bytes(state)} per request" if state else "a fixed state (size not in the config)"
         notes.append(f"{spec.num_layers_of(LINEAR)} linear-attention layers hold no KV, only {size}.")
-    if dtype.scale_scope == PER_LAYER:
-        notes.append(f"{dtype.name}: one fp32 scale per layer for K and for V; nothing per token.")
+    if dtype.key_scale_scope == PER_CHANNEL:
+        notes.append(f"{dtype.name} (KIVI): keys get an fp16 scale and zero point per channel per {block_size}-token "
+                     "block, values per token and head; each sequence's partly filled last block stays in full "
+                     "precision outside the pool.")
     elif dtype.scale_scope == PER_VECTOR:
-        notes.append(f"{dtype.name}: one fp16 scale per token, layer and head vector (symmetric).")
-    elif dtype.scale_scope == PER_GROUP:
-        notes.append(f"{dtype.name}: an fp16 scale and fp16 zero point per {dtype.group_size} elements.")
+        kind = "symmetric" if not dtype.zero_point_bytes else "asymmetric"
+        notes.append(f"{dtype.name}: one fp16 scale per token, layer and head vector ({kind}, dynamic).")
     return notes
 
 
@@ -110,7 +115,7 @@ def report_to_json(report: PlanReport) -> dict:
         "kv_cache_dtype": report.kv_dtype.name,
         "block_size": report.block_size,
         "kv_bytes_per_token": report.kv_bytes_per_token,
-        "kv_bytes_per_token_formula": kv_formula(spec, report.kv_dtype),
+        "kv_bytes_per_token_formula": kv_formula(spec, report.kv_dtype, report.block_size),
         "fixed_state_bytes_per_request": fixed_state_bytes(spec),
         "num_parameters": spec.num_parameters,
         "weights_bytes": report.weights_bytes,
@@ -154,8 +159,8 @@ def render_report(report: PlanReport, console: Console) -> None:
         f"[bold]{spec.name}[/bold] ({spec.model_type}, {spec.attention_kind}: {spec.num_attention_heads} query heads, "
         f"{spec.num_kv_heads} KV heads, {spec.num_layers} layers, max {spec.max_position_embeddings:,} tokens)"
     )
-    console.print(kv_formula(spec, report.kv_dtype), highlight=False, soft_wrap=True)
-    for note in kv_notes(spec, report.kv_dtype):
+    console.print(kv_formula(spec, report.kv_dtype, report.block_size), highlight=False, soft_wrap=True)
+    for note in kv_notes(spec, report.kv_dtype, report.block_size):
         console.print(f"  • {note}", highlight=False, soft_wrap=True)
     weights = format_bytes(report.weights_bytes) if report.weights_bytes is not None else "unknown"
     console.print(f"Weights: {report.weights_source} = {weights}", highlight=False)

@@ -41,7 +41,28 @@ def test_engine_allocates_the_planned_cache_and_logs_its_line(model_dirs, kind, 
     assert engine.cache.k.shape[1] == plan.kv_cache_tokens == plan.num_blocks * 16
     assert llm.stats()["num_blocks"] == plan.num_blocks
     logged = [r.getMessage() for r in caplog.records if r.name == "kvserve"]
-    assert logged == [plan.summary_line()]
+    assert logged == [plan.summary_line("float32")]
+
+
+@pytest.mark.parametrize("kv_cache_dtype, described", [
+    ("bfloat16", "bfloat16"), ("fp8", "fp8_e4m3, per-token-head scales"), ("fp8_e5m2", "fp8_e5m2, per-token-head scales"),
+    ("int8", "int8, per-token-head scales"), ("int4", "int4, keys per channel per block"),
+])
+def test_engine_allocates_what_the_planner_predicts_for_each_format(model_dirs, kv_cache_dtype, described, caplog):
+    model_dir = model_dirs["qwen3-wide-heads"]
+    planner_name = {"fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
+    plan = plan_kv_cache(ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text())),
+                         parse_size("1MiB"), 16, planner_name, MAX_MODEL_LEN)
+    caplog.set_level(logging.INFO, logger="kvserve")
+    engine = LLM(str(model_dir), kv_cache_memory="1MiB", max_model_len=MAX_MODEL_LEN,
+                 kv_cache_dtype=kv_cache_dtype).engine
+
+    assert engine.kv.pool.num_blocks == plan.num_blocks
+    assert engine.cache.nbytes == plan.kv_bytes_per_token * plan.kv_cache_tokens <= parse_size("1MiB")
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvserve"]
+    assert len(logged) == 1 and logged[0].startswith(f"KV cache ({described}")
+    assert logged[0].startswith(plan.summary_line(engine.cache.describe()))
+    assert ("full-precision staging" in logged[0]) == (kv_cache_dtype == "int4")
 
 
 @pytest.fixture(scope="module")

@@ -221,8 +221,8 @@ def test_max_model_len_above_the_models_positions_is_refused(model_dir):
     ("max_model_len", 0, "max_model_len must be a positive integer"),
     ("max_model_len", 100.5, "max_model_len must be a positive integer"),
     ("dtype", "float64", "dtype='float64' is not supported"),
-    ("kv_cache_dtype", "fp8", "kv_cache_dtype='fp8' is not supported"),
-    ("kv_cache_dtype", "bfloat16", "kv_cache_dtype='bfloat16' is not supported"),  # differs from dtype float32
+    ("kv_cache_dtype", "int3", "kv_cache_dtype='int3' is not supported; choose one of auto, .*int8, int4"),
+    ("kv_cache_dtype", "fp4", "kv_cache_dtype='fp4' is not supported"),
     ("kv_cache_memory", "2XB", "cannot read '2XB' as a size"),
     ("kv_cache_memory", "-1GiB", "cannot read '-1GiB' as a size"),
     ("kv_cache_memory", 0, "size must be positive"),

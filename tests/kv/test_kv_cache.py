@@ -2,13 +2,13 @@
 moves whole blocks of K and V in every layer."""
 import torch
 
-from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.kv_cache import FullPrecisionKVCache
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 3, 6, 4, 2, 5
 
 
-def make_cache(dtype=torch.float32) -> PagedKVCache:
-    return PagedKVCache(LAYERS, BLOCKS, BS, HEADS, DIM, dtype=dtype)
+def make_cache(dtype=torch.float32) -> FullPrecisionKVCache:
+    return FullPrecisionKVCache(LAYERS, BLOCKS, BS, HEADS, DIM, dtype=dtype)
 
 
 def test_write_then_gather_round_trips_at_arbitrary_slots():

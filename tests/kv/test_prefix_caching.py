@@ -147,7 +147,8 @@ def check_live_blocks(llm: LLM) -> None:
     assert {b.block_id: b.ref_cnt for b in kv.pool.blocks if b.ref_cnt} == dict(holders)
     for seq in live:
         computed = seq.token_ids[: seq.num_computed_tokens]
-        for block_id, key in zip(kv.block_ids(seq.request_id), hash_full_blocks(computed, BS, seq.cache_salt)):
+        for block_id, key in zip(kv.block_ids(seq.request_id), hash_full_blocks(computed, BS, seq.cache_salt,
+                                                                                  namespace=kv.hash_namespace)):
             assert kv.pool.blocks[block_id].block_hash in (None, key)
 
 

@@ -1,7 +1,8 @@
 """GPU budget → blocks, tokens and concurrency; the refusal; the engine's start-up line."""
 import pytest
+import torch
 
-from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.formats import make_kv_cache
 from kvserve.planner.capacity import DEFAULT_OVERHEAD_BYTES, MemoryBudget, plan_kv_cache
 from kvserve.planner.gpus import gpu_memory_bytes
 from kvserve.planner.loaders import load_model_spec
@@ -52,9 +53,9 @@ def test_8b_on_a_4090_at_8192_serves_about_five_requests():
     assert 4.5 <= plan.max_concurrency <= 5.6
 
 
-def test_fp8_kv_on_a_4090_doubles_tokens_and_concurrency():
+def test_fp8_kv_on_a_4090_about_doubles_tokens_and_concurrency():
     plan = rtx_4090_plan(kv_cache_dtype="fp8", max_model_len=8_192)
-    assert plan.kv_bytes_per_token == 64 * 1024
+    assert plan.kv_bytes_per_token == 64 * 1024 + 1024  # plus an fp16 scale per head vector
     assert 76_000 <= plan.kv_cache_tokens <= 92_000
     assert 9 <= plan.max_concurrency <= 11
 
@@ -85,11 +86,13 @@ def test_summary_line_format():
     )
 
 
-def test_plan_matches_the_storage_the_engine_allocates():
+@pytest.mark.parametrize("kv_format", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+def test_plan_matches_the_storage_the_engine_allocates(kv_format):
     spec = load_model_spec("smollm2-135m")
-    plan = plan_kv_cache(spec, 8 * 1024 * 1024 + 123, 16, "fp32", 2_048)
-    cache = PagedKVCache(spec.num_layers, plan.num_blocks, plan.block_size, spec.num_kv_heads, spec.head_dim)
-    assert cache.nbytes == plan.kv_cache_bytes
+    plan = plan_kv_cache(spec, 8 * 1024 * 1024 + 123, 16, kv_format, 2_048)
+    cache = make_kv_cache(kv_format, spec.num_layers, plan.num_blocks, plan.block_size, spec.num_kv_heads,
+                          spec.head_dim, torch.float32)
+    assert cache.nbytes == plan.kv_bytes_per_token * plan.kv_cache_tokens == plan.kv_cache_bytes
     assert cache.k.shape[1] == plan.kv_cache_tokens
 
 

@@ -2,6 +2,7 @@
 import pytest
 
 from kvserve.planner.kv_size import (
+    KV_DTYPES,
     fixed_state_bytes,
     kv_bytes_per_token,
     request_kv_bytes,
@@ -40,9 +41,10 @@ def test_llama_3_8b_4096_tokens_batch_1_is_536_mb():
     assert per_request("llama-3.1-8b", 4_096, "fp16") == 536_870_912
 
 
-def test_fp8_halves_bf16_because_its_scales_are_per_layer():
-    assert per_token("llama-3.1-8b", "fp8") == 64 * KiB
-    assert per_token("llama-3.1-8b", "fp8_e5m2") == 64 * KiB
+def test_fp8_pays_one_fp16_scale_per_head_vector():
+    # 2 (K, V) × 32 layers × 8 heads × (128 × 1 B + 2 B): dynamic per-token-head scales, as the engine stores them
+    assert per_token("llama-3.1-8b", "fp8") == 64 * KiB + 2 * 32 * 8 * 2
+    assert per_token("llama-3.1-8b", "fp8_e5m2") == 64 * KiB + 2 * 32 * 8 * 2
 
 
 def test_fp32_doubles_bf16():
@@ -54,9 +56,16 @@ def test_int8_pays_one_fp16_scale_per_head_vector():
     assert per_token("llama-3.1-8b", "int8") == 64 * KiB + 2 * 32 * 8 * 2
 
 
-def test_int4_pays_scale_and_zero_point_per_32_elements():
-    # 2 × 32 × 8 × (128 × 0.5 B + 4 groups × (2 + 2) B) = 32 KiB + 8 KiB
-    assert per_token("llama-3.1-8b", "int4") == 40 * KiB
+def test_int4_pays_per_channel_key_scales_per_block_and_per_token_value_scales():
+    # 32 layers × 8 heads × (K: 128 × 0.5 B + 128 channels × (2 + 2) B / 16 tokens; V: 128 × 0.5 B + (2 + 2) B)
+    assert per_token("llama-3.1-8b", "int4") == 32 * 8 * ((64 + 32) + (64 + 4))
+
+
+def test_int4_key_scales_shrink_per_token_with_bigger_blocks_and_must_divide_evenly():
+    spec = load_model_spec("llama-3.1-8b")
+    assert kv_bytes_per_token(spec, KV_DTYPES["int4"], 32) == 32 * 8 * ((64 + 16) + (64 + 4))
+    with pytest.raises(ValueError, match="block_size 1024 must divide 512"):
+        kv_bytes_per_token(spec, KV_DTYPES["int4"], 1024)
 
 
 def test_auto_follows_the_config_dtype():

@@ -45,7 +45,7 @@ def data_lines(lines) -> list[str]:
 def test_serve_prints_its_address_and_shuts_down_cleanly_on_sigterm(model_dir):
     process, url, log = start_server(model_dir)
     try:
-        assert any(line.startswith("KV cache:") for line in log)
+        assert any(line.startswith("KV cache (float32):") for line in log)
         assert re.search(r"http://127\.0\.0\.1:\d+/v1", url)
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/models").json()["data"][0]["id"] == "tiny-chat"

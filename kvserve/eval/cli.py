@@ -1,0 +1,291 @@
+"""`kvserve eval`: one table of what each KV cache setting costs in quality, on the same model and text."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.eval.settings import SWEPT_FIELDS, Setting, cross_product, parse_list, parse_setting
+
+GiB = 1 << 30
+
+_DESCRIPTION = """\
+Measure what KV cache settings cost in quality, through the engine's own paged path, on one text.
+Comma-separated values of --kv-cache-dtype give one setting each; the first is the reference.
+
+Perplexity uses windows of --context tokens every --stride tokens; each token after the first is scored
+once, in the window where it is new. --streaming instead feeds the whole text through one sequence,
+so a cache policy sees the whole history. KLD is the mean over scored positions of KL(reference || tested);
+top-1 agreement is the share of positions whose most likely next token is unchanged.
+
+What decode would see is what is measured: lossy formats are read back for every query, prefill included,
+and settings with eviction prefill --chunk tokens per step (decode is one), so the policy acts while the
+text is read rather than after it.
+"""
+
+
+@dataclass
+class Row:
+    """One setting's results; a None value is explained by its entry in `why`."""
+
+    setting: Setting
+    bytes_per_token: int | None = None
+    max_tokens_per_sequence: int | None = None  # an eviction policy's bound (None: every token is kept)
+    ppl: float | None = None
+    delta_ppl_pct: float | None = None
+    kld: float | None = None
+    top1_agreement: float | None = None
+    tokens_scored: int = 0
+    passkey: dict[int, float] = field(default_factory=dict)
+    ppl_by_segment: list[float] | None = None
+    why: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tokens_in_gib(self) -> int | None:
+        return GiB // self.bytes_per_token if self.bytes_per_token else None
+
+    @property
+    def passkey_accuracy(self) -> float | None:
+        return sum(self.passkey.values()) / len(self.passkey) if self.passkey else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "setting": self.setting.label,
+            "kv_cache_dtype": self.setting.value("kv_cache_dtype", "auto"),
+            "kv_eviction": self.setting.value("kv_eviction", "none"),
+            "bytes_per_token": self.bytes_per_token,
+            "tokens_in_1gib": self.tokens_in_gib,
+            "max_tokens_per_sequence": self.max_tokens_per_sequence,
+            "ppl": self.ppl,
+            "delta_ppl_pct": self.delta_ppl_pct,
+            "kld": self.kld,
+            "top1_agreement": self.top1_agreement,
+            "tokens_scored": self.tokens_scored,
+            "passkey_accuracy": self.passkey_accuracy,
+            "passkey_by_length": {str(k): v for k, v in self.passkey.items()} or None,
+            "ppl_by_segment": self.ppl_by_segment,
+            "not_available": self.why or None,
+        }
+
+
+def add_parser(subparsers) -> None:
+    from kvserve.engine.cli import add_engine_args
+
+    p = subparsers.add_parser("eval", help="quality of KV cache settings: perplexity, KLD, top-1, passkey",
+                              description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p, exclude=SWEPT_FIELDS)
+    s = p.add_argument_group("settings (comma-separated lists; the first setting is the reference)")
+    s.add_argument("--kv-cache-dtype", default="auto", help="e.g. auto,fp8,fp8_e5m2,int8,int4 (default: auto)")
+    s.add_argument("--kv-eviction", default="none", help="e.g. none,streaming,h2o (default: none)")
+    s.add_argument("--kv-sink-tokens", default="4", help="streaming/h2o sinks, e.g. 4,0 (default: 4)")
+    s.add_argument("--kv-recent-tokens", default="1024", help="streaming/h2o recent window (default: 1024)")
+    s.add_argument("--kv-budget-tokens", default="2048", help="h2o tokens kept in all (default: 2048)")
+    s.add_argument("--setting", action="append", default=[], metavar="SPEC",
+                   help="an explicit setting instead of the lists above, repeatable, e.g. "
+                        "kv_eviction=streaming,kv_sink_tokens=0,kv_recent_tokens=1024")
+    t = p.add_argument_group("text")
+    t.add_argument("--corpus", default=None, metavar="FILE",
+                   help="UTF-8 text to score (default: Python's pydoc_data.topics, ~465K characters of English)")
+    t.add_argument("--tokens", type=int, default=8192, help="score the text's first N tokens (default %(default)s)")
+    t.add_argument("--context", type=int, default=2048, help="window length in tokens (default %(default)s)")
+    t.add_argument("--stride", type=int, default=512, help="window step (default %(default)s)")
+    t.add_argument("--chunk", type=int, default=32,
+                   help="tokens per step for settings with eviction, and for all with --streaming (default %(default)s)")
+    t.add_argument("--streaming", action="store_true", help="one sequence over the whole text instead of windows")
+    t.add_argument("--segment", type=int, default=1024,
+                   help="with --streaming, report perplexity per segment of N tokens (default %(default)s)")
+    k = p.add_argument_group("passkey retrieval")
+    k.add_argument("--passkey-lengths", default="", help="prompt lengths in tokens, e.g. 1024,4096 (default: none)")
+    k.add_argument("--passkey-trials", type=int, default=5, help="trials per length (default %(default)s)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object per setting instead of the table")
+    o.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw Δppl and KLD against bytes per token (PNG or SVG by extension)")
+    p.set_defaults(func=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve eval: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvserve.config import EngineConfig
+    from kvserve.engine.cli import engine_config_from_args
+    from kvserve.eval.corpus import load_corpus
+    from kvserve.eval.windows import sliding_windows
+
+    settings = [parse_setting(spec) for spec in args.setting] or cross_product({
+        "kv_cache_dtype": parse_list(args.kv_cache_dtype),
+        "kv_eviction": parse_list(args.kv_eviction),
+        "kv_sink_tokens": parse_list(args.kv_sink_tokens, int),
+        "kv_recent_tokens": parse_list(args.kv_recent_tokens, int),
+        "kv_budget_tokens": parse_list(args.kv_budget_tokens, int),
+    })
+    shared = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in SWEPT_FIELDS})
+    base = dataclasses.asdict(engine_config_from_args(shared))
+    configs = [EngineConfig(**{**base, **s.options}) for s in settings]  # bad values fail here, before loading
+    lengths = parse_list(args.passkey_lengths, int) if args.passkey_lengths else []
+    if args.passkey_trials < 1 or any(n < 64 for n in lengths):
+        raise ValueError("passkey trials must be at least 1 and lengths at least 64 tokens")
+    if args.tokens < 2:
+        raise ValueError(f"--tokens must be at least 2, got {args.tokens}")
+    if args.chunk < 1:
+        raise ValueError(f"--chunk must be positive, got {args.chunk}")
+    if not args.streaming:
+        sliding_windows(args.tokens, args.context, args.stride)  # checks stride < context
+    corpus = load_corpus(args.corpus)
+    if args.plot:
+        from kvserve.eval.plot import check_plot_path
+
+        check_plot_path(args.plot)
+    return _evaluate(args, settings, configs, corpus, lengths)
+
+
+def _evaluate(args, settings: list[Setting], configs, corpus, lengths: list[int]) -> int:
+    from rich.console import Console
+
+    from kvserve.engine.llm import LLM
+
+    console = Console(stderr=True)
+    llms = []
+    for config in configs:
+        if args.streaming or config.kv_eviction != "none":
+            config = dataclasses.replace(config, max_num_batched_tokens=args.chunk)
+        llms.append(LLM(**dataclasses.asdict(config)))
+    reference = llms[0].engine
+    if reference.tokenizer is None:
+        raise ValueError("kvserve eval needs a model with a tokenizer")
+    token_ids = reference.tokenizer(corpus.text, verbose=False).input_ids[: args.tokens]
+    if len(token_ids) < args.tokens:
+        raise ValueError(f"the corpus has only {len(token_ids):,} tokens, fewer than --tokens {args.tokens:,}")
+    if not args.streaming and args.context > reference.max_model_len:
+        raise ValueError(f"--context {args.context} exceeds max_model_len {reference.max_model_len}")
+    rows = _run_all(args, settings, llms, token_ids, lengths, console)
+    header = {
+        "model": reference.model_name, "corpus": corpus.name, "corpus_sha256": corpus.sha256,
+        "tokens": len(token_ids), "mode": "streaming" if args.streaming else "windows",
+        "context": None if args.streaming else args.context, "stride": None if args.streaming else args.stride,
+        "chunk": args.chunk,
+        "passkey_lengths": lengths, "passkey_trials": args.passkey_trials if lengths else 0,
+    }
+    if args.json:
+        for row in rows:
+            print(json.dumps({**header, **row.to_json()}))
+    else:
+        _print_table(header, rows)
+    if args.plot:
+        from kvserve.eval.plot import plot_quality
+
+        plot_quality(rows, args.plot, title=f"{reference.model_name} on {corpus.name}")
+    return 0
+
+
+def _run_all(args, settings, llms, token_ids, lengths, console) -> list[Row]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from kvserve.eval import harness
+    from kvserve.eval.passkey import make_trials
+    from kvserve.eval.windows import sliding_windows
+
+    rows = [Row(s, llm.engine.cache_plan.kv_bytes_per_token, _max_tokens(llm.engine)) for s, llm in zip(settings, llms)]
+    ref_len = llms[0].engine.max_model_len
+    windows = [] if args.streaming else sliding_windows(len(token_ids), args.context, args.stride)
+    stream_steps = -(-len(token_ids) // args.chunk) if args.streaming else 0
+    trials = {n: make_trials(llms[0].tokenizer, n, args.passkey_trials, args.seed) for n in lengths}
+    work = len(windows) * len(llms) + stream_steps + len(lengths) * len(llms)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("evaluating", total=work)
+        advance = lambda: progress.advance(task)  # noqa: E731
+        if args.streaming:
+            fits = [llm.engine.eviction.unbounded_length or len(token_ids) + 2 <= llm.engine.max_model_len
+                    for llm in llms]
+            running = [llm for llm, ok in zip(llms, fits) if ok]
+            with_reference = fits[0]
+            results = iter(harness.score_stream(running, token_ids, with_reference, args.segment, advance))
+            for row, ok in zip(rows, fits):
+                if not ok:
+                    row.why["ppl"] = f"n/a: {len(token_ids):,} tokens exceed max_model_len"
+                    continue
+                result = next(results)
+                _fill(row, result.totals, with_reference)
+                row.ppl_by_segment = [math.exp(nll / n) for nll, n in zip(result.segment_nll, result.segment_tokens)]
+            if not with_reference:
+                for row in rows:
+                    row.why.setdefault("kld", f"n/a: no reference (text longer than {ref_len:,} tokens)")
+        else:
+            for row, totals in zip(rows, harness.score_windows(llms, token_ids, windows, advance)):
+                _fill(row, totals, True)
+        for n, length_trials in trials.items():
+            for row, llm in zip(rows, llms):
+                if n + harness.ANSWER_TOKENS > llm.engine.max_model_len:
+                    row.why[f"passkey {n}"] = "n/a: longer than max_model_len"
+                else:
+                    row.passkey[n] = harness.passkey_accuracy(llm, length_trials)
+                advance()
+    reference_ppl = rows[0].ppl
+    for row in rows:
+        if row.ppl is not None and reference_ppl is not None:
+            row.delta_ppl_pct = 100 * (row.ppl / reference_ppl - 1)
+    return rows
+
+
+def _max_tokens(engine) -> int | None:
+    max_blocks = engine.eviction.max_blocks(engine.kv.block_size)
+    return max_blocks * engine.kv.block_size if max_blocks is not None else None
+
+
+def _fill(row: Row, totals, with_reference: bool) -> None:
+    row.tokens_scored = totals.tokens_scored
+    row.ppl = totals.ppl
+    if with_reference:
+        row.kld, row.top1_agreement = totals.kld, totals.top1_agreement
+
+
+def _print_table(header: dict[str, Any], rows: list[Row]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    where = f"context {header['context']}, stride {header['stride']}" if header["mode"] == "windows" else \
+        f"one sequence, {header['chunk']} tokens per step"
+    console.print(f"model {header['model']}; text {header['corpus']} (sha256 {header['corpus_sha256'][:12]}), "
+                  f"first {header['tokens']:,} tokens; {where}")
+    table = Table()
+    for column in ("setting", "bytes/token", "tokens in 1 GiB", "kept per sequence", "ppl", "Δppl",
+                   "mean KLD vs reference", "top-1 agreement", "passkey"):
+        table.add_column(column, justify="left" if column in ("setting", "passkey") else "right")
+    for row in rows:
+        table.add_row(
+            row.setting.label,
+            f"{row.bytes_per_token:,}",
+            f"{row.tokens_in_gib:,}",
+            f"≤ {row.max_tokens_per_sequence:,} tokens" if row.max_tokens_per_sequence else "all",
+            _cell(row, "ppl", row.ppl, "{:.3f}"),
+            _cell(row, "ppl", row.delta_ppl_pct, "{:+.2f}%"),
+            _cell(row, "kld", row.kld, "{:.5f}"),
+            _cell(row, "kld", row.top1_agreement, "{:.2%}"),
+            _passkey_cell(row, header),
+        )
+    console.print(table)
+    scored = {row.tokens_scored for row in rows if row.tokens_scored}
+    console.print(f"tokens scored per setting: {', '.join(f'{n:,}' for n in sorted(scored))}")
+
+
+def _cell(row: Row, key: str, value: float | None, fmt: str) -> str:
+    return fmt.format(value) if value is not None else row.why.get(key, "n/a")
+
+
+def _passkey_cell(row: Row, header: dict[str, Any]) -> str:
+    if not header["passkey_lengths"]:
+        return "n/a: not run (--passkey-lengths)"
+    parts = [f"{n}: {row.passkey[n]:.0%}" if n in row.passkey else f"{n}: n/a" for n in header["passkey_lengths"]]
+    return ", ".join(parts)

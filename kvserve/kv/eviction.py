@@ -1,0 +1,120 @@
+"""KV eviction policies: which whole blocks a sequence may drop from its table to bound its memory.
+
+- StreamingLLM (`streaming`): keep the first `sink_tokens` ("attention sinks") and a window of the last
+  `recent_tokens`; every query attends to exactly those, so a sequence streams on in fixed memory, past
+  max_model_len. As in the paper, positions are those within the cache: a query's distance to a window key is
+  the true one, its distance to the sinks is what it would be with the window right after them.
+- H2O (`h2o`): keep the sinks, the recent window and the blocks that received the most attention ("heavy
+  hitters") within `budget_tokens`; positions stay the original ones.
+
+Eviction is per block (16 tokens): a block is dropped only when no query will read it again (streaming) or when
+its accumulated attention is the lowest among the droppable ones (h2o, summing its tokens' scores: a block
+shares one slot range, so a per-block score is what can be freed). A dropped block shared with another
+sequence only loses this sequence's reference."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.planner.kv_size import eviction_max_blocks, round_up_to_blocks as blocks_for
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """No eviction: every block of a sequence stays until it finishes."""
+
+    name: str = "none"
+    sink_tokens: int = 0
+    recent_tokens: int = 0
+    budget_tokens: int = 0
+
+    @property
+    def evicts(self) -> bool:
+        return self.name != "none"
+
+    @property
+    def unbounded_length(self) -> bool:
+        """A sequence may grow past max_model_len (its positions stay within the cache)."""
+        return False
+
+    @property
+    def needs_attention_scores(self) -> bool:
+        return False
+
+    def max_blocks(self, block_size: int) -> int | None:
+        """The most blocks a sequence holds between steps, or None when unbounded."""
+        return eviction_max_blocks(self.name, self.sink_tokens, self.recent_tokens, self.budget_tokens, block_size)
+
+    def exact_tokens(self) -> int | None:
+        """Tokens from the start whose K/V equal an uncompressed run's whatever was evicted (prefix caching may
+        share their blocks); None: all of them, until the first eviction."""
+        return None
+
+    def blocks_to_drop(self, logical: list[int], next_position: int, block_size: int,
+                       block_scores: list[float] | None = None) -> list[int]:
+        """Indices into the kept blocks (`logical` holds each one's block number) to drop before the query at
+        `next_position`."""
+        return []
+
+
+@dataclass(frozen=True)
+class StreamingPolicy(EvictionPolicy):
+    name: str = "streaming"
+
+    @property
+    def unbounded_length(self) -> bool:
+        return True
+
+    def exact_tokens(self) -> int:
+        return self.sink_tokens + self.recent_tokens  # later queries already see a pruned context
+
+    def blocks_to_drop(self, logical, next_position, block_size, block_scores=None) -> list[int]:
+        sink_blocks = blocks_for(self.sink_tokens, block_size)
+        window_start = next_position - self.recent_tokens + 1  # the oldest key any later query reads
+        return [i for i, b in enumerate(logical) if b >= sink_blocks and (b + 1) * block_size <= window_start]
+
+
+@dataclass(frozen=True)
+class H2OPolicy(EvictionPolicy):
+    name: str = "h2o"
+
+    @property
+    def needs_attention_scores(self) -> bool:
+        return True
+
+    def blocks_to_drop(self, logical, next_position, block_size, block_scores=None) -> list[int]:
+        keep = blocks_for(self.budget_tokens, block_size)
+        excess = len(logical) - keep
+        if excess <= 0:
+            return []
+        sink_blocks = blocks_for(self.sink_tokens, block_size)
+        recent_from = (next_position - self.recent_tokens) // block_size  # blocks holding the recent tokens
+        last = next_position // block_size  # the block the next token goes to (or its predecessor, if new)
+        droppable = [i for i, b in enumerate(logical) if sink_blocks <= b < min(recent_from, last)]
+        droppable.sort(key=lambda i: block_scores[i])
+        return sorted(droppable[:excess])
+
+
+def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:
+    """The policy for EngineConfig's kv_eviction options (already validated there)."""
+    if name == "streaming":
+        return StreamingPolicy(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
+    if name == "h2o":
+        return H2OPolicy(sink_tokens=sink_tokens, recent_tokens=recent_tokens, budget_tokens=budget_tokens)
+    return EvictionPolicy()
+
+
+class AttentionScores:
+    """H2O's accumulated attention per cache slot: summed over layers, heads and queries, reset when a block is
+    freed (a block's score belongs to the sequences holding it)."""
+
+    def __init__(self, num_slots: int, block_size: int, device: str | torch.device = "cpu"):
+        self.block_size = block_size
+        self.per_slot = torch.zeros(num_slots, dtype=torch.float32, device=device)
+
+    def reset(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.per_slot.view(-1, self.block_size)[torch.tensor(block_ids)] = 0
+
+    def block_scores(self, block_ids: list[int]) -> list[float]:
+        return self.per_slot.view(-1, self.block_size)[torch.tensor(block_ids)].sum(dim=1).tolist()

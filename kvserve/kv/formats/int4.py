@@ -1,0 +1,202 @@
+"""INT4 KV cache in the manner of KIVI: keys quantized per channel, values per token, both asymmetric (float16
+scale and zero point), two 4-bit codes per byte.
+
+Per-channel key statistics need a group of tokens; here the group is the block. A block is quantized when it
+fills, and until then its tokens stay in full precision in a small staging area (the "residual": at most
+block_size - 1 tokens per sequence, one staging row per partly filled block). To keep outputs independent of how
+a sequence was batched, chunked, preempted or served from the prefix cache, every query reads earlier blocks in
+their quantized form and its own block in full precision — exactly what decode sees, token by token — so the
+runner adds the own block's exact keys to attention (`exact_own_block`)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv.kv_cache import PagedKVCache
+
+logger = logging.getLogger("kvserve")
+SCALE_DTYPE = torch.float16
+MIN_SCALE = torch.finfo(SCALE_DTYPE).tiny
+INT4_MAX = 15
+
+
+@dataclass
+class _StepPlan:
+    """Where this step's new tokens go, computed once and used by every layer."""
+
+    stage_tokens: torch.Tensor  # [n] new tokens whose block is still partial after the step ...
+    stage_rows: torch.Tensor  # ... their staging rows
+    stage_offsets: torch.Tensor  # ... and offsets in the block
+    fill_blocks: torch.Tensor  # [F] blocks that become full this step (quantized in write)
+    fill_tokens: torch.Tensor  # [m] new tokens of those blocks ...
+    fill_positions: torch.Tensor  # ... and their place in a [F * block_size] scratch
+    residual_positions: torch.Tensor  # [r] scratch places of earlier tokens of those blocks ...
+    residual_rows: torch.Tensor  # ... read from these staging rows
+    residual_offsets: torch.Tensor  # ... at these offsets
+
+
+class Int4KVCache(PagedKVCache):
+    format_name = "int4"
+    exact = False
+    exact_own_block = True
+
+    def __init__(self, *args, max_num_seqs: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.head_dim % 2:
+            raise ValueError(f"int4 KV cache packs two values per byte; head_dim {self.head_dim} is odd")
+        L, N, bs, H, D = self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+        self.k = torch.zeros(L, N * bs, H, D // 2, dtype=torch.uint8, device=self.device)
+        self.v = torch.zeros(L, N * bs, H, D // 2, dtype=torch.uint8, device=self.device)
+        self.k_scale = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)  # per block and channel
+        self.k_zero = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)
+        self.v_scale = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)  # per token
+        self.v_zero = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)
+        self.staging_k = torch.zeros(0, L, bs, H, D, dtype=self.dtype, device=self.device)
+        self.staging_v = torch.zeros(0, L, bs, H, D, dtype=self.dtype, device=self.device)
+        self._free_rows: list[int] = []
+        self._grow_staging(max(1, max_num_seqs))
+        self.row_of_block = torch.full((N,), -1, dtype=torch.long)  # staging row of each partly filled block
+        self._filled_last_step: list[int] = []
+        self._plan: _StepPlan | None = None
+
+    def describe(self) -> str:
+        return (f"int4, keys per channel per block, values per token; {self.block_size - 1}-token full-precision "
+                f"residual per sequence")
+
+    @property
+    def extra_nbytes(self) -> int:
+        return self.staging_k.nbytes + self.staging_v.nbytes
+
+    # ---- per step ------------------------------------------------------------------------------------------
+    def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]], slot_mapping: torch.Tensor) -> None:
+        self._release(freed_blocks + self._filled_last_step)
+        self.copy_blocks(copies)
+        slots = slot_mapping.cpu().long()
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        filling = torch.unique(blocks[offsets == self.block_size - 1])
+        fills = torch.isin(blocks, filling)
+        staged = (~fills).nonzero().squeeze(1)
+        for block in torch.unique(blocks[staged]).tolist():
+            self._row(block)
+        fill_index = torch.searchsorted(filling, blocks[fills])
+        first_new = torch.full((len(filling),), self.block_size, dtype=torch.long)
+        first_new.scatter_reduce_(0, fill_index, offsets[fills], reduce="amin")
+        earlier = torch.arange(self.block_size)[None, :] < first_new[:, None]  # [F, bs] read from staging
+        fill_of_earlier, offset_of_earlier = earlier.nonzero(as_tuple=True)
+        self._plan = _StepPlan(
+            stage_tokens=staged.to(self.device),
+            stage_rows=self.row_of_block[blocks[staged]].to(self.device),
+            stage_offsets=offsets[staged].to(self.device),
+            fill_blocks=filling.to(self.device),
+            fill_tokens=fills.nonzero().squeeze(1).to(self.device),
+            fill_positions=(fill_index * self.block_size + offsets[fills]).to(self.device),
+            residual_positions=(fill_of_earlier * self.block_size + offset_of_earlier).to(self.device),
+            residual_rows=self.row_of_block[filling[fill_of_earlier]].to(self.device),
+            residual_offsets=offset_of_earlier.to(self.device),
+        )
+        if bool((self._plan.residual_rows < 0).any()):
+            raise RuntimeError("int4 KV cache: a block is completed without the staged tokens before it")
+        self._filled_last_step = filling.tolist()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        super().copy_blocks(pairs)
+        for src, dst in pairs:
+            src_row = int(self.row_of_block[src])
+            if src_row >= 0:
+                dst_row = self._row(dst)
+                self.staging_k[dst_row] = self.staging_k[src_row]
+                self.staging_v[dst_row] = self.staging_v[src_row]
+
+    # ---- per layer -----------------------------------------------------------------------------------------
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        plan = self._plan
+        for staging, x in ((self.staging_k, k), (self.staging_v, v)):
+            staging[plan.stage_rows, layer, plan.stage_offsets] = x[plan.stage_tokens].to(self.dtype)
+        if not len(plan.fill_blocks):
+            return
+        shape = (len(plan.fill_blocks), self.block_size, self.num_kv_heads, self.head_dim)
+        block_k, block_v = self._assemble(layer, k, self.staging_k, shape), self._assemble(layer, v, self.staging_v, shape)
+        fill = plan.fill_blocks
+        codes, scale, zero = quantize(block_k, dim=1)  # keys: per channel over the block's tokens
+        self._blocks_view(self.k, layer)[fill] = pack(codes)
+        self.k_scale[layer, fill], self.k_zero[layer, fill] = scale.squeeze(1), zero.squeeze(1)
+        codes, scale, zero = quantize(block_v, dim=-1)  # values: per token over the head's channels
+        self._blocks_view(self.v, layer)[fill] = pack(codes)
+        self._blocks_view(self.v_scale, layer)[fill] = scale.squeeze(-1)
+        self._blocks_view(self.v_zero, layer)[fill] = zero.squeeze(-1)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized blocks; a partly filled block reads as stale values (attention masks it: see gather_residual)."""
+        flat = block_tables.reshape(-1)
+        shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, self.num_kv_heads, self.head_dim)
+        k_codes = unpack(self._blocks_view(self.k, layer).index_select(0, flat))
+        k = k_codes.to(self.dtype) * self.k_scale[layer, flat].to(self.dtype)[:, None] \
+            + self.k_zero[layer, flat].to(self.dtype)[:, None]
+        v_codes = unpack(self._blocks_view(self.v, layer).index_select(0, flat))
+        v_scale = self._blocks_view(self.v_scale, layer).index_select(0, flat).to(self.dtype)[..., None]
+        v_zero = self._blocks_view(self.v_zero, layer).index_select(0, flat).to(self.dtype)[..., None]
+        return k.view(shape), (v_codes.to(self.dtype) * v_scale + v_zero).view(shape)
+
+    def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""
+        rows = self.row_of_block[blocks.cpu().clamp(min=0)].to(self.device)
+        rows = torch.where((blocks >= 0) & (rows >= 0), rows, 0)
+        return self.staging_k[rows, layer], self.staging_v[rows, layer]
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _assemble(self, layer: int, new: torch.Tensor, staging: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The full blocks of this step: earlier tokens from staging, new ones from `new`."""
+        plan = self._plan
+        scratch = torch.empty(shape[0] * shape[1], *shape[2:], dtype=self.dtype, device=self.device)
+        scratch[plan.fill_positions] = new[plan.fill_tokens].to(self.dtype)
+        scratch[plan.residual_positions] = staging[plan.residual_rows, layer, plan.residual_offsets]
+        return scratch.view(shape)
+
+    def _row(self, block: int) -> int:
+        row = int(self.row_of_block[block])
+        if row < 0:
+            if not self._free_rows:
+                self._grow_staging(2 * len(self.staging_k))
+            row = self._free_rows.pop()
+            self.row_of_block[block] = row
+        return row
+
+    def _release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            row = int(self.row_of_block[block])
+            if row >= 0:
+                self._free_rows.append(row)
+                self.row_of_block[block] = -1
+
+    def _grow_staging(self, rows: int) -> None:
+        old = len(self.staging_k)
+        if old:
+            logger.warning(f"int4 KV cache: more partly filled blocks than expected; staging grows to {rows} rows")
+        shape = (rows - old, *self.staging_k.shape[1:])
+        self.staging_k = torch.cat([self.staging_k, torch.zeros(shape, dtype=self.dtype, device=self.device)])
+        self.staging_v = torch.cat([self.staging_v, torch.zeros(shape, dtype=self.dtype, device=self.device)])
+        self._free_rows += range(rows - 1, old - 1, -1)
+
+    def _block_tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.k_scale, self.k_zero, self.v_scale, self.v_zero]
+
+
+def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes of x over `dim`, with float16 scale and zero point (kept dims)."""
+    low = x.amin(dim=dim, keepdim=True).float()
+    high = x.amax(dim=dim, keepdim=True).float()
+    scale = ((high - low) / INT4_MAX).clamp(min=MIN_SCALE).to(SCALE_DTYPE)
+    zero = low.to(SCALE_DTYPE)
+    codes = ((x.float() - zero.float()) / scale.float()).round_().clamp_(0, INT4_MAX).to(torch.uint8)
+    return codes, scale, zero
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """[..., D] codes 0..15 -> [..., D/2] bytes, even channel in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)

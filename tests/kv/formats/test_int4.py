@@ -1,0 +1,90 @@
+"""INT4 (KIVI) KV storage: keys quantized per channel over a full block, values per token, both within half a
+quantization step; a partly filled block stays in full precision in staging until it fills; staging follows
+copy-on-write and is released when its block is freed."""
+import torch
+
+from kvserve.kv.formats.int4 import Int4KVCache, pack, unpack
+
+LAYERS, BLOCKS, BS, HEADS, DIM = 2, 6, 4, 2, 8
+
+
+def make(max_num_seqs: int = 2) -> Int4KVCache:
+    return Int4KVCache(LAYERS, BLOCKS, BS, HEADS, DIM, dtype=torch.float32, max_num_seqs=max_num_seqs)
+
+
+def step(cache: Int4KVCache, slots: list[int], k: torch.Tensor, v: torch.Tensor, freed=(), copies=()) -> None:
+    slot_mapping = torch.tensor(slots)
+    cache.begin_step(list(freed), list(copies), slot_mapping)
+    for layer in range(LAYERS):
+        cache.write(layer, slot_mapping, k * (layer + 1), v * (layer + 1))
+
+
+def vectors(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, HEADS, DIM, generator=g)
+    x[:, :, 2] = x[:, :, 2] * 30 + 50  # an outlier channel with an offset, as keys have
+    return x
+
+
+def test_pack_and_unpack_are_inverse():
+    codes = torch.randint(0, 16, (3, 5, DIM), dtype=torch.uint8)
+    assert pack(codes).shape == (3, 5, DIM // 2)
+    assert torch.equal(unpack(pack(codes)), codes)
+
+
+def test_a_full_block_reads_back_within_half_a_step_per_key_channel_and_per_value_token():
+    cache = make()
+    k, v = vectors(BS), vectors(BS, seed=1)
+    step(cache, [4, 5, 6, 7], k, v)  # block 1, filled in one step
+    got_k, got_v = cache.gather(1, torch.tensor([[1]]))
+    key_step = (2 * k).amax(dim=0) - (2 * k).amin(dim=0)  # per (head, channel) over the block's tokens
+    value_step = (2 * v).amax(dim=-1) - (2 * v).amin(dim=-1)  # per (token, head)
+    assert ((got_k[0] - 2 * k).abs() <= key_step / 15 / 2 * 1.01 + 1e-3).all()
+    assert ((got_v[0] - 2 * v).abs() <= value_step[..., None] / 15 / 2 * 1.01 + 1e-3).all()
+
+
+def test_a_partly_filled_block_stays_exact_in_staging_until_it_fills():
+    cache = make()
+    k, v = vectors(BS), vectors(BS, seed=1)
+    step(cache, [8, 9], k[:2], v[:2])  # block 2, offsets 0-1: staged
+    staged_k, staged_v = cache.gather_residual(0, torch.tensor([2]))
+    assert torch.equal(staged_k[0, :2], k[:2]) and torch.equal(staged_v[0, :2], v[:2])
+    assert not cache.k.any()  # nothing quantized yet
+    step(cache, [10, 11], k[2:], v[2:])  # fills it: quantized from the staged tokens and the new ones
+    full_k, _ = cache.gather(0, torch.tensor([[2]]))
+    one_step = make()
+    step(one_step, [8, 9, 10, 11], k, v)
+    assert torch.equal(full_k, one_step.gather(0, torch.tensor([[2]]))[0])
+    step(cache, [], k[:0], v[:0])  # the next step releases the filled block's staging row
+    assert int(cache.row_of_block[2]) == -1
+
+
+def test_copy_on_write_copies_staging_and_freeing_releases_it():
+    cache = make(max_num_seqs=1)
+    k, v = vectors(3), vectors(3, seed=1)
+    step(cache, [0, 1], k[:2], v[:2])  # block 0 partly filled
+    step(cache, [22], k[2:], v[2:], copies=[(0, 5)])  # the fork's copy of block 0 gets its own token at offset 2
+    copy_k, _ = cache.gather_residual(0, torch.tensor([5]))
+    assert torch.equal(copy_k[0, :2], k[:2]) and torch.equal(copy_k[0, 2], k[2])
+    original_k, _ = cache.gather_residual(0, torch.tensor([0]))
+    assert not original_k[0, 2].any()  # the original block is untouched
+    assert len(cache.staging_k) == 2  # grew past max_num_seqs=1 for the second partly filled block
+    step(cache, [], k[:0], v[:0], freed=[0, 5])
+    assert int(cache.row_of_block[0]) == int(cache.row_of_block[5]) == -1
+    assert sorted(cache._free_rows) == [0, 1]
+
+
+def test_no_staging_row_reads_as_zeros_for_masking():
+    cache = make()
+    staged_k, staged_v = cache.gather_residual(0, torch.tensor([-1, 3]))
+    assert staged_k.shape == (2, BS, HEADS, DIM) and not staged_k.any() and not staged_v.any()
+
+
+def test_storage_matches_the_kivi_layout():
+    cache = make()
+    tokens = BLOCKS * BS
+    data = 2 * LAYERS * tokens * HEADS * DIM // 2
+    key_scales = LAYERS * BLOCKS * HEADS * DIM * (2 + 2)
+    value_scales = LAYERS * tokens * HEADS * (2 + 2)
+    assert cache.nbytes == data + key_scales + value_scales
+    assert cache.extra_nbytes == 2 * 2 * LAYERS * BS * HEADS * DIM * 4  # two staging rows, K and V, float32

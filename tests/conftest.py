@@ -110,3 +110,17 @@ def no_leaked_blocks(monkeypatch):
             pool = engine.kv.pool
             assert pool.num_free_blocks == pool.num_blocks, "KV blocks leaked after the last request finished"
             assert all(block.ref_cnt == 0 for block in pool.blocks)
+
+
+def image_size(path: Path) -> tuple[str, float, float]:
+    """(format, width, height) of a PNG (pixels) or SVG (points) file, read from the file itself."""
+    import xml.etree.ElementTree as ElementTree
+
+    from PIL import Image
+
+    if path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n":
+        with Image.open(path) as image:
+            return "png", *image.size
+    root = ElementTree.parse(path).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg", f"{path} is neither PNG nor SVG"
+    return "svg", float(root.get("width").removesuffix("pt")), float(root.get("height").removesuffix("pt"))

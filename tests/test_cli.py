@@ -11,8 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # torch and transformers: only a command that runs a model may import them. The rest come with an extra
-# (pytest, openai, tokenizers: [test]; llama_cpp: [bench]), not with `pip install -e .`.
-FORBIDDEN = ("torch", "transformers", "tokenizers", "pytest", "openai", "llama_cpp")
+# (pytest, openai, tokenizers, playwright: [test]; llama_cpp: [bench]), not with `pip install -e .`.
+FORBIDDEN = ("torch", "transformers", "tokenizers", "pytest", "openai", "playwright", "llama_cpp")
 
 RUN_WITHOUT_FORBIDDEN = f"""
 import sys
@@ -27,8 +27,8 @@ from kvserve.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-HELP_COMMANDS = [[], ["generate"], ["chat"], ["plan"], ["serve"], ["bench"], ["bench", "throughput"],
-                 ["bench", "multiturn"], ["bench", "serve"], ["eval"]]
+HELP_COMMANDS = [[], ["generate"], ["chat"], ["plan"], ["serve"], ["eval"], ["bench"], ["bench", "throughput"],
+                 ["bench", "multiturn"], ["bench", "serve"], ["bench", "dashboard"]]
 
 
 def _kvserve(*args: str) -> subprocess.CompletedProcess:

@@ -1,14 +1,16 @@
 """`kvserve bench ...`: benchmarks that print ratios against a baseline measured in the same run."""
 from __future__ import annotations
 
+from kvserve.bench.dashboard import add_dashboard_bench_parser
 from kvserve.bench.multiturn import add_multiturn_parser
 from kvserve.bench.serve import add_serve_bench_parser
 from kvserve.bench.throughput import add_throughput_parser
 
 
 def add_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, multiturn, serve")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, multiturn, serve, dashboard")
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parser(kinds)
     add_multiturn_parser(kinds)
     add_serve_bench_parser(kinds)
+    add_dashboard_bench_parser(kinds)

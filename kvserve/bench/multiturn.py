@@ -17,6 +17,7 @@ import argparse
 import gc
 from dataclasses import dataclass
 
+from kvserve.plots import check_plot_path, plot_multiturn
 from kvserve.sampling_params import SamplingParams
 
 
@@ -148,6 +149,8 @@ def add_multiturn_parser(bench_subparsers) -> None:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--plot", metavar="PATH",
+                   help="also draw the tokens prefilled per turn, with and without prefix caching (.png or .svg)")
     p.set_defaults(func=_run_from_args)
 
 
@@ -157,7 +160,14 @@ def _run_from_args(args: argparse.Namespace) -> int:
             raise SystemExit(f"kvserve bench multiturn: --{name} must be at least 1, got {getattr(args, name)}")
     conversation = Conversation(args.first, args.question, args.answer, args.turns, args.seed)
     try:
-        run_multiturn(conversation, args.model, args.kv_cache_memory, args.max_model_len)
+        if args.plot:
+            check_plot_path(args.plot)
+        runs = run_multiturn(conversation, args.model, args.kv_cache_memory, args.max_model_len)
+        if args.plot:
+            cached, baseline = runs["prefix caching"], runs["no prefix caching"]
+            plot_multiturn(args.plot, [t.prompt_tokens for t in cached], [t.prefilled_tokens for t in cached],
+                           [t.prefilled_tokens for t in baseline])
+            print(f"plot written to {args.plot}")
     except ValueError as exc:
         raise SystemExit(f"kvserve bench multiturn: {exc}") from exc
     return 0

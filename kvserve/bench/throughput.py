@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.plots import check_plot_path, plot_throughput
+
 if TYPE_CHECKING:
     import torch
 
@@ -112,6 +114,10 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="also print where kvserve's batched run spends its time (cProfile, top functions)")
     p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "single"],
                    help="leave out a baseline or the single-stream part")
+    p.add_argument("--model", default=None,
+                   help="default: the embedded SmolLM2-135M-Instruct (llama.cpp always runs the embedded GGUF)")
+    p.add_argument("--kv-cache-memory", default=None, help="kvserve's KV cache size (default: the engine's, 1GiB)")
+    p.add_argument("--plot", metavar="PATH", help="also draw tokens/s per engine (.png or .svg)")
     p.set_defaults(func=run_throughput)
 
 
@@ -121,10 +127,16 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from kvserve.engine.llm import LLM
 
+    if args.plot:
+        try:
+            check_plot_path(args.plot)
+        except ValueError as exc:
+            raise SystemExit(f"kvserve bench throughput: {exc}") from exc
     console = Console(width=150)
     workload = Workload(args.num_requests, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed)
     max_len = workload.max_prompt_len + workload.output_len
-    llms = {dtype: LLM(dtype=dtype, max_model_len=max(max_len, 1024), max_num_seqs=max(workload.num_requests, 1))
+    llms = {dtype: LLM(args.model, dtype=dtype, max_model_len=max(max_len, 1024), kv_cache_memory=args.kv_cache_memory,
+                       max_num_seqs=max(workload.num_requests, 1))
             for dtype in args.dtypes}
     engine = next(iter(llms.values())).engine
     prompts = workload.prompts(engine.model_config.vocab_size)
@@ -135,7 +147,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     hf = None
     if "transformers" not in args.skip:
         hf = load_transformers(engine.model_path, torch.float32)
-        pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+        tokenizer = engine.tokenizer
+        pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         run_transformers(hf, prompts[:2], 4, 2, pad_id)  # warm-up
     for llm in llms.values():
         run_kvserve(llm, prompts[:2], 4)  # warm-up
@@ -156,18 +169,26 @@ def run_throughput(args: argparse.Namespace) -> int:
         for r in batched[: len(llms)]:
             console.print(f"{r.name}: greedy output identical to transformers for {agreement(r, batched[len(llms)]):.0%}"
                           " of requests")
-    if "single" in args.skip:
-        return 0
-    single = prompts[:1]
-    singles = [run_kvserve(llm, single, workload.output_len, f"kvserve ({dtype})") for dtype, llm in llms.items()]
-    if hf is not None:
-        for use_cache in (True, False):
-            singles.append(run_transformers(hf, single, workload.output_len, 1, pad_id, use_cache,
-                                            "transformers" if use_cache else "transformers, no KV cache"))
-    if run_llama:
-        singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp"))
-    _print_table(console, f"Single stream ({len(single[0])}-token prompt, tokens/s incl. prefill)", singles)
+    singles = []
+    if "single" not in args.skip:
+        single = prompts[:1]
+        singles = [run_kvserve(llm, single, workload.output_len, f"kvserve ({dtype})") for dtype, llm in llms.items()]
+        if hf is not None:
+            for use_cache in (True, False):
+                singles.append(run_transformers(hf, single, workload.output_len, 1, pad_id, use_cache,
+                                                "transformers" if use_cache else "transformers, no KV cache"))
+        if run_llama:
+            singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp"))
+        _print_table(console, f"Single stream ({len(single[0])}-token prompt, tokens/s incl. prefill)", singles)
+    if args.plot:
+        plot_throughput(args.plot, _speeds(batched), _speeds(singles))
+        console.print(f"plot written to {args.plot}")
     return 0
+
+
+def _speeds(results: list[RunResult | str]) -> dict[str, float]:
+    """Tokens/s of the engines that ran (a str is one that could not)."""
+    return {r.name: r.tokens_per_s for r in results if isinstance(r, RunResult)}
 
 
 def _llama_cpp_ready(console) -> bool:

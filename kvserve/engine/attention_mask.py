@@ -6,6 +6,7 @@ new tokens. The rules, all on token positions:
 - causal: a key at position <= the query's;
 - int4's own block: keys of the query's own block come only from the full-precision part, others only from
   the gathered (quantized) part;
+- a sliding-window layer group: keys within the last `window` positions (the query included);
 - streaming eviction: the first `sink_tokens` keys and the last `recent_tokens` (the query included), nothing in
   between; sink keys are scored with the query rotated back by the gap between the sinks and the window, so the
   query-to-sink distance is the one a cache of sinks followed by the window gives (StreamingLLM's positions);
@@ -41,7 +42,7 @@ class GroupKeys:
 
 
 def group_keys(chunks: list[GroupChunk], q_idx: torch.Tensor, valid: torch.Tensor, block_size: int,
-               exact_own_block: bool, policy: EvictionPolicy, rotary) -> GroupKeys:
+               exact_own_block: bool, policy: EvictionPolicy, window: int | None, rotary) -> GroupKeys:
     bs = block_size
     start = torch.tensor([c.start for c in chunks])[:, None]
     query_pos = start + q_idx  # [S, Q]
@@ -70,6 +71,8 @@ def group_keys(chunks: list[GroupChunk], q_idx: torch.Tensor, valid: torch.Tenso
     if exact_own_block:
         same_block = (kp // bs) == (qp // bs)
         visible &= torch.where(stored[:, None, :], ~same_block, same_block)
+    if window is not None:
+        visible &= kp > qp - window
     sink_keys, sink_rotation = None, None
     if policy.name == "streaming":
         sink, recent = policy.sink_tokens, policy.recent_tokens

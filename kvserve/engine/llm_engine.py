@@ -25,6 +25,7 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_weights, resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.planner.capacity import KVCachePlan, plan_kv_cache
+from kvserve.planner.kv_size import kv_layout
 from kvserve.planner.model_spec import ModelSpec
 from kvserve.sampling_params import SamplingParams
 
@@ -40,13 +41,15 @@ class LLMEngine:
         hf_config = json.loads((source.path / "config.json").read_text())
         self.model_config = ModelConfig.from_hf(hf_config)
         self.max_model_len = self._max_model_len(config, self.model_config)
+        spec = ModelSpec.from_hf_config(hf_config, name=source.name)
+        self.layout = kv_layout(spec)
         self.eviction = make_policy(config.kv_eviction, config.kv_sink_tokens, config.kv_recent_tokens,
                                     config.kv_budget_tokens)
-        if self.eviction.evicts and self.model_config.sliding_window is not None:
+        if self.eviction.evicts and self.layout.windows != (None,):
             raise ValueError(f"kv_eviction={config.kv_eviction!r} is not supported with sliding-window models; "
                              "their sliding layers already bound the cache")
         self.cache_plan: KVCachePlan = plan_kv_cache(
-            ModelSpec.from_hf_config(hf_config, name=source.name),
+            spec,
             config.kv_cache_memory_bytes,
             config.block_size,
             config.kv_cache_format,
@@ -61,11 +64,12 @@ class LLMEngine:
         mc, plan = self.model_config, self.cache_plan
         weights = load_weights(source.path, config.torch_dtype)
         self.model = LlamaModel(mc, weights, self.max_model_len, config.torch_dtype, config.device)
-        self.cache = make_kv_cache(config.kv_cache_format, mc.num_layers, plan.num_blocks, plan.block_size,
+        self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
                                    mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs)
         logger.info(self._capacity_line())
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
-                                 hash_namespace=config.kv_cache_format, eviction=self.eviction)
+                                 hash_namespace=config.kv_cache_format, eviction=self.eviction,
+                                 windows=self.layout.windows)
         self.scores = (AttentionScores(plan.num_blocks * plan.block_size, plan.block_size, config.device)
                        if self.eviction.needs_attention_scores else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -76,7 +80,8 @@ class LLMEngine:
         self.num_decode_tokens = 0
 
     def _capacity_line(self) -> str:
-        line = self.cache_plan.summary_line(self.cache.describe())
+        described = "; ".join(filter(None, [self.cache.describe(), self.layout.describe()]))
+        line = self.cache_plan.summary_line(described)
         if self.cache.extra_nbytes:
             line += (f"; plus {self.cache.extra_nbytes / 2**20:.1f} MiB of full-precision staging for partly "
                      f"filled blocks ({self.config.max_num_seqs} sequences)")
@@ -84,16 +89,11 @@ class LLMEngine:
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-        limit, why = mc.max_position_embeddings, "the model's max_position_embeddings"
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # sliding-window attention is not implemented yet; within the window it equals full attention
-            limit, why = mc.sliding_window, "the model's sliding window (sliding-window attention is not supported yet)"
+        limit = mc.max_position_embeddings
         if config.max_model_len is None:
-            if limit < mc.max_position_embeddings:
-                logger.warning(f"max_model_len capped to {limit:,}: {why}")
             return limit
         if config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds {why}={limit}")
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
         return config.max_model_len
 
     # ---- requests in -------------------------------------------------------------------------------------
@@ -233,9 +233,9 @@ class LLMEngine:
             seq.record_prompt_logprobs(torch.log_softmax(prompt_logits, dim=-1))
         logits, seqs = step.logits, step.seqs
         self.scheduler.advance(out)
-        if self.eviction.evicts:
+        if self.eviction.evicts or self.layout.windows != (None,):
             for seq in self.scheduler.running:
-                self.kv.evict(seq, self.scores)
+                self.kv.drop_unneeded(seq, self.scores)
         logits, seqs = self._fork_for_n(logits, seqs)
         result = sample(logits, seqs, self.generator)
         now = time.time()

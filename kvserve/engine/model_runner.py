@@ -27,16 +27,12 @@ class _Chunk:
     offset: int  # index of the chunk's first token in the flat batch
     num_tokens: int
     context_len: int  # tokens computed after this step, chunk included
-    table: BlockTable  # the sequence's kept blocks
-    slots: list[int]  # cache slot of each new token
+    tables: list[BlockTable]  # the sequence's kept blocks, per layer group
+    slots: list[list[int]]  # cache slot of each new token, per layer group
 
     @property
     def start(self) -> int:
         return self.context_len - self.num_tokens
-
-    @property
-    def num_keys(self) -> int:
-        return len(self.table.blocks)
 
 
 # A bucket's requests are padded to its longest context; a request joins it only if that wastes at most a third
@@ -44,11 +40,12 @@ class _Chunk:
 MIN_BUCKET_FILL = 0.75
 
 
-def _buckets(chunks: list[_Chunk]) -> list[list[_Chunk]]:
-    """Split chunks of one kind (decode or prefill) into groups of similar context length, longest first."""
+def _buckets(chunks: list[_Chunk], group: int) -> list[list[_Chunk]]:
+    """Split chunks of one kind (decode or prefill) into groups of similar key counts in one layer group."""
     buckets: list[list[_Chunk]] = []
-    for chunk in sorted(chunks, key=lambda c: c.num_keys, reverse=True):
-        if buckets and chunk.num_keys >= MIN_BUCKET_FILL * buckets[-1][0].num_keys:
+    keys = lambda c: len(c.tables[group].blocks)  # noqa: E731
+    for chunk in sorted(chunks, key=keys, reverse=True):
+        if buckets and keys(chunk) >= MIN_BUCKET_FILL * keys(buckets[-1][0]):
             buckets[-1].append(chunk)
         else:
             buckets.append([chunk])
@@ -70,7 +67,7 @@ class ModelRunner:
         whose log-probabilities were asked for."""
         input_ids, meta, chunks = self.build_batch(out)
         freed = self.kv.pool.take_freed()
-        self.cache.begin_step(freed, [(c.src, c.dst) for c in out.block_copies], meta.slot_mapping)
+        self.cache.begin_step(freed, [(c.src, c.dst) for c in out.block_copies], meta.slot_mappings)
         if self.scores is not None:
             self.scores.reset(freed)
         hidden = self.model.forward(input_ids, meta, self.cache)
@@ -97,26 +94,30 @@ class ModelRunner:
         return chunk.offset + first - start, chunk.offset + end - start
 
     def build_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[_Chunk]]:
-        tokens, positions, slots, chunks = [], [], [], []
-        bs = self.block_size
+        tokens, positions, chunks = [], [], []
+        num_groups = self.kv.num_groups
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
-            table = self.kv.block_table(seq.request_id)
-            first = table.index(start // bs)  # the chunk's blocks are the table's newest, in order
-            chunk_slots = [table.blocks[first + p // bs - start // bs].block_id * bs + p % bs
-                           for p in range(start, start + n)]
-            chunks.append(_Chunk(len(tokens), n, start + n, table, chunk_slots))
+            tables = [self.kv.block_table(seq.request_id, g) for g in range(num_groups)]
+            chunks.append(_Chunk(len(tokens), n, start + n, tables, [self._slots(t, start, n) for t in tables]))
             tokens.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(chunk_slots)
-        buckets = _buckets([c for c in chunks if c.num_tokens == 1]) + _buckets([c for c in chunks if c.num_tokens > 1])
-        groups = [self._group(g, whole_batch=len(g) == len(chunks)) for g in buckets]
-        meta = AttentionMetadata(
-            positions=self._tensor(positions), slot_mapping=self._tensor(slots), groups=groups, scores=self.scores
-        )
+        slot_mappings, groups = [], []
+        for g in range(num_groups):
+            slot_mappings.append(self._tensor([slot for c in chunks for slot in c.slots[g]]))
+            buckets = _buckets([c for c in chunks if c.num_tokens == 1], g) + \
+                _buckets([c for c in chunks if c.num_tokens > 1], g)
+            groups.append([self._group(bucket, g, whole_batch=len(bucket) == len(chunks)) for bucket in buckets])
+        meta = AttentionMetadata(positions=self._tensor(positions), slot_mappings=slot_mappings, groups=groups,
+                                 layer_group=self.cache.layout.group_of, scores=self.scores)
         return self._tensor(tokens), meta, chunks
 
-    def _group(self, chunks: list[_Chunk], whole_batch: bool) -> AttentionGroup:
+    def _slots(self, table: BlockTable, start: int, n: int) -> list[int]:
+        bs = self.block_size
+        first = table.index(start // bs)  # the chunk's blocks are the table's newest, in order
+        return [table.blocks[first + p // bs - start // bs].block_id * bs + p % bs for p in range(start, start + n)]
+
+    def _group(self, chunks: list[_Chunk], group: int, whole_batch: bool) -> AttentionGroup:
         """Pad the chunks to [S, Q] queries and, unless they are fresh prompts read exactly, describe the [S, B]
         blocks their keys live in and which query sees which key."""
         num_q = max(c.num_tokens for c in chunks)
@@ -129,13 +130,14 @@ class ModelRunner:
         if not (whole_batch and bool(valid.all())):
             out_rows = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
             out_tokens = query_index.reshape(-1)[out_rows].to(self.device)
-        plain = self.cache.exact and not self.kv.eviction.evicts
+        window = self.kv.windows[group]
+        plain = self.cache.exact and not self.kv.eviction.evicts and (window is None or num_q <= window)
         if plain and all(c.context_len == c.num_tokens > 1 for c in chunks):
             return AttentionGroup(query_index.to(self.device), None, None, out_rows, out_tokens, fresh=True)
-        keys = group_keys([GroupChunk(c.start, c.num_tokens, [b.block_id for b in c.table.blocks], c.table.logical,
-                                      c.slots) for c in chunks],
-                          q_idx, valid, self.block_size, self.cache.exact_own_block, self.kv.eviction,
-                          self.model.rotary)
+        keys = group_keys([GroupChunk(c.start, c.num_tokens, [b.block_id for b in c.tables[group].blocks],
+                                      c.tables[group].logical, c.slots[group]) for c in chunks],
+                          q_idx, valid, self.block_size, self.cache.exact_own_block, self.kv.eviction, window,
+                          getattr(self.model, "rotary", None))
         dev = self.device
         return AttentionGroup(
             query_index.to(dev), keys.table.to(dev), keys.mask.to(dev), out_rows, out_tokens, False,

@@ -72,8 +72,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # a prompt whose log-probabilities were asked for is computed whole: cached blocks keep no logits
-            cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
-            num_cached_tokens = len(cached) * self.kv.block_size
+            cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else None
+            num_cached_tokens = cached.num_blocks * self.kv.block_size if cached else 0
             n = min(len(seq.token_ids) - num_cached_tokens, budget)
             if self.kv.allocate(seq, n, cached) is None:
                 break

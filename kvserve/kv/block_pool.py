@@ -43,6 +43,10 @@ class BlockPool:
         """Unreferenced blocks that still hold a reusable prefix."""
         return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
 
+    def free_block_ids(self) -> list[int]:
+        """Unreferenced blocks in the order `allocate` hands them out: least recently freed first."""
+        return list(self._free)
+
     def allocate(self, n: int) -> list[Block]:
         """Take `n` blocks from the front of the free queue, evicting their cached content."""
         if n > len(self._free):

@@ -1,23 +1,30 @@
 """Where K and V live: preallocated storage for all layers, addressed by slot = block * block_size + offset.
 
-`PagedKVCache` is the interface every storage format implements: write new tokens into slots, gather a batch's
-context for attention (in the model's compute dtype), copy blocks for copy-on-write. The full-precision format
-is here; the quantized ones are in kvserve/kv/formats/."""
+`PagedKVCache` is the interface every storage format implements: once per step, learn where this step's tokens
+go (begin_step); per layer, write the new tokens and gather a batch's context for attention (in the model's
+compute dtype); copy blocks for copy-on-write. Blocks follow the model's KVLayout: a block holds block_size
+tokens of the `layers_per_block` layers of one layer group, and each group has its own slots for a token. The
+full-precision format is here; the quantized ones are in kvserve/kv/formats/."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
+from kvserve.kv.layout import KVLayout
+
 
 class PagedKVCache:
-    """Storage for `num_layers` layers of `num_blocks` blocks; subclasses decide how an element is stored."""
+    """Storage for `num_blocks` blocks of one layout's rows; subclasses decide how an element is stored."""
 
     format_name = "?"
     exact = True  # reads return exactly what was written (no rounding): attention may use fresh K/V instead
     exact_own_block = False  # a query sees its own, still-filling block in full precision (see formats.int4)
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.num_layers = num_layers
+        self.layout = layout
+        self.num_layers = layout.layers_per_block  # storage rows: one per layer of a group
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -39,12 +46,26 @@ class PagedKVCache:
         """The format as the start-up line names it."""
         return self.format_name
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V of the step's new tokens ([T, kv_heads, head_dim]) at their slots ([T])."""
-        raise NotImplementedError
+    def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]],
+                   slot_mappings: Sequence[torch.Tensor]) -> None:
+        """Once per step, before the layers run: blocks freed since the last step (their contents are gone),
+        copy-on-write copies to make, and for each layer group the slots this step's tokens go to ([T] each)."""
+        self.copy_blocks(copies)
+        self._slot_mappings = list(slot_mappings)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of the step's new tokens ([T, kv_heads, head_dim]) for `layer` at its group's slots."""
+        group = self.layout.group_of[layer]
+        self._write(self.layout.row_of[layer], group, self._slot_mappings[group], k, v)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks ([S, B] block ids) as [S, B * block_size, kv_heads, head_dim] each."""
+        """K and V of whole blocks of `layer`'s group ([S, B] block ids) as [S, B * block_size, kv_heads, head_dim]."""
+        return self._gather(self.layout.row_of[layer], block_tables)
+
+    def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -57,17 +78,12 @@ class PagedKVCache:
             blocks = tensor.view(tensor.shape[0], self.num_blocks, -1, *tensor.shape[2:])
             blocks[:, dst] = blocks[:, src]
 
-    def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]], slot_mapping: torch.Tensor) -> None:
-        """Once per step, before the layers run: blocks freed since the last step (their contents are gone),
-        copy-on-write copies to make, and the slots this step's tokens will be written to."""
-        self.copy_blocks(copies)
-
     def _block_tensors(self) -> list[torch.Tensor]:
         """Every tensor shaped [layers, num_blocks * k, ...] that holds block contents (k per-block rows)."""
         raise NotImplementedError
 
-    def _blocks_view(self, tensor: torch.Tensor, layer: int) -> torch.Tensor:
-        return tensor[layer].view(self.num_blocks, -1, *tensor.shape[2:])
+    def _blocks_view(self, tensor: torch.Tensor, row: int) -> torch.Tensor:
+        return tensor[row].view(self.num_blocks, -1, *tensor.shape[2:])
 
 
 class FullPrecisionKVCache(PagedKVCache):
@@ -85,16 +101,16 @@ class FullPrecisionKVCache(PagedKVCache):
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slot_mapping, k.to(self.storage_dtype))
-        self.v[layer].index_copy_(0, slot_mapping, v.to(self.storage_dtype))
+    def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[row].index_copy_(0, slot_mapping, k.to(self.storage_dtype))
+        self.v[row].index_copy_(0, slot_mapping, v.to(self.storage_dtype))
 
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # whole blocks rather than single slots: the same bytes in 16x fewer, larger pieces
         flat = block_tables.reshape(-1)
         shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, *self.k.shape[2:])
-        k = self._blocks_view(self.k, layer).index_select(0, flat)
-        v = self._blocks_view(self.v, layer).index_select(0, flat)
+        k = self._blocks_view(self.k, row).index_select(0, flat)
+        v = self._blocks_view(self.v, row).index_select(0, flat)
         return k.view(shape).to(self.dtype), v.view(shape).to(self.dtype)
 
     def _block_tensors(self) -> list[torch.Tensor]:

@@ -1,14 +1,18 @@
 """Per-request block tables on top of the block pool: allocate, grow, share (prefix hits, forks), copy on write,
-evict (an eviction policy drops blocks a sequence will not read again), free."""
+drop what a sliding window or an eviction policy no longer reads, free.
+
+A request has one block table per layer group of the model's KVLayout. A full-attention group keeps every block
+(unless an eviction policy drops some); a sliding-window group drops the blocks its window has passed."""
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.kv.block_hash import BlockHash, hash_full_blocks
 from kvserve.kv.block_pool import Block, BlockPool
-from kvserve.kv.eviction import AttentionScores, EvictionPolicy
+from kvserve.kv.eviction import AttentionScores, EvictionPolicy, StreamingPolicy
 
 
 class CachedSequence(Protocol):
@@ -32,8 +36,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 @dataclass
 class BlockTable:
-    """A sequence's kept blocks in order, and which block of the sequence each one is (block number i holds
-    tokens i * block_size onwards). Without eviction the numbers are 0, 1, 2, ...; eviction leaves gaps."""
+    """A sequence's kept blocks in one layer group, in order, and which block of the sequence each one is (block
+    number i holds tokens i * block_size onwards). Without dropping the numbers are 0, 1, 2, ...; a sliding window
+    or an eviction policy leaves gaps."""
 
     blocks: list[Block] = field(default_factory=list)
     logical: list[int] = field(default_factory=list)
@@ -42,8 +47,8 @@ class BlockTable:
     def next_logical(self) -> int:
         return self.logical[-1] + 1 if self.logical else 0
 
-    def extend(self, blocks: Sequence[Block]) -> None:
-        first = self.next_logical
+    def extend(self, blocks: Sequence[Block], first_logical: int | None = None) -> None:
+        first = self.next_logical if first_logical is None else first_logical
         self.blocks.extend(blocks)
         self.logical.extend(range(first, first + len(blocks)))
 
@@ -54,81 +59,125 @@ class BlockTable:
                 return i
         raise KeyError(f"block {logical_block} is not held")
 
+    def drop(self, indices: list[int]) -> list[Block]:
+        """Remove the entries at `indices`; returns their blocks."""
+        gone = set(indices)
+        dropped = [self.blocks[i] for i in indices]
+        self.blocks = [b for i, b in enumerate(self.blocks) if i not in gone]
+        self.logical = [n for i, n in enumerate(self.logical) if i not in gone]
+        return dropped
+
     def copy(self) -> BlockTable:
         return BlockTable(list(self.blocks), list(self.logical))
 
 
+@dataclass
+class CachedPrefix:
+    """A prefix hit: its first `num_blocks` blocks are cached; for each layer group, the cached blocks it needs
+    (a sliding group needs only those in the window of the first token to compute), starting at `first_logical`."""
+
+    num_blocks: int = 0
+    blocks: list[list[Block]] = field(default_factory=list)
+    first_logical: list[int] = field(default_factory=list)
+
+    @property
+    def all_blocks(self) -> list[Block]:
+        return [b for group in self.blocks for b in group]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_namespace: str = "",
-                 eviction: EvictionPolicy | None = None):
+                 eviction: EvictionPolicy | None = None, windows: Sequence[int | None] = (None,)):
         self.block_size = block_size
         self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.eviction = eviction or EvictionPolicy()
+        self.windows = tuple(windows)  # per layer group: None for full attention, else its sliding window
+        # a sliding group drops what no later query's window reaches: StreamingLLM's rule without sinks
+        self._window_rules = [StreamingPolicy(recent_tokens=w) if w is not None else None for w in self.windows]
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._tables: dict[str, BlockTable] = {}
+        self._tables: dict[str, list[BlockTable]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
-        self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the prefix index
+        self._num_registered: dict[str, int] = {}  # leading blocks of each sequence already in the prefix index
         self._first_eviction: dict[str, int] = {}  # computed tokens when the sequence first dropped a block
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
-        self.num_evicted_blocks = 0
+        self.num_evicted_blocks = 0  # dropped by the eviction policy
+        self.num_window_blocks_freed = 0  # dropped by sliding-window groups
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     def block_ids(self, request_id: str) -> list[int]:
-        table = self._tables.get(request_id)
-        return [b.block_id for b in table.blocks] if table else []
+        """Every block the request holds, all layer groups."""
+        return [b.block_id for table in self._tables.get(request_id, ()) for b in table.blocks]
 
-    def block_table(self, request_id: str) -> BlockTable:
-        return self._tables.get(request_id) or BlockTable()
+    def block_table(self, request_id: str, group: int = 0) -> BlockTable:
+        tables = self._tables.get(request_id)
+        return tables[group] if tables else BlockTable()
 
     def num_allocated_slots(self, request_id: str) -> int:
-        table = self._tables.get(request_id)
-        return len(table.blocks) * self.block_size if table else 0
+        return len(self.block_ids(request_id)) * self.block_size
 
-    def num_stored_tokens(self, seq: CachedSequence) -> int:
-        """Tokens of `seq` whose K/V the cache holds (computed ones, minus those in dropped blocks)."""
+    def num_stored_tokens(self, seq: CachedSequence, group: int = 0) -> int:
+        """Tokens of `seq` whose K/V one layer group holds (computed ones, minus those in dropped blocks)."""
         bs, computed = self.block_size, seq.num_computed_tokens
-        return sum(min(bs, max(0, computed - b * bs)) for b in self.block_table(seq.request_id).logical)
+        return sum(min(bs, max(0, computed - b * bs)) for b in self.block_table(seq.request_id, group).logical)
 
-    def find_cached_prefix(self, seq: CachedSequence) -> list[Block]:
-        """Longest run of cached full blocks from the start; the last token is always left to compute."""
+    def find_cached_prefix(self, seq: CachedSequence) -> CachedPrefix:
+        """Longest cached prefix of whole blocks whose full groups hold all of it and whose sliding groups hold
+        the window before its end; the last token is always left to compute."""
         if not self.pool.enable_prefix_caching:
-            return []
-        max_blocks = (len(seq.token_ids) - 1) // self.block_size
-        hits = []
-        for block_hash in self._block_hashes(seq)[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            return CachedPrefix(blocks=[[] for _ in self.windows], first_logical=[0] * self.num_groups)
+        hashes = self._block_hashes(seq)[: (len(seq.token_ids) - 1) // self.block_size]
+        found = [[self.pool.lookup(self._key(h, g)) for h in hashes] for g in range(self.num_groups)]
+        limit = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                limit = min(limit, next((i for i, b in enumerate(found[g]) if b is None), len(hashes)))
+        for num_blocks in range(limit, -1, -1):
+            firsts = [self._first_needed(num_blocks, w) for w in self.windows]
+            if all(b is not None for g, first in enumerate(firsts) for b in found[g][first:num_blocks]):
+                return CachedPrefix(num_blocks, [found[g][first:num_blocks] for g, first in enumerate(firsts)],
+                                    firsts)
+        raise AssertionError("an empty prefix is always cached")
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
 
-    def allocate(
-        self, seq: CachedSequence, num_new_tokens: int, cached: Sequence[Block] = ()
-    ) -> list[BlockCopy] | None:
-        """Make room for `num_new_tokens` more tokens after the computed (and `cached`) ones.
+    def allocate(self, seq: CachedSequence, num_new_tokens: int, cached: CachedPrefix | None = None
+                 ) -> list[BlockCopy] | None:
+        """Make room in every group for `num_new_tokens` more tokens after the computed (and `cached`) ones.
         Returns the copies that copy-on-write needs, or None, changing nothing, if the pool is short."""
-        table = self._tables.setdefault(seq.request_id, BlockTable())
-        start = seq.num_computed_tokens + len(cached) * self.block_size
-        num_new_blocks = blocks_needed(start + num_new_tokens, self.block_size) - table.next_logical - len(cached)
-        shared = self._shared_partial_block(table, start) if not cached else None
-        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)  # taking these removes them from the free queue
-        if max(num_new_blocks, 0) + (shared is not None) > self.pool.num_free_blocks - reclaimed:
-            if not table.blocks:
+        new = seq.request_id not in self._tables
+        tables = self._tables.setdefault(seq.request_id, [BlockTable() for _ in self.windows])
+        hit = cached.num_blocks if cached else 0
+        start = seq.num_computed_tokens + hit * self.block_size
+        end_block = blocks_needed(start + num_new_tokens, self.block_size)
+        # new blocks start after the held ones, or at the chunk's first block (after a hit, or when a sliding group
+        # has dropped everything before it)
+        first_new = [max(hit if hit else t.next_logical, start // self.block_size) for t in tables]
+        num_new = [max(0, end_block - first) for first in first_new]
+        shared = [self._shared_partial_block(t, start) if not hit else None for t in tables]
+        hit_blocks = cached.all_blocks if cached else []
+        reclaimed = len({b.block_id for b in hit_blocks if b.ref_cnt == 0})  # taking these empties free slots
+        needed = sum(num_new) + sum(s is not None for s in shared)
+        if needed > self.pool.num_free_blocks - reclaimed:
+            if new:
                 del self._tables[seq.request_id]
             return None
-        self.pool.touch(cached)
-        table.extend(cached)
         copies = []
-        if shared is not None:
-            new_block = self.pool.allocate(1)[0]
-            copies.append(BlockCopy(table.blocks[shared].block_id, new_block.block_id))
-            self.pool.free([table.blocks[shared]])
-            table.blocks[shared] = new_block
-        table.extend(self.pool.allocate(max(num_new_blocks, 0)))
+        for g, table in enumerate(tables):
+            if hit:
+                self.pool.touch(cached.blocks[g])
+                table.extend(cached.blocks[g], cached.first_logical[g])
+            if shared[g] is not None:
+                new_block = self.pool.allocate(1)[0]
+                copies.append(BlockCopy(table.blocks[shared[g]].block_id, new_block.block_id))
+                self.pool.free([table.blocks[shared[g]]])
+                table.blocks[shared[g]] = new_block
+            table.extend(self.pool.allocate(num_new[g]), first_new[g])
         return copies
 
     def cache_full_blocks(self, seq: CachedSequence) -> None:
@@ -140,27 +189,31 @@ class KVCacheManager:
         if num_full <= done:  # the common decode step: the last block is still filling
             return
         hashes = self._block_hashes(seq, num_full * self.block_size)
-        table = self._tables[seq.request_id]
-        for logical_block in range(done, num_full):
-            self.pool.register(table.blocks[table.index(logical_block)], hashes[logical_block])
+        for g, table in enumerate(self._tables[seq.request_id]):
+            # a sliding group may not hold every one of them (a prefix hit only brings its window)
+            for i in range(bisect.bisect_left(table.logical, done), bisect.bisect_left(table.logical, num_full)):
+                self.pool.register(table.blocks[i], self._key(hashes[table.logical[i]], g))
         self._num_registered[seq.request_id] = num_full
 
-    def evict(self, seq: CachedSequence, scores: AttentionScores | None = None) -> int:
-        """Drop the blocks the eviction policy says `seq` will not need; returns how many it dropped."""
-        table = self._tables.get(seq.request_id)
-        if table is None or not self.eviction.evicts:
-            return 0
-        block_scores = scores.block_scores([b.block_id for b in table.blocks]) if scores is not None else None
-        drop = self.eviction.blocks_to_drop(table.logical, seq.num_computed_tokens, self.block_size, block_scores)
-        if not drop:
-            return 0
-        self._first_eviction.setdefault(seq.request_id, seq.num_computed_tokens)
-        dropped = set(drop)
-        self.pool.free([table.blocks[i] for i in reversed(drop)])
-        table.blocks = [b for i, b in enumerate(table.blocks) if i not in dropped]
-        table.logical = [b for i, b in enumerate(table.logical) if i not in dropped]
-        self.num_evicted_blocks += len(drop)
-        return len(drop)
+    def drop_unneeded(self, seq: CachedSequence, scores: AttentionScores | None = None) -> None:
+        """Drop the blocks no later query of `seq` reads: out of a sliding group's window, or what the eviction
+        policy gives up. A block shared with another sequence only loses this sequence's reference."""
+        tables = self._tables.get(seq.request_id)
+        if tables is None:
+            return
+        position = seq.num_computed_tokens  # the next query
+        for table, rule in zip(tables, self._window_rules):
+            if rule is not None:
+                drop = rule.blocks_to_drop(table.logical, position, self.block_size)
+                self.pool.free(table.drop(drop))
+                self.num_window_blocks_freed += len(drop)
+            elif self.eviction.evicts:
+                block_scores = scores.block_scores([b.block_id for b in table.blocks]) if scores else None
+                drop = self.eviction.blocks_to_drop(table.logical, position, self.block_size, block_scores)
+                if drop:
+                    self._first_eviction.setdefault(seq.request_id, position)
+                    self.pool.free(table.drop(drop))
+                    self.num_evicted_blocks += len(drop)
 
     def _exact_tokens(self, seq: CachedSequence) -> int:
         """Leading tokens whose K/V are what an uncompressed run computes: only their blocks may be shared."""
@@ -171,23 +224,35 @@ class KVCacheManager:
 
     def fork(self, parent: CachedSequence, child: CachedSequence) -> None:
         """The child shares every parent block (copy-on-write when either writes into a shared one)."""
-        table = self.block_table(parent.request_id).copy()
-        self.pool.touch(table.blocks)
-        self._tables[child.request_id] = table
-        if parent.request_id in self._first_eviction:
-            self._first_eviction[child.request_id] = self._first_eviction[parent.request_id]
+        tables = [t.copy() for t in self._tables.get(parent.request_id, [BlockTable() for _ in self.windows])]
+        for table in tables:
+            self.pool.touch(table.blocks)
+        self._tables[child.request_id] = tables
         if parent.request_id in self._hashes:  # only computed blocks: the child's uncomputed tokens may differ
             computed = parent.num_computed_tokens // self.block_size
             self._hashes[child.request_id] = self._hashes[parent.request_id][:computed]
         self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
+        if parent.request_id in self._first_eviction:
+            self._first_eviction[child.request_id] = self._first_eviction[parent.request_id]
 
     def free(self, seq: CachedSequence) -> None:
         """Return the request's blocks, tail first, so its head stays cached longest."""
-        table = self._tables.pop(seq.request_id, BlockTable())
+        tables = self._tables.pop(seq.request_id, [])
         self._hashes.pop(seq.request_id, None)
         self._num_registered.pop(seq.request_id, None)
         self._first_eviction.pop(seq.request_id, None)
-        self.pool.free(reversed(table.blocks))
+        for table in tables:
+            self.pool.free(reversed(table.blocks))
+
+    def _first_needed(self, num_blocks: int, window: int | None) -> int:
+        """The first block a group must hold to continue after `num_blocks` cached ones."""
+        if window is None:
+            return 0
+        return min(num_blocks, max(0, num_blocks * self.block_size - window + 1) // self.block_size)
+
+    def _key(self, block_hash: BlockHash, group: int) -> BlockHash:
+        """Each layer group caches its own blocks of a prefix."""
+        return block_hash if self.num_groups == 1 else block_hash + bytes([group])
 
     def _shared_partial_block(self, table: BlockTable, start: int) -> int | None:
         """The table index of the partly filled block the next token goes into, if another sequence shares it."""

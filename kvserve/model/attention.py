@@ -40,8 +40,9 @@ class AttentionMetadata:
     """One step's batch layout, built once by the runner and read by every layer."""
 
     positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    groups: list[AttentionGroup]
+    slot_mappings: list[torch.Tensor]  # per layer group: [T] where each new token's K/V is written
+    groups: list[list[AttentionGroup]]  # per layer group: its attention calls
+    layer_group: tuple[int, ...]  # each layer's group (the KV layout)
     scores: AttentionScores | None = None  # H2O: where each layer adds the attention each key received
 
 
@@ -55,11 +56,12 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
-    cache.write(layer, meta.slot_mapping, k, v)
-    if len(meta.groups) == 1 and meta.groups[0].out_rows is None:
-        return _group_attention(q, k, v, layer, cache, meta, meta.groups[0], scale).reshape(q.shape)
+    cache.write(layer, k, v)
+    groups = meta.groups[meta.layer_group[layer]]
+    if len(groups) == 1 and groups[0].out_rows is None:
+        return _group_attention(q, k, v, layer, cache, meta, groups[0], scale).reshape(q.shape)
     out = torch.empty_like(q)
-    for group in meta.groups:
+    for group in groups:
         rows = _group_attention(q, k, v, layer, cache, meta, group, scale).reshape(-1, *q.shape[1:])
         out[group.out_tokens] = rows[group.out_rows] if group.out_rows is not None else rows
     return out

@@ -11,6 +11,7 @@ from kvserve.planner.kv_size import (
     KVDtype,
     fixed_state_bytes,
     kv_bytes_per_token,
+    kv_layout,
     request_kv_bytes,
     resolve_kv_dtype,
     round_up_to_blocks,
@@ -76,16 +77,18 @@ class KVCachePlan:
     max_model_len: int
     kv_bytes_per_token: int
     num_blocks: int
+    layers_per_block: int  # a block holds block_size tokens of this many layers (one layer group)
     max_blocks_per_request: int | None = None  # a KV eviction policy's bound on one sequence's blocks
     eviction: str = "none"
 
     @property
     def block_bytes(self) -> int:
-        return self.block_size * self.kv_bytes_per_token
+        return self.block_size * self.kv_bytes_per_token * self.layers_per_block // self.spec.num_kv_layers
 
     @property
     def kv_cache_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds if every layer keeps every token (a uniform model's capacity)."""
+        return self.num_blocks * self.block_size * self.layers_per_block // self.spec.num_kv_layers
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -140,13 +143,17 @@ class KVCachePlan:
 
     def summary_line(self, kv_format: str | None = None) -> str:
         """The start-up capacity line the engine logs, naming the storage format when given."""
+        blocks = f"{self.num_blocks:,} blocks × {self.block_size} tokens"
+        if self.layers_per_block != self.spec.num_kv_layers:
+            blocks += f" × {self.layers_per_block} layers ({self.kv_cache_tokens:,} tokens in every layer)"
+        else:
+            blocks += f" = {self.kv_cache_tokens:,} tokens"
         per_request = f"{self.max_model_len:,} tokens per request"
         if self.max_blocks_per_request is not None:
             per_request = (f"{self.eviction} eviction, at most {self.max_blocks_per_request:,} blocks per request "
                            "at any length")
         return (
-            f"KV cache{f' ({kv_format})' if kv_format else ''}: {self.num_blocks:,} blocks × {self.block_size} "
-            f"tokens = {self.kv_cache_tokens:,} tokens, {self.kv_cache_bytes / GiB:.2f} GiB "
+            f"KV cache{f' ({kv_format})' if kv_format else ''}: {blocks}, {self.kv_cache_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token / KiB:.1f} KiB/token); maximum concurrency for {per_request}: "
             f"{self.max_concurrency:.2f}x"
         )
@@ -184,6 +191,8 @@ def plan_kv_cache(
     per_token = kv_bytes_per_token(spec, kv_dtype, block_size)
     if per_token == 0:
         raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")
+    layers_per_block = kv_layout(spec).layers_per_block
+    block_bytes = block_size * per_token * layers_per_block // spec.num_kv_layers
     return KVCachePlan(
         spec=spec,
         kv_dtype=kv_dtype,
@@ -191,7 +200,8 @@ def plan_kv_cache(
         block_size=block_size,
         max_model_len=max_model_len,
         kv_bytes_per_token=per_token,
-        num_blocks=int(kv_budget_bytes) // (block_size * per_token),
+        num_blocks=int(kv_budget_bytes) // block_bytes,
+        layers_per_block=layers_per_block,
         max_blocks_per_request=max_blocks_per_request,
         eviction=eviction,
     )

@@ -21,10 +21,12 @@ from kvserve.planner.kv_size import KV_DTYPE_CHOICES, resolve_kv_dtype
 from kvserve.planner.loaders import load_model_spec, preset_names
 from kvserve.planner.model_spec import ModelSpec
 from kvserve.planner.report import PlanReport, render_report, report_to_json
-from kvserve.planner.units import GiB, parse_memory_size
+from kvserve.planner.units import GiB, format_bytes, parse_memory_size
 from kvserve.planner.weights import WEIGHT_BITS, weights_bytes
 
 DEFAULT_CONTEXTS = (2_048, 8_192, 32_768, 131_072)
+PLOT_KV_DTYPES = ("bf16", "fp8", "int8", "int4")  # compared with the planned one in --plot
+PLOT_POINTS = 40
 
 _DESCRIPTION = """\
 Plan a model's KV cache: bytes per token, size per request, what fits on a GPU, and the cost of a
@@ -67,6 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GiB, metavar="GIB",
                         help="memory for runtime and activations, neither weights nor KV (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw the GPU memory split and the maximum concurrency against context length for "
+                             "each KV dtype into PATH (.png or .svg); needs --gpu or --gpu-memory")
     talk = parser.add_argument_group("conversation mode (stateless chat API, one request per turn)")
     talk.add_argument("--conversation", action="store_true", help="plan a multi-turn conversation")
     talk.add_argument("--first", type=int, default=1200, metavar="N",
@@ -81,6 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 2 on bad input, 1 when the model does not fit, else 0."""
     try:
+        if args.plot:
+            _check_plot_args(args)
         report = build_report(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve plan: error: {exc}", file=sys.stderr)
@@ -89,7 +96,49 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report_to_json(report), indent=2))
     else:
         render_report(report, Console(width=None if sys.stdout.isatty() else 120))
+    if args.plot:
+        try:
+            print(f"plot written to {_write_plot(report, args.plot)}", file=sys.stderr)
+        except ValueError as exc:
+            print(f"kvserve plan: error: {exc}", file=sys.stderr)
+            return 2
     return 1 if report.error else 0
+
+
+def _check_plot_args(args: argparse.Namespace) -> None:
+    from kvserve.plots import check_plot_path
+
+    check_plot_path(args.plot)
+    if not (args.gpu or args.gpu_memory):
+        raise ValueError("--plot draws the GPU memory split and what fits in it: give --gpu or --gpu-memory")
+
+
+def _write_plot(report: PlanReport, path: str):
+    """The memory split and, per KV dtype, requests that fit against context length."""
+    from kvserve.plots import plot_plan
+
+    budget, spec = report.budget, report.spec
+    split = [("weights", budget.weights_bytes), ("other", budget.overhead_bytes),
+             ("KV cache", budget.kv_budget_bytes), ("unused", budget.gpu_memory_bytes - budget.usable_bytes)]
+    contexts = _context_grid(spec.max_position_embeddings)
+    curves, drawn = {}, set()
+    dtypes = () if budget.error else (report.kv_dtype.name, *PLOT_KV_DTYPES)  # no KV memory: nothing fits
+    for dtype in dtypes:
+        plan = plan_kv_cache(spec, budget.kv_budget_bytes, report.block_size, dtype, report.max_model_len)
+        if plan.kv_dtype.name not in drawn:  # the planned dtype is one of PLOT_KV_DTYPES, or an alias of one
+            drawn.add(plan.kv_dtype.name)
+            curves[f"{plan.kv_dtype.name}, {format_bytes(plan.kv_bytes_per_token)}/token"] = [
+                (tokens, plan.concurrency(tokens)) for tokens in contexts]
+    title = (f"{spec.name} on {report.gpu_name} ({format_bytes(budget.gpu_memory_bytes)}, "
+             f"{budget.gpu_memory_utilization:.0%} usable)")
+    return plot_plan(path, title, split, curves, report.max_model_len)
+
+
+def _context_grid(max_tokens: int) -> list[int]:
+    """PLOT_POINTS request lengths spaced evenly on a log scale from 256 (or less) to `max_tokens`."""
+    start = min(256, max_tokens)
+    ratio = (max_tokens / start) ** (1 / (PLOT_POINTS - 1))
+    return sorted({round(start * ratio**i) for i in range(PLOT_POINTS)})
 
 
 def build_report(args: argparse.Namespace) -> PlanReport:

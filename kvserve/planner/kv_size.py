@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.kv.layout import KVLayout
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
 
 NO_SCALE = "none"
@@ -125,3 +126,9 @@ def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budge
     if policy == "h2o":
         return round_up_to_blocks(budget_tokens, block_size) + 1
     return None
+
+
+def kv_layout(spec: ModelSpec) -> KVLayout:
+    """How the engine groups this model's attention layers into blocks (see kvserve/kv/layout.py)."""
+    windows = [spec.sliding_window if kind == SLIDING else None for kind in spec.layer_kinds if kind != LINEAR]
+    return KVLayout.from_layer_windows(windows)

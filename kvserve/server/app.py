@@ -16,6 +16,7 @@ from kvserve.server.api_models import ChatCompletionRequest, CompletionRequest, 
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING, AsyncEngine
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
+from kvserve.server.dashboard import StatsHistory, add_dashboard_routes
 from kvserve.server.errors import APIError, engine_unavailable, unauthorized
 from kvserve.server.generation import ServingContext
 from kvserve.server.metrics import ServerMetrics
@@ -33,11 +34,15 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     metrics = ServerMetrics(model_name, lambda: async_engine.stats())
     async_engine = AsyncEngine(engine, max_waiting, metrics.observe)
     ctx = ServingContext(async_engine, model_name, engine.tokenizer)
+    history = StatsHistory(async_engine.stats)
+    auth = _api_key_check(api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        history.start()
         yield
+        history.stop()
         async_engine.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
@@ -46,7 +51,8 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     _add_open_routes(app, async_engine, metrics)
-    _add_v1_routes(app, ctx, engine.max_model_len, _api_key_check(api_key))
+    _add_v1_routes(app, ctx, engine.max_model_len, auth)
+    add_dashboard_routes(app, async_engine, history, model_name, auth)
     return app
 
 

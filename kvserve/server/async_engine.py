@@ -54,6 +54,12 @@ class _AbortAll:
     pass
 
 
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
+
+
 class _Stop:
     pass
 
@@ -65,9 +71,10 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self._observer = observer or (lambda outputs, now: None)
-        self._commands: queue.Queue[_Add | _Abort | _AbortAll | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _AbortAll | _Call | _Stop] = queue.Queue()
         self._outputs: dict[str, asyncio.Queue] = {}  # touched only on the loop's thread
         self._adds_in_flight: set[asyncio.Future] = set()  # sent to the engine thread, unanswered (loop thread)
+        self._calls_in_flight: set[asyncio.Future] = set()  # likewise, for `call`
         self._stats: dict[str, Any] = engine.stats()  # replaced (never mutated) by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -118,6 +125,18 @@ class AsyncEngine:
         finally:
             self._adds_in_flight.discard(accepted)
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """`fn(engine)` run on the engine thread between two steps (to read its live state safely); its result."""
+        if self.error is not None:
+            raise EngineDeadError(self.error)
+        done = self._loop.create_future()
+        self._calls_in_flight.add(done)
+        self._commands.put(_Call(fn, done))
+        try:
+            return await done
+        finally:
+            self._calls_in_flight.discard(done)
+
     def abort(self, request_id: str) -> None:
         """Stop a request now (its blocks go back to the pool); no more outputs are delivered for it."""
         if self._outputs.pop(request_id, None) is not None:
@@ -140,7 +159,7 @@ class AsyncEngine:
         for sink in self._outputs.values():
             sink.put_nowait(error)
         self._outputs.clear()
-        for accepted in self._adds_in_flight:  # the dead thread will never answer them
+        for accepted in self._adds_in_flight | self._calls_in_flight:  # the dead thread will never answer them
             _settle(accepted, error)
 
     # ---- on the engine thread ------------------------------------------------------------------------------
@@ -165,7 +184,7 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 self._step()
 
-    def _take_commands(self, block: bool) -> list[_Add | _Abort | _AbortAll | _Stop]:
+    def _take_commands(self, block: bool) -> list[_Add | _Abort | _AbortAll | _Call | _Stop]:
         # Idle: sleep until a command arrives. Busy: take what has arrived and get back to stepping.
         commands = [self._commands.get()] if block else []
         while True:
@@ -174,7 +193,10 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort | _AbortAll) -> tuple[asyncio.Future, BaseException | None] | None:
+    def _apply(self, command: _Add | _Abort | _AbortAll | _Call) -> tuple[asyncio.Future, BaseException | None] | None:
+        if isinstance(command, _Call):
+            self._answer(command)
+            return None
         if isinstance(command, _AbortAll):
             self._abort_all()
             return None
@@ -188,6 +210,13 @@ class AsyncEngine:
         except Exception as exc:  # bad input (ValueError) or a tokenizer error: that request fails, not the engine
             return command.accepted, exc
         return command.accepted, None
+
+    def _answer(self, call: _Call) -> None:
+        try:
+            result, exc = call.fn(self.engine), None
+        except Exception as error:  # the caller's bug, not the engine's: it gets the exception
+            result, exc = None, error
+        self._loop.call_soon_threadsafe(_settle, call.done, exc, result)
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -205,11 +234,11 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver, aborted)
 
 
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+def _settle(future: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
     if future.done():  # its handler was cancelled while waiting
         return
     if exc is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(exc)
 

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, args.served_model_name, args.api_key, args.max_waiting)
     host, port = sock.getsockname()[:2]
     print(f"Serving {args.served_model_name or engine.model_name} on http://{_url_host(host)}:{port}/v1 "
-          f"(OpenAI-compatible; /health, /metrics; Ctrl-C to stop)", file=sys.stderr)
+          f"(OpenAI-compatible; /health, /metrics, KV cache dashboard on /dashboard; Ctrl-C to stop)", file=sys.stderr)
     _serve(app, sock, args)
     return 0
 

@@ -182,23 +182,6 @@ def test_stop_strings_need_a_tokenizer(llm):
         llm.generate([5, 6], SamplingParams(stop=["x"]))
 
 
-def test_sliding_window_model_is_capped_to_its_window(tmp_path, caplog):
-    # Sliding-window attention is not implemented: within the window it equals full attention, so the engine
-    # serves such models up to the window (a request of max_model_len always fits the pool it allocated).
-    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        sliding_window=32, bos_token_id=1, eos_token_id=2)
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="max_model_len=128 exceeds the model's sliding window"):
-        LLM(str(tmp_path), kv_cache_memory="1MiB", max_model_len=128)
-    with caplog.at_level("WARNING", logger="kvserve"):
-        llm = LLM(str(tmp_path), kv_cache_memory="1MiB")
-    assert llm.engine.max_model_len == 32 and "max_model_len capped to 32" in caplog.text
-    with pytest.raises(ValueError, match="max_tokens=10 exceeds max_model_len=32 minus prompt length 30"):
-        llm.generate(list(range(3, 33)), SamplingParams(max_tokens=10))
-    assert_idle(llm)
-
-
 def test_engine_refuses_to_start_when_one_full_length_request_cannot_fit(model_dir):
     with pytest.raises(ValueError) as refused:
         LLM(str(model_dir), max_model_len=512, kv_cache_memory="64KiB")

@@ -1,14 +1,22 @@
 """The paged KV store: what is written at any slots reads back unchanged, in its layer only, and copy_blocks
-moves whole blocks of K and V in every layer."""
+moves whole blocks of K and V in every layer; with several layer groups each layer reads and writes its own
+group's slots in its own row of the blocks."""
 import torch
 
 from kvserve.kv.kv_cache import FullPrecisionKVCache
+from kvserve.kv.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 3, 6, 4, 2, 5
 
 
-def make_cache(dtype=torch.float32) -> FullPrecisionKVCache:
-    return FullPrecisionKVCache(LAYERS, BLOCKS, BS, HEADS, DIM, dtype=dtype)
+def make_cache(dtype=torch.float32, storage_dtype=None) -> FullPrecisionKVCache:
+    return FullPrecisionKVCache(KVLayout.uniform(LAYERS), BLOCKS, BS, HEADS, DIM, dtype=dtype,
+                                storage_dtype=storage_dtype)
+
+
+def write(cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    cache.begin_step([], [], [slots] * cache.layout.num_groups)
+    cache.write(layer, k, v)
 
 
 def test_write_then_gather_round_trips_at_arbitrary_slots():
@@ -17,7 +25,7 @@ def test_write_then_gather_round_trips_at_arbitrary_slots():
     slots = torch.randperm(BLOCKS * BS, generator=g)[:10]
     k = torch.randn(10, HEADS, DIM, generator=g)
     v = torch.randn(10, HEADS, DIM, generator=g)
-    cache.write(1, slots, k, v)
+    write(cache, 1, slots, k, v)
 
     tables = torch.tensor([[3, 0, 5], [1, 1, 4]])  # [S=2, B=3] block ids, repeats allowed
     got_k, got_v = cache.gather(1, tables)
@@ -34,12 +42,13 @@ def test_write_then_gather_round_trips_at_arbitrary_slots():
 
 
 def test_write_overwrites_and_casts_to_the_cache_dtype():
-    cache = make_cache(torch.bfloat16)
+    cache = make_cache(torch.float32, storage_dtype=torch.bfloat16)
     slots = torch.tensor([5, 17])  # block 1 offset 1, block 4 offset 1
-    cache.write(0, slots, torch.full((2, HEADS, DIM), 1.0), torch.full((2, HEADS, DIM), 2.0))
-    cache.write(0, slots[:1], torch.full((1, HEADS, DIM), 3.0), torch.full((1, HEADS, DIM), 4.0))
+    write(cache, 0, slots, torch.full((2, HEADS, DIM), 1.0), torch.full((2, HEADS, DIM), 2.0))
+    write(cache, 0, slots[:1], torch.full((1, HEADS, DIM), 3.0), torch.full((1, HEADS, DIM), 4.0))
+    assert cache.k.dtype == torch.bfloat16 and not cache.exact
     k, v = cache.gather(0, torch.tensor([[1, 4]]))
-    assert k.dtype == torch.bfloat16
+    assert k.dtype == torch.float32  # reads come back in the compute dtype
     assert k[0, [1, BS + 1], 0, 0].tolist() == [3.0, 1.0] and v[0, [1, BS + 1], 0, 0].tolist() == [4.0, 2.0]
 
 
@@ -73,3 +82,16 @@ def test_copy_blocks_with_no_pairs_changes_nothing():
 
 def test_nbytes_counts_k_and_v_of_every_slot():
     assert make_cache().nbytes == 2 * LAYERS * BLOCKS * BS * HEADS * DIM * 4
+
+
+def test_layers_of_two_groups_use_their_own_slots_and_rows():
+    layout = KVLayout.from_layer_windows([8, 8, None, None])  # groups of 2 layers: sliding {0, 1}, full {2, 3}
+    cache = FullPrecisionKVCache(layout, BLOCKS, BS, HEADS, DIM)
+    assert cache.num_layers == 2 and layout.group_of == (0, 0, 1, 1) and layout.row_of == (0, 1, 0, 1)
+    k = torch.randn(2, HEADS, DIM)
+    cache.begin_step([], [], [torch.tensor([0, 1]), torch.tensor([8, 9])])  # group 0: block 0, group 1: block 2
+    for layer in range(4):
+        cache.write(layer, k * (layer + 1), -k)
+    for layer, block in ((0, 0), (1, 0), (2, 2), (3, 2)):
+        got, _ = cache.gather(layer, torch.tensor([[block]]))
+        assert torch.equal(got[0, :2], k * (layer + 1))

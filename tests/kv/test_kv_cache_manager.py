@@ -25,7 +25,7 @@ def prompt(n: int, start: int = 100) -> list[int]:
 def prefill(kv: KVCacheManager, seq: Seq) -> None:
     """Admit and compute the whole prompt, using cached blocks, as the scheduler does."""
     cached = kv.find_cached_prefix(seq)
-    assert kv.allocate(seq, len(seq.token_ids) - len(cached) * BS, cached) == []
+    assert kv.allocate(seq, len(seq.token_ids) - cached.num_blocks * BS, cached) == []
     seq.num_computed_tokens = len(seq.token_ids)
     kv.cache_full_blocks(seq)
 
@@ -158,7 +158,7 @@ def test_cached_prefix_reuses_computed_full_blocks():
     prefill(kv, a)
     b = Seq("b", prompt(40) + [1, 2, 3])
     hits = kv.find_cached_prefix(b)
-    assert [h.block_id for h in hits] == kv.block_ids("a")[:2]  # the partial third block is not cached
+    assert [h.block_id for h in hits.blocks[0]] == kv.block_ids("a")[:2]  # the partial third block is not cached
     assert kv.allocate(b, 43 - 32, hits) == []
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
     assert ref_counts(kv, b) == [2, 2, 1]
@@ -167,9 +167,9 @@ def test_cached_prefix_reuses_computed_full_blocks():
 def test_cached_prefix_never_covers_the_last_prompt_token():
     kv = KVCacheManager(8, BS)
     prefill(kv, Seq("a", prompt(48)))
-    assert len(kv.find_cached_prefix(Seq("same", prompt(48)))) == 2  # 3 blocks cached, the last token recomputed
-    assert len(kv.find_cached_prefix(Seq("longer", prompt(49)))) == 3
-    assert kv.find_cached_prefix(Seq("one-block", prompt(16))) == []
+    assert kv.find_cached_prefix(Seq("same", prompt(48))).num_blocks == 2  # 3 blocks cached, the last token recomputed
+    assert kv.find_cached_prefix(Seq("longer", prompt(49))).num_blocks == 3
+    assert kv.find_cached_prefix(Seq("one-block", prompt(16))).num_blocks == 0
 
 
 def test_freed_prefix_is_reused_and_reclaimed_blocks_count_against_the_free_list():
@@ -181,29 +181,29 @@ def test_freed_prefix_is_reused_and_reclaimed_blocks_count_against_the_free_list
 
     too_long = Seq("long", prompt(49) + prompt(40, start=5000))  # 3 cached blocks + 3 new ones > 4
     cached = kv.find_cached_prefix(too_long)
-    assert len(cached) == 3
+    assert cached.num_blocks == 3
     assert kv.allocate(too_long, 89 - 48, cached) is None
     assert kv.pool.num_free_blocks == 4 and kv.pool.num_cached_blocks == 3
 
     fits = Seq("fits", prompt(49) + [1])
     cached = kv.find_cached_prefix(fits)
     assert kv.allocate(fits, 2, cached) == []
-    assert kv.block_ids("fits")[:3] == [c.block_id for c in cached]
+    assert kv.block_ids("fits")[:3] == [c.block_id for c in cached.blocks[0]]
     assert kv.pool.num_free_blocks == 0
 
 
 def test_cache_salt_separates_prefixes():
     kv = KVCacheManager(8, BS)
     prefill(kv, Seq("a", prompt(40), cache_salt="alice"))
-    assert len(kv.find_cached_prefix(Seq("a2", prompt(40), cache_salt="alice"))) == 2
-    assert kv.find_cached_prefix(Seq("b", prompt(40), cache_salt="bob")) == []
-    assert kv.find_cached_prefix(Seq("anon", prompt(40))) == []
+    assert kv.find_cached_prefix(Seq("a2", prompt(40), cache_salt="alice")).num_blocks == 2
+    assert kv.find_cached_prefix(Seq("b", prompt(40), cache_salt="bob")).num_blocks == 0
+    assert kv.find_cached_prefix(Seq("anon", prompt(40))).num_blocks == 0
 
 
 def test_prefix_caching_disabled_finds_nothing():
     kv = KVCacheManager(8, BS, enable_prefix_caching=False)
     prefill(kv, Seq("a", prompt(40)))
-    assert kv.find_cached_prefix(Seq("b", prompt(40))) == []
+    assert kv.find_cached_prefix(Seq("b", prompt(40))).num_blocks == 0
 
 
 def test_fork_with_a_different_uncomputed_token_caches_the_child_under_its_own_tokens():
@@ -211,7 +211,7 @@ def test_fork_with_a_different_uncomputed_token_caches_the_child_under_its_own_t
     # another 32nd token (beam search) must register its second block under its own tokens, not the parent's.
     kv = KVCacheManager(8, BS)
     parent = Seq("parent", prompt(32))
-    assert kv.find_cached_prefix(parent) == []  # hashes both blocks, uncomputed last token included
+    assert kv.find_cached_prefix(parent).num_blocks == 0  # hashes both blocks, uncomputed last token included
     kv.allocate(parent, 31)
     parent.num_computed_tokens = 31
     kv.cache_full_blocks(parent)
@@ -220,5 +220,5 @@ def test_fork_with_a_different_uncomputed_token_caches_the_child_under_its_own_t
     assert kv.allocate(child, 1) != []  # copy-on-write of the shared partial block
     child.num_computed_tokens = 32
     kv.cache_full_blocks(child)
-    assert len(kv.find_cached_prefix(Seq("same as child", prompt(31) + [7, 0]))) == 2
-    assert len(kv.find_cached_prefix(Seq("same as parent", prompt(32) + [0]))) == 1
+    assert kv.find_cached_prefix(Seq("same as child", prompt(31) + [7, 0])).num_blocks == 2
+    assert kv.find_cached_prefix(Seq("same as parent", prompt(32) + [0])).num_blocks == 1

@@ -4,6 +4,7 @@ import torch
 
 from kvserve.kv.formats import make_kv_cache
 from kvserve.planner.capacity import DEFAULT_OVERHEAD_BYTES, MemoryBudget, plan_kv_cache
+from kvserve.planner.kv_size import kv_layout
 from kvserve.planner.gpus import gpu_memory_bytes
 from kvserve.planner.loaders import load_model_spec
 from kvserve.planner.model_spec import ModelSpec
@@ -87,13 +88,18 @@ def test_summary_line_format():
 
 
 @pytest.mark.parametrize("kv_format", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
-def test_plan_matches_the_storage_the_engine_allocates(kv_format):
-    spec = load_model_spec("smollm2-135m")
-    plan = plan_kv_cache(spec, 8 * 1024 * 1024 + 123, 16, kv_format, 2_048)
-    cache = make_kv_cache(kv_format, spec.num_layers, plan.num_blocks, plan.block_size, spec.num_kv_heads,
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma-3-27b"])
+def test_plan_matches_the_storage_the_engine_allocates(kv_format, model):
+    spec = load_model_spec(model)
+    plan = plan_kv_cache(spec, 64 * 1024 * 1024 + 123, 16, kv_format, 2_048)
+    cache = make_kv_cache(kv_format, kv_layout(spec), plan.num_blocks, plan.block_size, spec.num_kv_heads,
                           spec.head_dim, torch.float32)
-    assert cache.nbytes == plan.kv_bytes_per_token * plan.kv_cache_tokens == plan.kv_cache_bytes
-    assert cache.k.shape[1] == plan.kv_cache_tokens
+    assert cache.nbytes == plan.kv_cache_bytes == plan.num_blocks * plan.block_bytes
+    assert cache.k.shape[1] == plan.num_blocks * plan.block_size
+    if model == "smollm2-135m":  # one group of every layer: a block is 16 tokens of the whole model
+        assert cache.nbytes == plan.kv_bytes_per_token * plan.kv_cache_tokens
+    else:  # 52 sliding and 10 full layers: groups of gcd(52, 10) = 2 layers
+        assert cache.num_layers == plan.layers_per_block == 2
 
 
 def test_max_model_len_defaults_to_the_model_and_cannot_exceed_it():

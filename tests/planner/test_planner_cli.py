@@ -6,6 +6,7 @@ import pytest
 from kvserve.cli import main
 from kvserve.model.embedded import embedded_gguf_path
 from kvserve.planner.units import GiB, MiB, parse_memory_size
+from tests.conftest import image_size
 
 
 def plan_json(capsys, *argv) -> tuple[int, dict]:
@@ -135,3 +136,19 @@ def test_help_documents_the_default_overhead(capsys):
                                             ("512MiB", 512 * MiB), ("1.5g", 3 * GiB // 2)])
 def test_memory_sizes(text, expected):
     assert parse_memory_size(text) == expected
+
+
+def test_plot_draws_the_plan_and_a_bad_plot_fails_before_planning(capsys, tmp_path):
+    out = tmp_path / "plan.svg"
+    status, data = plan_json(capsys, "llama-3.1-8b", "--gpu", "rtx-4090", "--max-model-len", "8192", "--plot", str(out))
+    assert status == 0 and data["fits"] is True  # stdout still holds only the JSON
+    kind, width_pt, height_pt = image_size(out)
+    assert (kind, width_pt, height_pt) == ("svg", 11 * 72, pytest.approx(4.2 * 72))
+    drawn = out.read_text()
+    for words in ("GPU memory", "bf16, 128 KiB/token", "fp8, ", "int8, ", "int4, ", "max_model_len 8,192"):
+        assert words in drawn
+    assert main(["plan", "llama-3.1-8b", "--plot", str(tmp_path / "plan.png")]) == 2
+    assert "--plot draws the GPU memory split" in capsys.readouterr().err
+    assert main(["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--plot", str(tmp_path / "no" / "plan.png")]) == 2
+    assert f"the directory {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "plan.png").exists()

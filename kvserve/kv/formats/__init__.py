@@ -9,17 +9,18 @@ from kvserve.kv.formats.fp8 import Fp8KVCache
 from kvserve.kv.formats.int4 import Int4KVCache
 from kvserve.kv.formats.int8 import Int8KVCache
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
+from kvserve.kv.layout import KVLayout
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def make_kv_cache(format_name: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
                   max_num_seqs: int = 1) -> PagedKVCache:
     """The storage for `format_name`; `dtype` is the model's compute dtype, which reads return. int4 keeps one
-    full-precision staging row per partly filled block, sized for `max_num_seqs` sequences."""
-    args = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    full-precision staging row per partly filled block, sized for `max_num_seqs` sequences per layer group."""
+    args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
     if format_name in FLOAT_FORMATS:
         return FullPrecisionKVCache(*args, dtype=dtype, device=device, storage_dtype=FLOAT_FORMATS[format_name])
     if format_name in FP8_FORMATS:
@@ -27,5 +28,5 @@ def make_kv_cache(format_name: str, num_layers: int, num_blocks: int, block_size
     if format_name == "int8":
         return Int8KVCache(*args, dtype=dtype, device=device)
     if format_name == "int4":
-        return Int4KVCache(*args, dtype=dtype, device=device, max_num_seqs=max_num_seqs)
+        return Int4KVCache(*args, dtype=dtype, device=device, max_num_seqs=max_num_seqs * layout.num_groups)
     raise ValueError(f"unknown KV cache format {format_name!r}")

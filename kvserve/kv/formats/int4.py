@@ -10,6 +10,7 @@ runner adds the own block's exact keys to attention (`exact_own_block`)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,7 @@ class Int4KVCache(PagedKVCache):
         self._grow_staging(max(1, max_num_seqs))
         self.row_of_block = torch.full((N,), -1, dtype=torch.long)  # staging row of each partly filled block
         self._filled_last_step: list[int] = []
-        self._plan: _StepPlan | None = None
+        self._plans: list[_StepPlan] = []
 
     def describe(self) -> str:
         return (f"int4, keys per channel per block, values per token; {self.block_size - 1}-token full-precision "
@@ -70,10 +71,15 @@ class Int4KVCache(PagedKVCache):
         return self.staging_k.nbytes + self.staging_v.nbytes
 
     # ---- per step ------------------------------------------------------------------------------------------
-    def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]], slot_mapping: torch.Tensor) -> None:
+    def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]],
+                   slot_mappings: Sequence[torch.Tensor]) -> None:
         self._release(freed_blocks + self._filled_last_step)
-        self.copy_blocks(copies)
-        slots = slot_mapping.cpu().long()
+        super().begin_step(freed_blocks, copies, slot_mappings)
+        self._plans = [self._plan(slot_mapping.cpu().long()) for slot_mapping in slot_mappings]
+        self._filled_last_step = [b for plan in self._plans for b in plan.fill_blocks.tolist()]
+
+    def _plan(self, slots: torch.Tensor) -> _StepPlan:
+        """Which new tokens are staged and which complete a block (then quantized with the staged ones before)."""
         blocks, offsets = slots // self.block_size, slots % self.block_size
         filling = torch.unique(blocks[offsets == self.block_size - 1])
         fills = torch.isin(blocks, filling)
@@ -85,7 +91,7 @@ class Int4KVCache(PagedKVCache):
         first_new.scatter_reduce_(0, fill_index, offsets[fills], reduce="amin")
         earlier = torch.arange(self.block_size)[None, :] < first_new[:, None]  # [F, bs] read from staging
         fill_of_earlier, offset_of_earlier = earlier.nonzero(as_tuple=True)
-        self._plan = _StepPlan(
+        plan = _StepPlan(
             stage_tokens=staged.to(self.device),
             stage_rows=self.row_of_block[blocks[staged]].to(self.device),
             stage_offsets=offsets[staged].to(self.device),
@@ -96,9 +102,9 @@ class Int4KVCache(PagedKVCache):
             residual_rows=self.row_of_block[filling[fill_of_earlier]].to(self.device),
             residual_offsets=offset_of_earlier.to(self.device),
         )
-        if bool((self._plan.residual_rows < 0).any()):
+        if bool((plan.residual_rows < 0).any()):
             raise RuntimeError("int4 KV cache: a block is completed without the staged tokens before it")
-        self._filled_last_step = filling.tolist()
+        return plan
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         super().copy_blocks(pairs)
@@ -110,48 +116,50 @@ class Int4KVCache(PagedKVCache):
                 self.staging_v[dst_row] = self.staging_v[src_row]
 
     # ---- per layer -----------------------------------------------------------------------------------------
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        plan = self._plan
+    def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        plan = self._plans[group]
         for staging, x in ((self.staging_k, k), (self.staging_v, v)):
-            staging[plan.stage_rows, layer, plan.stage_offsets] = x[plan.stage_tokens].to(self.dtype)
+            staging[plan.stage_rows, row, plan.stage_offsets] = x[plan.stage_tokens].to(self.dtype)
         if not len(plan.fill_blocks):
             return
         shape = (len(plan.fill_blocks), self.block_size, self.num_kv_heads, self.head_dim)
-        block_k, block_v = self._assemble(layer, k, self.staging_k, shape), self._assemble(layer, v, self.staging_v, shape)
+        block_k = self._assemble(plan, row, k, self.staging_k, shape)
+        block_v = self._assemble(plan, row, v, self.staging_v, shape)
         fill = plan.fill_blocks
         codes, scale, zero = quantize(block_k, dim=1)  # keys: per channel over the block's tokens
-        self._blocks_view(self.k, layer)[fill] = pack(codes)
-        self.k_scale[layer, fill], self.k_zero[layer, fill] = scale.squeeze(1), zero.squeeze(1)
+        self._blocks_view(self.k, row)[fill] = pack(codes)
+        self.k_scale[row, fill], self.k_zero[row, fill] = scale.squeeze(1), zero.squeeze(1)
         codes, scale, zero = quantize(block_v, dim=-1)  # values: per token over the head's channels
-        self._blocks_view(self.v, layer)[fill] = pack(codes)
-        self._blocks_view(self.v_scale, layer)[fill] = scale.squeeze(-1)
-        self._blocks_view(self.v_zero, layer)[fill] = zero.squeeze(-1)
+        self._blocks_view(self.v, row)[fill] = pack(codes)
+        self._blocks_view(self.v_scale, row)[fill] = scale.squeeze(-1)
+        self._blocks_view(self.v_zero, row)[fill] = zero.squeeze(-1)
 
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized blocks; a partly filled block reads as stale values (attention masks it: see gather_residual)."""
         flat = block_tables.reshape(-1)
         shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, self.num_kv_heads, self.head_dim)
-        k_codes = unpack(self._blocks_view(self.k, layer).index_select(0, flat))
-        k = k_codes.to(self.dtype) * self.k_scale[layer, flat].to(self.dtype)[:, None] \
-            + self.k_zero[layer, flat].to(self.dtype)[:, None]
-        v_codes = unpack(self._blocks_view(self.v, layer).index_select(0, flat))
-        v_scale = self._blocks_view(self.v_scale, layer).index_select(0, flat).to(self.dtype)[..., None]
-        v_zero = self._blocks_view(self.v_zero, layer).index_select(0, flat).to(self.dtype)[..., None]
+        k_codes = unpack(self._blocks_view(self.k, row).index_select(0, flat))
+        k = k_codes.to(self.dtype) * self.k_scale[row, flat].to(self.dtype)[:, None] \
+            + self.k_zero[row, flat].to(self.dtype)[:, None]
+        v_codes = unpack(self._blocks_view(self.v, row).index_select(0, flat))
+        v_scale = self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype)[..., None]
+        v_zero = self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype)[..., None]
         return k.view(shape), (v_codes.to(self.dtype) * v_scale + v_zero).view(shape)
 
     def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""
         rows = self.row_of_block[blocks.cpu().clamp(min=0)].to(self.device)
         rows = torch.where((blocks >= 0) & (rows >= 0), rows, 0)
-        return self.staging_k[rows, layer], self.staging_v[rows, layer]
+        row = self.layout.row_of[layer]
+        return self.staging_k[rows, row], self.staging_v[rows, row]
 
     # ---- internals -----------------------------------------------------------------------------------------
-    def _assemble(self, layer: int, new: torch.Tensor, staging: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def _assemble(self, plan: _StepPlan, row: int, new: torch.Tensor, staging: torch.Tensor,
+                  shape: tuple[int, ...]) -> torch.Tensor:
         """The full blocks of this step: earlier tokens from staging, new ones from `new`."""
-        plan = self._plan
         scratch = torch.empty(shape[0] * shape[1], *shape[2:], dtype=self.dtype, device=self.device)
         scratch[plan.fill_positions] = new[plan.fill_tokens].to(self.dtype)
-        scratch[plan.residual_positions] = staging[plan.residual_rows, layer, plan.residual_offsets]
+        scratch[plan.residual_positions] = staging[plan.residual_rows, row, plan.residual_offsets]
         return scratch.view(shape)
 
     def _row(self, block: int) -> int:

@@ -35,19 +35,19 @@ class PerTokenQuantizedKVCache(PagedKVCache):
         """Stored elements [..., heads, dim] and their scales [..., heads] -> values in the compute dtype."""
         raise NotImplementedError
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, scale = self.quantize(x)
-            data[layer].index_copy_(0, slot_mapping, q)
-            scales[layer].index_copy_(0, slot_mapping, scale)
+            data[row].index_copy_(0, slot_mapping, q)
+            scales[row].index_copy_(0, slot_mapping, scale)
 
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = block_tables.reshape(-1)
         lead = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size)
         out = []
         for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            q = self._blocks_view(data, layer).index_select(0, flat)
-            scale = self._blocks_view(scales, layer).index_select(0, flat)
+            q = self._blocks_view(data, row).index_select(0, flat)
+            scale = self._blocks_view(scales, row).index_select(0, flat)
             out.append(self.dequantize(q, scale).view(*lead, self.num_kv_heads, self.head_dim))
         return out[0], out[1]
 

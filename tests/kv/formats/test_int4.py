@@ -4,19 +4,20 @@ copy-on-write and is released when its block is freed."""
 import torch
 
 from kvserve.kv.formats.int4 import Int4KVCache, pack, unpack
+from kvserve.kv.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 6, 4, 2, 8
 
 
 def make(max_num_seqs: int = 2) -> Int4KVCache:
-    return Int4KVCache(LAYERS, BLOCKS, BS, HEADS, DIM, dtype=torch.float32, max_num_seqs=max_num_seqs)
+    return Int4KVCache(KVLayout.uniform(LAYERS), BLOCKS, BS, HEADS, DIM, dtype=torch.float32,
+                       max_num_seqs=max_num_seqs)
 
 
 def step(cache: Int4KVCache, slots: list[int], k: torch.Tensor, v: torch.Tensor, freed=(), copies=()) -> None:
-    slot_mapping = torch.tensor(slots)
-    cache.begin_step(list(freed), list(copies), slot_mapping)
+    cache.begin_step(list(freed), list(copies), [torch.tensor(slots, dtype=torch.long)])
     for layer in range(LAYERS):
-        cache.write(layer, slot_mapping, k * (layer + 1), v * (layer + 1))
+        cache.write(layer, k * (layer + 1), v * (layer + 1))
 
 
 def vectors(n: int, seed: int = 0) -> torch.Tensor:

@@ -4,13 +4,19 @@ import pytest
 import torch
 
 from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 4, 4, 3, 16
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8"]
 
 
 def make(fmt: str):
-    return make_kv_cache(fmt, LAYERS, BLOCKS, BS, HEADS, DIM, torch.float32)
+    return make_kv_cache(fmt, KVLayout.uniform(LAYERS), BLOCKS, BS, HEADS, DIM, torch.float32)
+
+
+def write(cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    cache.begin_step([], [], [slots])
+    cache.write(layer, k, v)
 
 
 def samples() -> dict[str, torch.Tensor]:
@@ -39,7 +45,7 @@ def test_round_trip_within_the_format_error_bound(fmt, kind):
     x = samples()[kind]
     cache = make(fmt)
     slots = torch.arange(BLOCKS * BS)
-    cache.write(1, slots, x, -x)
+    write(cache, 1, slots, x, -x)
     k, v = cache.gather(1, torch.arange(BLOCKS)[None, :])
     k, v = k[0], v[0]
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
@@ -52,7 +58,7 @@ def test_round_trip_within_the_format_error_bound(fmt, kind):
 def test_copy_blocks_copies_elements_and_scales(fmt):
     cache = make(fmt)
     x = samples()["outliers"]
-    cache.write(0, torch.arange(BS), x[:BS], x[:BS])  # block 0
+    write(cache, 0, torch.arange(BS), x[:BS], x[:BS])  # block 0
     cache.copy_blocks([(0, 3)])
     k0, _ = cache.gather(0, torch.tensor([[0]]))
     k3, _ = cache.gather(0, torch.tensor([[3]]))
@@ -66,9 +72,9 @@ def test_a_token_reads_the_same_whatever_else_was_written(fmt):
     """Per-token scales: a slot's bytes depend only on its own vector (what prefix sharing relies on)."""
     x = samples()["normal"]
     alone, together = make(fmt), make(fmt)
-    alone.write(0, torch.tensor([5]), x[5:6], x[5:6])
-    together.write(0, torch.arange(BLOCKS * BS), x * torch.linspace(0.1, 50, BLOCKS * BS)[:, None, None], x)
-    together.write(0, torch.tensor([5]), x[5:6], x[5:6])
+    write(alone, 0, torch.tensor([5]), x[5:6], x[5:6])
+    write(together, 0, torch.arange(BLOCKS * BS), x * torch.linspace(0.1, 50, BLOCKS * BS)[:, None, None], x)
+    write(together, 0, torch.tensor([5]), x[5:6], x[5:6])
     table = torch.tensor([[1]])  # slot 5 is block 1 offset 1
     assert torch.equal(alone.gather(0, table)[0][0, 1], together.gather(0, table)[0][0, 1])
 

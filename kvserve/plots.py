@@ -1,0 +1,142 @@
+"""The figures `--plot PATH` writes: one function per figure, plain numbers in, an image out.
+
+The format follows the file's extension (.png or .svg). `check_plot_path` validates a path before a command
+does its work, so a typo costs nothing; matplotlib is imported only when a figure is drawn."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+FORMATS = {".png": "png", ".svg": "svg"}
+DPI = 120
+GiB = 1024**3
+KVSERVE_COLOR = "#1f6feb"
+BASELINE_COLOR = "#8b949e"
+DTYPE_COLORS = ["#1f6feb", "#d29922", "#2da44e", "#a371f7", "#cf222e", "#6e7781"]
+LINE_STYLES = ["-", "--", "-", "-.", ":"]  # dtypes of almost the same size (fp8, int8) stay apart
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """`path` if a figure can be written there: a .png or .svg name in an existing directory; else ValueError."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"--plot {path}: the name must end in .png or .svg (the image format follows the extension)")
+    if path.is_dir():
+        raise ValueError(f"--plot {path}: that is a directory; give a file name ending in .png or .svg")
+    if not path.parent.is_dir():
+        raise ValueError(f"--plot {path}: the directory {path.parent} does not exist")
+    return path
+
+
+def plot_plan(path: str | Path, title: str, memory_split: Sequence[tuple[str, int]],
+              concurrency: dict[str, Sequence[tuple[int, float]]], max_model_len: int) -> Path:
+    """Left: GPU memory split into (label, bytes) parts. Right: requests that fit at once against context
+    length, one line per KV dtype (the first is the one planned; none when no memory is left for KV)."""
+    fig = _figure(11, 4.2)
+    memory, lines = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2.2]})
+    _memory_bar(memory, memory_split)
+    for index, (dtype, points) in enumerate(concurrency.items()):
+        tokens, requests = zip(*points)
+        lines.plot(tokens, requests, label=dtype, color=DTYPE_COLORS[index % len(DTYPE_COLORS)],
+                   linestyle=LINE_STYLES[index % len(LINE_STYLES)], linewidth=2.4 if index == 0 else 1.6,
+                   zorder=3 + len(concurrency) - index)  # the earlier, planned dtypes on top
+    lines.set(title="Maximum concurrency by KV cache dtype")
+    if concurrency:
+        from matplotlib.ticker import FuncFormatter
+
+        lines.axhline(1, color=BASELINE_COLOR, linewidth=1, linestyle=":")
+        lines.text(0.4, 1, "one request", transform=lines.get_yaxis_transform(), va="bottom", fontsize=8,
+                   color="#57606a")
+        lines.axvline(max_model_len, color=BASELINE_COLOR, linewidth=1, linestyle="--")
+        lines.text(max_model_len, 0.98, f"max_model_len {max_model_len:,} ", transform=lines.get_xaxis_transform(),
+                   ha="right", va="top", fontsize=8, color="#57606a")
+        lines.set(xscale="log", yscale="log", xlabel="tokens per request (context length)",
+                  ylabel="requests that fit at once")
+        plain = FuncFormatter(lambda value, _: f"{value:,g}" if value < 1e6 else f"{value:,.0f}")
+        lines.xaxis.set_major_formatter(plain)
+        lines.yaxis.set_major_formatter(plain)
+        lines.legend(title="KV dtype", fontsize=8, title_fontsize=8, loc="lower left")
+        lines.grid(True, which="major", alpha=0.3)
+    else:
+        lines.text(0.5, 0.5, "no memory is left for the KV cache", ha="center", va="center",
+                   transform=lines.transAxes)
+    fig.suptitle(title, fontsize=11)
+    return _save(fig, path)
+
+
+def _memory_bar(ax, memory_split: Sequence[tuple[str, int]]) -> None:
+    colors = {"weights": "#6e7781", "KV cache": KVSERVE_COLOR, "other": "#d29922", "unused": "#eaeef2"}
+    bottom = 0.0
+    for label, size_bytes in memory_split:
+        gib = size_bytes / GiB
+        ax.bar(0, gib, bottom=bottom, width=0.6, color=colors.get(label, "#a371f7"), edgecolor="white")
+        if gib > 0:
+            ax.text(0.36, bottom + gib / 2, f"{label}\n{gib:,.1f} GiB", va="center", fontsize=8)
+        bottom += gib
+    ax.set(xlim=(-0.5, 1.4), ylim=(0, bottom * 1.02), ylabel="GiB", title="GPU memory")
+    ax.set_xticks([])
+    ax.spines[["top", "right", "bottom"]].set_visible(False)
+
+
+def plot_multiturn(path: str | Path, prompt_tokens: Sequence[int], prefilled_cached: Sequence[int],
+                   prefilled_uncached: Sequence[int]) -> Path:
+    """Prompt tokens prefilled (computed) at each turn of one conversation, with and without prefix caching."""
+    fig = _figure(8, 4.2)
+    ax = fig.subplots()
+    turns = list(range(1, len(prompt_tokens) + 1))
+    width = 0.38
+    ax.bar([t - width / 2 for t in turns], prefilled_uncached, width, label="no prefix caching", color=BASELINE_COLOR)
+    ax.bar([t + width / 2 for t in turns], prefilled_cached, width, label="prefix caching", color=KVSERVE_COLOR)
+    ax.plot(turns, prompt_tokens, color="#57606a", linestyle=":", marker=".", label="prompt length")
+    ax.set(xlabel="turn", ylabel="tokens prefilled", xticks=turns,
+           title="Multi-turn conversation: prompt tokens computed per turn")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.spines[["top", "right"]].set_visible(False)
+    return _save(fig, path)
+
+
+def plot_throughput(path: str | Path, batched: dict[str, float], single: dict[str, float]) -> Path:
+    """Output tokens/s of each engine that ran: batched, and for one stream (`single` may be empty)."""
+    panels = [("Batched", batched)] + ([("Single stream", single)] if single else [])
+    fig = _figure(9, 1.2 + 0.42 * sum(len(speeds) for _, speeds in panels))
+    axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": [len(s) for _, s in panels]})
+    for ax, (name, speeds) in zip(axes[:, 0], panels):
+        names = list(speeds)[::-1]  # the first engine on top
+        values = [speeds[n] for n in names]
+        colors = [KVSERVE_COLOR if n.startswith("kvserve") else BASELINE_COLOR for n in names]
+        bars = ax.barh(names, values, color=colors)
+        ax.bar_label(bars, labels=[f"{v:,.1f}" for v in values], padding=3, fontsize=8)
+        ax.set_title(f"{name}: output tokens/s", fontsize=10, loc="left")
+        ax.set_xlim(0, max(values) * 1.15)
+        ax.spines[["top", "right"]].set_visible(False)
+    return _save(fig, path)
+
+
+def plot_quality_vs_bytes(path: str | Path, points: Sequence[tuple[str, float, float]], quality_label: str) -> Path:
+    """One labelled point per KV format: (name, KV bytes per token, quality)."""
+    fig = _figure(7, 4.2)
+    ax = fig.subplots()
+    for index, (name, bytes_per_token, quality) in enumerate(points):
+        ax.scatter(bytes_per_token, quality, color=DTYPE_COLORS[index % len(DTYPE_COLORS)], zorder=3)
+        ax.annotate(name, (bytes_per_token, quality), xytext=(5, 4), textcoords="offset points", fontsize=8)
+    ax.set(xscale="log", xlabel="KV cache bytes per token", ylabel=quality_label,
+           title=f"{quality_label} against KV cache size")
+    ax.grid(True, alpha=0.3)
+    ax.spines[["top", "right"]].set_visible(False)
+    return _save(fig, path)
+
+
+def _figure(width_in: float, height_in: float):
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    return Figure(figsize=(width_in, height_in), layout="constrained")
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = check_plot_path(path)
+    try:
+        fig.savefig(path, format=FORMATS[path.suffix.lower()], dpi=DPI)
+    except OSError as exc:
+        raise ValueError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from exc
+    return path

@@ -1,0 +1,147 @@
+"""The KV cache dashboard: `GET /dashboard`, a self-contained page that polls `GET /v1/kv/blocks` (the block pool
+and the engine's stats at one moment) and `GET /v1/kv/history` (a sample a second over the last five minutes).
+
+The block view is taken on the engine thread between two steps, only when someone asks, so an unwatched
+server pays nothing; the history only copies the stats the engine thread already publishes after each step."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from functools import cache, partial
+from importlib import resources
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.kv.snapshot import BLOCK_STATES, snapshot_pool
+from kvserve.server.async_engine import AsyncEngine, EngineDeadError
+from kvserve.server.errors import bad_request, engine_unavailable
+
+FORMAT_VERSION = 1  # of /v1/kv/blocks and /v1/kv/history: fields may be added; a change of meaning bumps it
+HISTORY_INTERVAL_S = 1.0
+HISTORY_SAMPLES = 300  # five minutes
+NO_STORE = {"Cache-Control": "no-store"}
+# The page loads nothing from anywhere: its script and style are inline and it talks only to this server.
+PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'",
+}
+
+
+def engine_view(engine: LLMEngine, model_name: str) -> dict[str, Any]:
+    """The body of GET /v1/kv/blocks. Reads the engine's live state: call it on the engine thread only."""
+    snapshot = snapshot_pool(engine.kv.pool)
+    sequences = [
+        {"request_id": seq.request_id, "num_tokens": len(seq.token_ids), "num_computed_tokens": seq.num_computed_tokens,
+         "block_ids": engine.kv.block_ids(seq.request_id)}
+        for seq in engine.scheduler.running
+    ]
+    plan = engine.cache_plan
+    return {
+        "format_version": FORMAT_VERSION,
+        "time": time.time(),
+        "model": model_name,
+        "kv_cache_dtype": plan.kv_dtype.name,
+        "block_size": engine.kv.block_size,
+        "num_blocks": engine.kv.pool.num_blocks,
+        "capacity": plan.summary_line(),
+        "stats": engine.stats(),
+        "block_states": BLOCK_STATES,
+        "block_counts": {name: snapshot.count(name) for name in BLOCK_STATES.values()},
+        "blocks": {"state": snapshot.states, "ref_cnt": snapshot.ref_cnts, "free_rank": snapshot.free_ranks},
+        "sequences": sequences,
+    }
+
+
+class StatsHistory:
+    """The engine's stats sampled every `interval_s` while the app runs, `max_samples` kept: usage, queue
+    lengths, and the token and prefix-hit rates over each interval."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], interval_s: float = HISTORY_INTERVAL_S,
+                 max_samples: int = HISTORY_SAMPLES):
+        self.interval_s = interval_s
+        self._stats = stats
+        self._samples: deque[dict[str, Any]] = deque(maxlen=max_samples)
+        self._previous: tuple[float, dict[str, Any]] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            self.sample(time.time())
+            await asyncio.sleep(self.interval_s)
+
+    def sample(self, now: float) -> None:
+        """Record the stats as of `now`; rates cover the time since the previous sample."""
+        stats = self._stats()
+        sample = {"time": now, "kv_cache_usage": stats["kv_cache_usage"], "num_running": stats["num_running"],
+                  "num_waiting": stats["num_waiting"], "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
+                  "prefix_cache_hit_rate": None}
+        if self._previous is not None:
+            then, before = self._previous
+            elapsed_s = max(now - then, 1e-9)
+            sample["prefill_tokens_per_s"] = (stats["num_prefill_tokens"] - before["num_prefill_tokens"]) / elapsed_s
+            sample["decode_tokens_per_s"] = (stats["num_decode_tokens"] - before["num_decode_tokens"]) / elapsed_s
+            queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
+            if queries:
+                sample["prefix_cache_hit_rate"] = (stats["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries
+        self._previous = (now, stats)
+        self._samples.append(sample)
+
+    def samples_after(self, after: float) -> list[dict[str, Any]]:
+        """Samples taken strictly after the unix time `after`, oldest first."""
+        return [sample for sample in self._samples if sample["time"] > after]
+
+
+def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: StatsHistory, model_name: str,
+                         auth) -> None:
+    """GET / (links), GET /dashboard (the page) and the two JSON routes behind `auth`."""
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return HTMLResponse(_static("index.html"))
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        return HTMLResponse(_static("dashboard.html"), headers=PAGE_HEADERS)
+
+    @app.get("/v1/kv/blocks", dependencies=[Depends(auth)])
+    async def kv_blocks() -> Response:
+        try:
+            view = await async_engine.call(partial(engine_view, model_name=model_name))
+        except EngineDeadError as exc:
+            raise engine_unavailable(str(exc)) from exc
+        return JSONResponse(view, headers=NO_STORE)
+
+    @app.get("/v1/kv/history", dependencies=[Depends(auth)])
+    async def kv_history(request: Request) -> Response:
+        after = _float_param(request, "after", 0.0)
+        body = {"format_version": FORMAT_VERSION, "interval_s": history.interval_s,
+                "samples": history.samples_after(after)}
+        return JSONResponse(body, headers=NO_STORE)
+
+
+def _float_param(request: Request, name: str, default: float) -> float:
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise bad_request(f"{name}={text!r} is not a number (a unix time in seconds)", name) from None
+
+
+@cache
+def _static(name: str) -> str:
+    return resources.files("kvserve.server").joinpath("static", name).read_text(encoding="utf-8")

@@ -113,17 +113,20 @@ def plot_throughput(path: str | Path, batched: dict[str, float], single: dict[st
     return _save(fig, path)
 
 
-def plot_quality_vs_bytes(path: str | Path, points: Sequence[tuple[str, float, float]], quality_label: str) -> Path:
-    """One labelled point per KV format: (name, KV bytes per token, quality)."""
-    fig = _figure(7, 4.2)
-    ax = fig.subplots()
-    for index, (name, bytes_per_token, quality) in enumerate(points):
-        ax.scatter(bytes_per_token, quality, color=DTYPE_COLORS[index % len(DTYPE_COLORS)], zorder=3)
-        ax.annotate(name, (bytes_per_token, quality), xytext=(5, 4), textcoords="offset points", fontsize=8)
-    ax.set(xscale="log", xlabel="KV cache bytes per token", ylabel=quality_label,
-           title=f"{quality_label} against KV cache size")
-    ax.grid(True, alpha=0.3)
-    ax.spines[["top", "right"]].set_visible(False)
+def plot_quality_vs_bytes(path: str | Path, title: str,
+                          panels: dict[str, Sequence[tuple[str, float, float]]]) -> Path:
+    """One panel per quality measure ({label: [(setting, KV bytes per token, value)]}), one labelled point per
+    setting: what each setting costs against what it saves."""
+    fig = _figure(5.5 * len(panels), 4.2)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (quality_label, points) in zip(axes, panels.items()):
+        for index, (name, bytes_per_token, quality) in enumerate(points):
+            ax.scatter(bytes_per_token, quality, color=DTYPE_COLORS[index % len(DTYPE_COLORS)], zorder=3)
+            ax.annotate(name, (bytes_per_token, quality), xytext=(5, 4), textcoords="offset points", fontsize=8)
+        ax.set(xscale="log", xlabel="KV cache bytes per token", ylabel=quality_label)
+        ax.grid(True, alpha=0.3)
+        ax.spines[["top", "right"]].set_visible(False)
+    fig.suptitle(title)
     return _save(fig, path)
 
 

@@ -14,7 +14,9 @@ SPLIT = [("weights", 15 * 2**30), ("other", 3 * 2**29), ("KV cache", 5 * 2**30),
     (lambda path: plot_plan(path, "weights too big", SPLIT[:1], {}, 8192), (11, 4.2)),
     (lambda path: plot_multiturn(path, [40, 56, 72], [40, 24, 24], [40, 56, 72]), (8, 4.2)),
     (lambda path: plot_throughput(path, {"kvserve (float32)": 61.0, "transformers": 48.0}, {}), (9, 1.2 + 0.84)),
-    (lambda path: plot_quality_vs_bytes(path, [("bf16", 4096, 9.1), ("int4", 1152, 9.4)], "perplexity"), (7, 4.2)),
+    (lambda path: plot_quality_vs_bytes(path, "SmolLM2", {"Δppl (%)": [("bf16", 4096, 0.0), ("int4", 1152, 0.7)],
+                                                           "KLD": [("bf16", 4096, 0.0), ("int4", 1152, 0.01)]}),
+     (11, 4.2)),
 ])
 @pytest.mark.parametrize("suffix", [".png", ".svg", ".PNG"])
 def test_each_figure_writes_the_format_its_name_asks_for(tmp_path, draw, size_in, suffix):

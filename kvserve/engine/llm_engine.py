@@ -308,6 +308,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_evicted_blocks": self.kv.num_evicted_blocks,
+            "num_window_blocks_freed": self.kv.num_window_blocks_freed,
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
             "prefix_cache_queries": queries,

@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
         sliding_windows(args.tokens, args.context, args.stride)  # checks stride < context
     corpus = load_corpus(args.corpus)
     if args.plot:
-        from kvserve.eval.plot import check_plot_path
+        from kvserve.plots import check_plot_path
 
         check_plot_path(args.plot)
     return _evaluate(args, settings, configs, corpus, lengths)
@@ -182,9 +182,15 @@ def _evaluate(args, settings: list[Setting], configs, corpus, lengths: list[int]
     else:
         _print_table(header, rows)
     if args.plot:
-        from kvserve.eval.plot import plot_quality
+        from kvserve.plots import plot_quality_vs_bytes
 
-        plot_quality(rows, args.plot, title=f"{reference.model_name} on {corpus.name}")
+        shown = [row for row in rows if row.ppl is not None]
+        plot_quality_vs_bytes(args.plot, f"{reference.model_name} on {corpus.name}: quality against KV size", {
+            "Δ perplexity vs reference (%)": [(r.setting.label, r.bytes_per_token, r.delta_ppl_pct) for r in shown
+                                              if r.delta_ppl_pct is not None],
+            "mean KL divergence vs reference": [(r.setting.label, r.bytes_per_token, r.kld) for r in shown
+                                                if r.kld is not None],
+        })
     return 0
 
 

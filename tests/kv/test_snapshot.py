@@ -19,7 +19,7 @@ class Seq:
 def prefill(kv: KVCacheManager, seq: Seq) -> None:
     """Admit and compute the whole prompt, reusing cached blocks, as the scheduler does."""
     cached = kv.find_cached_prefix(seq)
-    kv.allocate(seq, len(seq.token_ids) - len(cached) * BS, cached)
+    kv.allocate(seq, len(seq.token_ids) - cached.num_blocks * BS, cached)
     seq.num_computed_tokens = len(seq.token_ids)
     kv.cache_full_blocks(seq)
 

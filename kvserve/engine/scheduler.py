@@ -74,8 +74,8 @@ class Scheduler:
             # a prompt whose log-probabilities were asked for is computed whole: cached blocks keep no logits
             cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else None
             num_cached_tokens = cached.num_blocks * self.kv.block_size if cached else 0
-            n = min(len(seq.token_ids) - num_cached_tokens, budget)
-            if self.kv.allocate(seq, n, cached) is None:
+            n = self._allocate_first_chunk(seq, min(len(seq.token_ids) - num_cached_tokens, budget), cached)
+            if n == 0:
                 break
             self.kv.record_lookup(len(seq.token_ids), num_cached_tokens)
             self.waiting.popleft()
@@ -86,6 +86,16 @@ class Scheduler:
             out.num_new_tokens.append(n)
             out.admitted.append(seq)
             budget -= n
+
+    def _allocate_first_chunk(self, seq: Sequence, n: int, cached) -> int:
+        """Allocate the first chunk of `n` tokens, or 0 if the pool is short. With nothing else running (nothing to
+        wait for), a smaller chunk is tried: a sliding window or an eviction policy bounds what a sequence holds
+        after a step, not what one long chunk needs during it."""
+        while self.kv.allocate(seq, n, cached) is None:
+            if self.running or n <= self.kv.block_size:
+                return 0
+            n = max(self.kv.block_size, n // 2 // self.kv.block_size * self.kv.block_size)
+        return n
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput, copies: dict[str, list[BlockCopy]]) -> None:
         self.running.remove(victim)

@@ -1,9 +1,28 @@
 """kvserve: LLM inference and serving built around a paged, shared, measured KV cache."""
-from kvserve.engine.llm import LLM
-from kvserve.engine.llm_engine import LLMEngine
-from kvserve.config import EngineConfig
-from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import BeamSearchParams, SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput",
-           "CompletionOutput"]
+import importlib
+
+# Public name -> module defining it. Loaded on first use, so that `kvserve --help` and `kvserve plan` never
+# pay for importing torch.
+_EXPORTS = {
+    "LLM": "kvserve.engine.llm",
+    "LLMEngine": "kvserve.engine.llm_engine",
+    "EngineConfig": "kvserve.config",
+    "SamplingParams": "kvserve.sampling_params",
+    "BeamSearchParams": "kvserve.sampling_params",
+    "RequestOutput": "kvserve.outputs",
+    "CompletionOutput": "kvserve.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvserve' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -4,12 +4,15 @@ from __future__ import annotations
 import numbers
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvserve.planner.kv_size import KV_DTYPE_CHOICES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# Names, not torch dtypes: the CLI builds its parsers from this module, and must not wait for torch to import.
+DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 KV_EVICTION_POLICIES = ("none", "streaming", "h2o")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: holds ~23K SmolLM2 tokens in float32 on a CPU box
@@ -32,13 +35,21 @@ def parse_size(value: int | float | str) -> int:
     return int(number * _SIZE_UNITS[unit])
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
+def canonical_dtype(name: str) -> str:
+    """The supported dtype name for `name` or one of its aliases ("bf16" -> "bfloat16")."""
     key = DTYPE_ALIASES.get(name, name)
     if key not in DTYPES:
         raise ValueError(f"dtype={name!r} is not supported; choose one of {sorted(DTYPES)}")
-    return DTYPES[key]
+    return key
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a name, an alias or a torch dtype; torch is imported here, when first needed."""
+    import torch
+
+    if isinstance(name, torch.dtype):
+        return name
+    return getattr(torch, canonical_dtype(name))
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class EngineConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        resolve_dtype(self.dtype)
+        canonical_dtype(self.dtype)
         if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
                              f"{', '.join(KV_DTYPE_CHOICES)}")

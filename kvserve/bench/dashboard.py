@@ -14,8 +14,6 @@ import argparse
 import threading
 import time
 
-import torch
-
 from kvserve.sampling_params import SamplingParams
 
 PAGE_ROUTES = ("/v1/kv/blocks", "/v1/kv/history")
@@ -57,6 +55,8 @@ def view_cpu_s(engine, polls: int) -> float:
 
 def fill_pool(engine, fraction: float, num_seqs: int) -> list[str]:
     """Add `num_seqs` requests whose prompts hold `fraction` of the pool and step until all are prefilled."""
+    import torch
+
     pool, block_size = engine.kv.pool, engine.kv.block_size
     prompt_len = max(1, int(fraction * pool.num_blocks / num_seqs) * block_size - 1)  # +1 sampled token: whole blocks
     if prompt_len + 1 >= engine.max_model_len:
@@ -76,6 +76,8 @@ def fill_pool(engine, fraction: float, num_seqs: int) -> list[str]:
 
 
 def run_dashboard_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from kvserve.engine.llm import LLM
 
     for name in ("polls", "num_seqs"):

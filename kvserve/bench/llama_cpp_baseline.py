@@ -1,13 +1,22 @@
 """llama.cpp (llama-cpp-python on the embedded Q4_1 GGUF) as a baseline, run in a child process so that a crash
 in the native library is reported as such instead of taking the benchmark down with it.
 
+llama-cpp-python is the optional `[bench]` extra: it compiles llama.cpp at install time, for minutes.
 Child protocol: JSON {"prompts", "output_len", "n_ctx", "n_threads"} on stdin, JSON {"seconds", "outputs"} on stdout."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import time
+
+NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
+
+
+def llama_cpp_installed() -> bool:
+    """Whether llama-cpp-python can be imported (looked up, not imported: its import loads the native library)."""
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def generate_sequentially(prompts: list[list[int]], output_len: int, n_ctx: int, n_threads: int) -> dict:

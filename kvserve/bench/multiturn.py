@@ -17,8 +17,6 @@ import argparse
 import gc
 from dataclasses import dataclass
 
-import torch
-
 from kvserve.plots import check_plot_path, plot_multiturn
 from kvserve.sampling_params import SamplingParams
 
@@ -38,6 +36,8 @@ class Conversation:
 
     def questions(self, vocab_size: int) -> list[list[int]]:
         """Turn 1's prompt, then each later turn's new question, as random ids clear of the special tokens."""
+        import torch
+
         g = torch.Generator().manual_seed(self.seed)
         lengths = [self.first_tokens] + [self.question_tokens] * (self.turns - 1)
         return [torch.randint(100, vocab_size - 100, (n,), generator=g).tolist() for n in lengths]
@@ -76,6 +76,7 @@ def run_conversation(llm, conversation: Conversation, answers: list[list[int]] |
 def run_multiturn(conversation: Conversation, model: str | None = None, kv_cache_memory: str = "1GiB",
                   max_model_len: int = 8192, console=None) -> dict[str, list[Turn]]:
     """Run the conversation with and then without prefix caching, print the per-turn table, return both runs."""
+    import torch
     from rich.console import Console
 
     from kvserve.engine.llm import LLM

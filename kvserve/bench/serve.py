@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import numpy as np
 
 # Common English words: with a leading space each is one token in the usual BPE vocabularies, so N words make a
 # prompt of about N tokens whatever the model. The server's usage counts the real number.
@@ -99,6 +98,8 @@ class BenchReport:
 
     def distribution_ms(self, metric: str) -> dict[str, float]:
         """Mean and percentiles, in ms, of "ttft", "tpot", "itl" or "e2el" over successful requests."""
+        import numpy as np  # here, not at the top: `kvserve --help` builds this module's parser
+
         ok = self.succeeded
         values = {
             "ttft": [r.ttft_s for r in ok],

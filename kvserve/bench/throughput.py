@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvserve.plots import check_plot_path, plot_throughput
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class Workload:
     seed: int = 0
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
+        import torch
+
         g = torch.Generator().manual_seed(self.seed)
         lengths = torch.randint(self.min_prompt_len, self.max_prompt_len + 1, (self.num_requests,), generator=g)
         # stay clear of the special tokens at both ends of the vocabulary
@@ -56,6 +60,8 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
                      use_cache: bool = True, name: str = "transformers") -> RunResult:
+    import torch
+
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -72,6 +78,8 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, batch_siz
 
 def run_llama_cpp(prompts: list[list[int]], output_len: int, n_ctx: int, name: str) -> RunResult | str:
     """A RunResult, or the reason llama.cpp could not run here."""
+    import torch
+
     from kvserve.bench.llama_cpp_baseline import run_in_child
 
     result = run_in_child(prompts, output_len, n_ctx, torch.get_num_threads())
@@ -114,6 +122,7 @@ def add_throughput_parser(bench_subparsers) -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
 
     from kvserve.engine.llm import LLM
@@ -134,6 +143,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     console.print(f"workload: {len(prompts)} requests, prompts {workload.min_prompt_len}-{workload.max_prompt_len} "
                   f"tokens ({sum(map(len, prompts)):,} in all), {workload.output_len} output tokens each, "
                   f"greedy, EOS ignored; torch threads: {torch.get_num_threads()}")
+    run_llama = "llama.cpp" not in args.skip and _llama_cpp_ready(console)
     hf = None
     if "transformers" not in args.skip:
         hf = load_transformers(engine.model_path, torch.float32)
@@ -148,12 +158,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     if hf is not None:
         batched.append(run_transformers(hf, prompts, workload.output_len, args.hf_batch_size, pad_id,
                                         name="transformers"))
-    if "llama.cpp" not in args.skip:
+    if run_llama:
         batched.append(run_llama_cpp(prompts, workload.output_len, max_len, "llama.cpp"))
     _print_table(console, "Batched throughput (output tokens/s)", batched)
     if hf is not None:
         console.print(f"transformers: float32, generate() on left-padded static batches of {args.hf_batch_size}")
-    if "llama.cpp" not in args.skip:
+    if run_llama:
         console.print("llama.cpp: llama-cpp-python on the Q4_1 GGUF, one request after another")
     if hf is not None:
         for r in batched[: len(llms)]:
@@ -167,7 +177,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             for use_cache in (True, False):
                 singles.append(run_transformers(hf, single, workload.output_len, 1, pad_id, use_cache,
                                                 "transformers" if use_cache else "transformers, no KV cache"))
-        if "llama.cpp" not in args.skip:
+        if run_llama:
             singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp"))
         _print_table(console, f"Single stream ({len(single[0])}-token prompt, tokens/s incl. prefill)", singles)
     if args.plot:
@@ -179,6 +189,15 @@ def run_throughput(args: argparse.Namespace) -> int:
 def _speeds(results: list[RunResult | str]) -> dict[str, float]:
     """Tokens/s of the engines that ran (a str is one that could not)."""
     return {r.name: r.tokens_per_s for r in results if isinstance(r, RunResult)}
+
+
+def _llama_cpp_ready(console) -> bool:
+    from kvserve.bench.llama_cpp_baseline import NOT_INSTALLED, llama_cpp_installed
+
+    if llama_cpp_installed():
+        return True
+    console.print(f"llama.cpp: {NOT_INSTALLED}", markup=False)  # as markup, '[bench]' would vanish
+    return False
 
 
 def _maybe_profiled(profile: bool, console, fn, *args):

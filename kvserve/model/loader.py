@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -15,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvserve.model.chat_templates import fallback_chat_template
-from kvserve.model.embedded import EMBEDDED_MODEL_NAME, embedded_gguf_path
+from kvserve.model.embedded import EMBEDDED_MODEL_NAME, default_cache_dir, embedded_gguf_path
 from kvserve.model.gemma_package import GEMMA_ALIASES, GEMMA_MODEL_NAME, gemma_gguf_path
 
 EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL_NAME, "smollm2-135m-instruct"})
@@ -33,17 +32,11 @@ class ModelSource:
     path: Path
 
 
-def default_cache_dir() -> Path:
-    """Where converted GGUF models are kept: $KVSERVE_CACHE, else ~/.cache/kvserve."""
-    env = os.environ.get("KVSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvserve"
-
-
 def resolve_model(model: str | None = None, cache_dir: str | Path | None = None) -> ModelSource:
     """Find or build the HF-style directory for `model`; a GGUF file is converted once into the cache."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if model is None or model.lower() in EMBEDDED_ALIASES:
-        return ModelSource(EMBEDDED_MODEL_NAME, _converted(embedded_gguf_path(), cache))
+        return ModelSource(EMBEDDED_MODEL_NAME, _converted(embedded_gguf_path(cache), cache))
     if model.lower() in GEMMA_ALIASES:
         return ModelSource(GEMMA_MODEL_NAME, _converted(gemma_gguf_path(cache), cache))
     path = Path(model).expanduser()

@@ -13,15 +13,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.api_models import ChatCompletionRequest, CompletionRequest, parse_request
-from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.async_engine import DEFAULT_MAX_WAITING, AsyncEngine
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.dashboard import StatsHistory, add_dashboard_routes
 from kvserve.server.errors import APIError, engine_unavailable, unauthorized
 from kvserve.server.generation import ServingContext
 from kvserve.server.metrics import ServerMetrics
-
-DEFAULT_MAX_WAITING = 256
 
 
 def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,

@@ -10,14 +10,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prompts import PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+
 logger = logging.getLogger("kvserve")
+DEFAULT_MAX_WAITING = 256  # requests queued for the engine before a new one gets 503
 
 StepObserver = Callable[[list[RequestOutput], float], None]
 

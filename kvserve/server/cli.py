@@ -7,7 +7,7 @@ import signal
 import sys
 
 from kvserve.engine.cli import add_engine_args, engine_config_from_args
-from kvserve.server.app import DEFAULT_MAX_WAITING
+from kvserve.server.async_engine import DEFAULT_MAX_WAITING
 
 
 def add_parser(subparsers) -> None:

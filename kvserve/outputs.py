@@ -9,7 +9,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
@@ -36,4 +36,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    error: str | None = field(default=None)
+    error: str | None = field(default=None)  # set when the request failed inside a step (finish_reason "error")

@@ -11,7 +11,7 @@ BlockHash = bytes
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockHash:
     """sha256 over (parent key, token ids[, salt]); the salt only enters the first block, so it taints the chain."""
     h = hashlib.sha256(parent or b"root")
-    if parent is None and cache_salt:
+    if parent is None and cache_salt is not None:
         h.update(b"salt:" + cache_salt.encode())
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()

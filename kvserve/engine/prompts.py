@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+from kvserve.sampling_params import is_text
+
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
@@ -28,13 +30,23 @@ def parse_prompt(prompt: PromptType) -> Prompt:
                 f"got keys {sorted(prompt)}"
             )
         salt = prompt.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+        if salt is not None:
+            _check_cache_salt(salt)
         text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if not (isinstance(text, str) or _is_token_ids(token_ids)):
             raise ValueError("'prompt' must be a string and 'prompt_token_ids' a list of token ids")
         return Prompt(text, None if token_ids is None else list(token_ids), salt)
     raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def _check_cache_salt(salt: Any) -> None:
+    # "" is refused rather than read as "no salt": a request that sets a salt must never share unsalted blocks.
+    if not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError("cache_salt must be a non-empty string (omit it for no salt)")
+    if not is_text(salt):
+        raise ValueError("cache_salt must be valid Unicode text (it has a lone surrogate)")
 
 
 def _is_token_ids(value: Any) -> bool:

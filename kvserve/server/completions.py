@@ -7,7 +7,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvserve.engine.prompts import PromptType
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.api_models import CompletionRequest
 from kvserve.server.async_engine import updates
@@ -27,8 +26,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         params = req.sampling_params()
     except ValueError as exc:
         raise bad_value(exc, FIELDS) from exc
-    engine_prompts = [_engine_prompt(p, req.cache_salt) for p in prompts]
-    generation = await start(ctx, new_id("cmpl"), engine_prompts, params, FIELDS, "prompt")
+    generation = await start(ctx, new_id("cmpl"), prompts, req.cache_salt, params, FIELDS, "prompt")
     echoes = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
         return EventStreamResponse(ctx, generation, _chunks(ctx, req, generation, echoes))
@@ -43,13 +41,6 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                 logprobs = _logprobs(ctx, c.token_ids, c.logprobs or [], len(echoes[i]))
             choices.append(_choice(req.n * i + c.index, echoes[i] + c.text, logprobs, c))
     return JSONResponse({**header(ctx, generation, "text_completion"), "choices": choices, "usage": usage(outputs)})
-
-
-def _engine_prompt(prompt: str | list[int], cache_salt: str | None) -> PromptType:
-    if cache_salt is None:
-        return prompt
-    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-    return {key: prompt, "cache_salt": cache_salt}
 
 
 def _prompt_text(ctx: ServingContext, prompt: str | list[int]) -> str:

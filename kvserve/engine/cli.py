@@ -124,7 +124,8 @@ def run_chat(args: argparse.Namespace) -> int:
         if not user:
             break
         messages.append({"role": "user", "content": user})
-        reply = _stream(llm.engine, f"chat-{turn}", llm.apply_chat_template(messages), params)
+        prompt = {"prompt": llm.apply_chat_template(messages), "add_special_tokens": False}  # the template has its BOS
+        reply = _stream(llm.engine, f"chat-{turn}", prompt, params)
         messages.append({"role": "assistant", "content": reply})
         stats = llm.stats()
         print(f"[prefix cache: {stats['prefix_cache_hits']:,} of {stats['prefix_cache_queries']:,} prompt tokens "

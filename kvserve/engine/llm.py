@@ -68,7 +68,8 @@ class LLM:
         """Apply the model's chat template and generate the assistant's reply (one conversation or a list)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
-        prompts = [{"prompt": self.apply_chat_template(c), **salt}
+        # the rendered template holds its own special tokens (BOS): the tokenizer must not add them again
+        prompts = [{"prompt": self.apply_chat_template(c), "add_special_tokens": False, **salt}
                    for c in conversations]
         outputs = self.generate(prompts, sampling_params)
         return outputs[0] if conversations is not messages else outputs

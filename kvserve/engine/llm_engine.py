@@ -118,7 +118,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         parsed = parse_prompt(prompt)
-        token_ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text)
+        token_ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text,
+                                                                                      parsed.add_special_tokens)
         max_tokens = self._check_lengths(token_ids, params)
         request = Request(request_id, parsed.text, list(token_ids), params)
         seq = self._new_sequence(request, 0, list(token_ids), max_tokens, parsed.cache_salt)
@@ -127,14 +128,15 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request
 
-    def encode(self, text: str) -> list[int]:
-        """The prompt's token ids. It only reads the tokenizer, so the server calls it off the engine thread."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids. It only reads the tokenizer, so the server calls it off the engine thread.
+        A prompt a chat template rendered already holds its special tokens: add_special_tokens=False."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer; pass prompt_token_ids instead of text")
         self.check_prompt_chars(len(text))
         if not is_text(text):
             raise ValueError("the prompt is not valid Unicode text (it has a lone surrogate)")
-        return self.tokenizer(text, add_special_tokens=True).input_ids
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def check_prompt_chars(self, num_chars: int) -> None:
         """Refuse a text prompt too long for max_model_len tokens by its length alone, without tokenizing it."""
@@ -371,6 +373,13 @@ class LLMEngine:
         return request.to_output()
 
     # ---- what the cache holds ----------------------------------------------------------------------------
+    def kv_cache_info(self) -> dict[str, str]:
+        """How the cache stores and keeps tokens, as labels (the server's kvserve:kv_cache_info metric)."""
+        config = self.config
+        return {"kv_cache_dtype": config.kv_cache_format, "format": self.cache.describe(),
+                "block_size": str(self.kv.block_size), "layout": self.layout.describe() or "one group of every layer",
+                "kv_eviction": config.kv_eviction}
+
     def stats(self) -> dict[str, float | int]:
         pool = self.kv.pool
         live = self.scheduler.running

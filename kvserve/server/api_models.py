@@ -74,13 +74,14 @@ class _GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -91,6 +92,7 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: each prompt token's logprob + top k
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt forms the API allows, as a list of single prompts."""
@@ -102,10 +104,10 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo together with logprobs needs prompt logprobs, which kvserve does not compute",
-                              "echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(_Strict):

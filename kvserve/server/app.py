@@ -38,7 +38,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     model_name = served_model_name or engine.model_name
     # Each needs the other: the metrics read the engine thread's stats, the engine thread feeds the metrics.
-    metrics = ServerMetrics(model_name, lambda: async_engine.stats())
+    metrics = ServerMetrics(model_name, lambda: async_engine.stats(), engine.kv_cache_info())
     async_engine = AsyncEngine(engine, max_waiting, metrics.observe)
     ctx = ServingContext(async_engine, model_name, engine.tokenizer)
     history = StatsHistory(async_engine.stats)

@@ -31,7 +31,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         ctx.engine.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
     except ValueError as exc:
         raise bad_value(exc, FIELDS, "messages") from exc
-    prompt = await ctx.engine.run_in_tokenizer_thread(render_chat, ctx, messages)
+    prompt = await ctx.engine.run_in_tokenizer_thread(chat_token_ids, ctx, messages)
     generation = await start(ctx, new_id("chatcmpl"), [prompt], req.cache_salt, params, FIELDS, "messages")
     if req.stream:
         return EventStreamResponse(ctx, generation, _chunks(ctx, req, generation))
@@ -45,6 +45,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         for c in outputs[0].outputs
     ]
     return JSONResponse({**header(ctx, generation, "chat.completion"), "choices": choices, "usage": usage(outputs)})
+
+
+def chat_token_ids(ctx: ServingContext, messages: list[dict[str, str]]) -> list[int]:
+    """The rendered conversation's token ids; the template holds its own special tokens (BOS), so none are added."""
+    return ctx.engine.engine.encode(render_chat(ctx, messages), add_special_tokens=False)
 
 
 def render_chat(ctx: ServingContext, messages: list[dict[str, str]]) -> str:

@@ -100,6 +100,7 @@ def test_duplicate_request_id_is_refused_and_the_first_request_survives(llm):
     ({"prompt_token_ids": [1, 2], "cache_salt": 5}, "cache_salt must be a string"),
     ({"prompt_token_ids": [1, 2], "cache_salt": ""}, "cache_salt must be a non-empty string"),
     ({"prompt_token_ids": [1, 2], "cache_salt": "\udc80"}, "cache_salt must be valid Unicode text"),
+    ({"prompt": "ab", "add_special_tokens": "no"}, "add_special_tokens must be true or false"),
     ({"prompt_token_ids": "some text"}, "'prompt_token_ids' a list of token ids"),
     ({"prompt": [1, 2, 3]}, "'prompt' must be a string"),
     ({"prompt_token_ids": {"prompt_token_ids": [1]}}, "'prompt_token_ids' a list of token ids"),

@@ -85,6 +85,9 @@ class LLMEngine:
                                  windows=self.layout.windows)
         self.scores = (AttentionScores(plan.num_blocks * plan.block_size, plan.block_size, config.device)
                        if self.eviction.needs_attention_scores else None)
+        windows = self.layout.windows
+        self._full_group = windows.index(None) if None in windows else 0  # whose tokens "num_tokens_stored" counts
+        self._sliding_group = next((g for g, w in enumerate(windows) if w is not None), None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -384,16 +387,19 @@ class LLMEngine:
         pool = self.kv.pool
         live = self.scheduler.running
         queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        sliding = {}
+        if self._sliding_group is not None:  # a sliding layer holds only its window's tokens
+            sliding["num_tokens_stored_sliding"] = sum(self.kv.num_stored_tokens(s, self._sliding_group) for s in live)
         return {
+            **sliding,
             "num_blocks": pool.num_blocks,
             "block_size": self.kv.block_size,
             "num_free_blocks": pool.num_free_blocks,
             "num_used_blocks": pool.num_used_blocks,
             "num_cached_blocks": pool.num_cached_blocks,
             "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
-            "num_tokens_stored": sum(self.kv.num_stored_tokens(s) for s in live),
-            "slot_waste_tokens": sum(self.kv.num_allocated_slots(s.request_id) - self.kv.num_stored_tokens(s)
-                                     for s in live),
+            "num_tokens_stored": sum(self.kv.num_stored_tokens(s, self._full_group) for s in live),
+            "slot_waste_tokens": sum(self.kv.num_wasted_slots(s) for s in live),
             "num_running": len(live),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

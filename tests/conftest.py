@@ -152,3 +152,14 @@ def image_size(path: Path) -> tuple[str, float, float]:
     root = ElementTree.parse(path).getroot()
     assert root.tag == "{http://www.w3.org/2000/svg}svg", f"{path} is neither PNG nor SVG"
     return "svg", float(root.get("width").removesuffix("pt")), float(root.get("height").removesuffix("pt"))
+
+
+def serve_tiny(model_dir: Path, engine_options: dict, **app_options):
+    """A ServerThread over a new engine for `model_dir`; `app_options` go to build_app, except "engine", whose
+    options override `engine_options`."""
+    from kvserve import EngineConfig, LLMEngine
+    from kvserve.server.app import build_app
+    from kvserve.server.launch import ServerThread
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **{**engine_options, **app_options.pop("engine", {})}))
+    return ServerThread(build_app(engine, **app_options))

@@ -1,33 +1,14 @@
 """Block tables per request: prefill and decode take exactly the blocks their tokens need, a short pool changes
 nothing, forks share blocks until copy-on-write, freeing gives everything back, and prefix-cache lookups reuse
 whole computed blocks (never the last prompt token) only under the same cache salt."""
-from dataclasses import dataclass, field
-
 import pytest
 
 from kvserve.kv.kv_cache_manager import BlockCopy, KVCacheManager
-
-BS = 16
-
-
-@dataclass
-class Seq:
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
+from tests.kv.sequences import BS, Seq, prefill
 
 
 def prompt(n: int, start: int = 100) -> list[int]:
     return list(range(start, start + n))
-
-
-def prefill(kv: KVCacheManager, seq: Seq) -> None:
-    """Admit and compute the whole prompt, using cached blocks, as the scheduler does."""
-    cached = kv.find_cached_prefix(seq)
-    assert kv.allocate(seq, len(seq.token_ids) - cached.num_blocks * BS, cached) == []
-    seq.num_computed_tokens = len(seq.token_ids)
-    kv.cache_full_blocks(seq)
 
 
 def ref_counts(kv: KVCacheManager, seq: Seq) -> list[int]:

@@ -1,27 +1,8 @@
 """The pool snapshot the dashboard draws: each block's state follows its reference count and prefix hash, the free
 queue order is the order blocks are reused in, and the counts agree with the pool's own."""
-from dataclasses import dataclass, field
-
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.kv.snapshot import snapshot_pool
-
-BS = 16
-
-
-@dataclass
-class Seq:
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-
-
-def prefill(kv: KVCacheManager, seq: Seq) -> None:
-    """Admit and compute the whole prompt, reusing cached blocks, as the scheduler does."""
-    cached = kv.find_cached_prefix(seq)
-    kv.allocate(seq, len(seq.token_ids) - cached.num_blocks * BS, cached)
-    seq.num_computed_tokens = len(seq.token_ids)
-    kv.cache_full_blocks(seq)
+from tests.kv.sequences import BS, Seq, prefill
 
 
 def test_a_fresh_pool_is_all_free_in_block_order():

@@ -12,7 +12,7 @@ from openai import OpenAI
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.server.app import build_app
 from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_chat_model
+from tests.conftest import make_tiny_chat_model, serve_tiny
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=8)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -24,8 +24,7 @@ def model_dir(tmp_path_factory):
 
 
 def serve(model_dir, **app_options) -> ServerThread:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE_OPTIONS, **app_options.pop("engine", {})}))
-    return ServerThread(build_app(engine, **app_options))
+    return serve_tiny(model_dir, ENGINE_OPTIONS, **app_options)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from kvserve.engine.detokenizer import Detokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.server.app import build_app
 from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_chat_model, scrape_metrics
+from tests.conftest import make_tiny_chat_model, scrape_metrics, serve_tiny
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -39,8 +39,7 @@ def offline(model_dir):
 
 
 def serve(model_dir, **app_options) -> ServerThread:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE_OPTIONS, **app_options.pop("engine", {})}))
-    return ServerThread(build_app(engine, **app_options))
+    return serve_tiny(model_dir, ENGINE_OPTIONS, **app_options)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +130,8 @@ def test_text_is_tokenized_off_the_engine_thread_and_too_long_text_not_at_all(mo
     engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
     encode, threads, tokenized = engine.encode, [], []
     tokenizer_call = type(engine.tokenizer).__call__
-    monkeypatch.setattr(engine, "encode", lambda text: threads.append(threading.current_thread().name) or encode(text))
+    monkeypatch.setattr(engine, "encode",
+                        lambda text, **kw: threads.append(threading.current_thread().name) or encode(text, **kw))
     monkeypatch.setattr(type(engine.tokenizer), "__call__",
                         lambda self, text, **kwargs: tokenized.append(len(text)) or tokenizer_call(self, text, **kwargs))
     with ServerThread(build_app(engine)) as server:

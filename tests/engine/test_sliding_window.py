@@ -1,23 +1,30 @@
-"""Sliding-window attention with a cache that frees what falls out of the window: a tiny Mistral with a 32-token
-window gives transformers' logits at every position of prompts four times the window, prefilled whole, in chunks,
-batched and preempted; its blocks stay within the window's bound; prefix hits bring only the window they need."""
+"""Sliding-window attention with a cache that frees what falls out of the window: a tiny Mistral (every layer
+slides) and a tiny hybrid Gemma 3 (sliding and full layers interleaved), both with a 32-token window, give
+transformers' logits at every position of prompts four times the window, prefilled whole, in chunks, batched and
+preempted; sliding layers hold at most ceil(window / 16) + 1 blocks, full layers every block; prefix hits bring
+only the window the sliding layers need."""
 import pytest
 import torch
 import transformers
 
 from kvserve import LLM, SamplingParams
+from tests.conftest import make_tiny_model
 
 WINDOW = 32
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["mistral", "gemma3-hybrid"])
+def model_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "gemma3-hybrid":  # layer groups of one layer: sliding, sliding, full, sliding
+        return make_tiny_model(directory, "gemma3-mqa", num_hidden_layers=4, sliding_window=WINDOW,
+                               max_position_embeddings=512, layer_types=["sliding_attention", "sliding_attention",
+                                                                         "full_attention", "sliding_attention"])
     config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                         sliding_window=WINDOW, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
     torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("mistral-window")
     transformers.MistralForCausalLM(config).eval().save_pretrained(directory)
     return directory
 
@@ -58,7 +65,9 @@ def test_batched_and_preempted_outputs_equal_each_prompt_alone(model_dir):
     single = make(model_dir, enable_prefix_caching=False)
     alone = [single.generate(p, greedy)[0].outputs[0].token_ids for p in batch]
     assert [o.outputs[0].token_ids for o in make(model_dir).generate(batch, greedy)] == alone
-    tight = make(model_dir, kv_cache_memory=5 * single.engine.cache_plan.block_bytes, max_model_len=256)
+    plan = single.engine.cache_plan
+    room = plan.request_bytes(256) + 3 * plan.block_bytes  # one long request fits; five at once do not
+    tight = make(model_dir, kv_cache_memory=room, max_model_len=256)
     assert [o.outputs[0].token_ids for o in tight.generate(batch, greedy)] == alone
     assert tight.stats()["num_preemptions"] > 0
 
@@ -68,13 +77,16 @@ def test_blocks_held_stay_within_the_window_and_come_back(model_dir):
     engine = llm.engine
     engine.add_request("long", prompts(10)[0], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     bound = -(-WINDOW // BS) + 1
+    windows = engine.kv.windows
     while engine.has_unfinished_requests():
         engine.step()
         for seq in engine.scheduler.running:
-            assert len(engine.kv.block_ids(seq.request_id)) <= bound
+            for group, window in enumerate(windows):
+                held = len(engine.kv.block_table(seq.request_id, group).blocks)
+                assert held <= bound if window else held == -(-seq.num_computed_tokens // BS)
             stats = llm.stats()
             assert WINDOW - 1 <= stats["num_tokens_stored_sliding"] < bound * BS or seq.num_computed_tokens < WINDOW
-            assert 0 <= stats["slot_waste_tokens"] < BS
+            assert 0 <= stats["slot_waste_tokens"] < BS * len(windows)
     stats = llm.stats()
     assert stats["num_window_blocks_freed"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
 

@@ -28,7 +28,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 HELP_COMMANDS = [[], ["generate"], ["chat"], ["plan"], ["serve"], ["eval"], ["bench"], ["bench", "throughput"],
-                 ["bench", "multiturn"], ["bench", "serve"], ["bench", "dashboard"]]
+                 ["bench", "multiturn"], ["bench", "serve"], ["bench", "dashboard"], ["bench", "window"]]
 
 
 def _kvserve(*args: str) -> subprocess.CompletedProcess:

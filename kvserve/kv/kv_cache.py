@@ -20,6 +20,9 @@ class PagedKVCache:
     format_name = "?"
     exact = True  # reads return exactly what was written (no rounding): attention may use fresh K/V instead
     exact_own_block = False  # a query sees its own, still-filling block in full precision (see formats.int4)
+    # When set ([head_dim, head_dim], orthonormal), gather returns K and V as stored: multiplied by it on the right.
+    # Attention then multiplies queries by it too and its output by its transpose (formats.fp8 explains why).
+    rotation: torch.Tensor | None = None
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

@@ -83,8 +83,12 @@ def _group_attention(
             keys = torch.cat([keys, staged_k, k[group.query_index]], dim=1)
             values = torch.cat([values, staged_v, v[group.query_index]], dim=1)
         mask = group.mask
+    rotation = None if group.fresh else cache.rotation  # stored K/V are rotated: rotate queries alike, undo after
     if meta.scores is not None or group.sink_rotation is not None:
-        return _scored_attention(queries, keys, values, mask, scale, group, meta.scores)
+        out = _scored_attention(queries, keys, values, mask, scale, group, meta.scores, rotation)
+        return out if rotation is None else out @ rotation.T
+    if rotation is not None:
+        queries = queries @ rotation
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),
         keys.transpose(1, 2),
@@ -93,18 +97,22 @@ def _group_attention(
         is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
-    )
-    return out.transpose(1, 2)  # [S, Q, H, D]
+    ).transpose(1, 2)  # [S, Q, H, D]
+    return out if rotation is None else out @ rotation.T
 
 
 def _scored_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      scale: float, group: AttentionGroup, scores: AttentionScores | None) -> torch.Tensor:
-    """Attention written out, for when the probabilities are needed or sink keys take a rotated query."""
+                      scale: float, group: AttentionGroup, scores: AttentionScores | None,
+                      rotation: torch.Tensor | None) -> torch.Tensor:
+    """Attention written out, for when the probabilities are needed or sink keys take a rotated query. With a
+    storage `rotation`, the output is in rotated coordinates (the caller rotates it back)."""
     S, Q, H, D = queries.shape
     kv_heads = keys.shape[2]
     per_kv = H // kv_heads
 
     def logits(qs: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:  # [S, KVH, per_kv * Q, K]
+        if rotation is not None:  # after RoPE (the sink rotation included): stored keys were rotated after it
+            qs = qs @ rotation
         qs = qs.view(S, Q, kv_heads, per_kv, D).permute(0, 2, 3, 1, 4).reshape(S, kv_heads, per_kv * Q, D)
         return qs @ ks.permute(0, 2, 3, 1) * scale
 

@@ -82,3 +82,18 @@ def test_next_token_distributions_stay_close_to_full_precision(model_dir, fmt):
     tested = make(model_dir, fmt).generate(prompt, score)[0].prompt_logprobs[1:]
     kld = float((reference.exp() * (reference - tested)).sum(-1).mean())
     assert 0 < kld <= MAX_KLD[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("eviction", [dict(kv_eviction="streaming", kv_sink_tokens=4, kv_recent_tokens=40),
+                                      dict(kv_eviction="h2o", kv_sink_tokens=4, kv_recent_tokens=20,
+                                           kv_budget_tokens=64)], ids=["streaming", "h2o"])
+def test_formats_combine_with_eviction(model_dir, prompts, fmt, eviction):
+    """Eviction is per block, the format per element: batched equals alone, and the bound holds."""
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    batch = prompts[2:6]
+    alone = [make(model_dir, fmt, max_model_len=256, **eviction).generate(p, params)[0].outputs[0].token_ids
+             for p in batch]
+    llm = make(model_dir, fmt, max_model_len=256, **eviction)
+    assert tokens(llm, batch, params) == alone
+    assert llm.stats()["num_evicted_blocks"] > 0

@@ -1,5 +1,6 @@
 """FP8 (E4M3, E5M2) and INT8 KV storage: what is written reads back within the format's error bound, also for
-outlier-heavy vectors and values far beyond FP8's range (never inf or NaN), and scales travel with their blocks."""
+outlier-heavy vectors and values far beyond FP8's range (never inf or NaN), and scales travel with their blocks.
+FP8 stores vectors rotated by an orthonormal Hadamard matrix and reads them back rotated."""
 import pytest
 import torch
 
@@ -49,9 +50,16 @@ def test_round_trip_within_the_format_error_bound(fmt, kind):
     k, v = cache.gather(1, torch.arange(BLOCKS)[None, :])
     k, v = k[0], v[0]
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
-    bound = error_bound(fmt, x)
-    assert ((k - x).abs() <= bound).all()
-    assert ((v + x).abs() <= bound).all()
+    stored = x @ cache.rotation if cache.rotation is not None else x  # fp8 keeps (and reads back) rotated vectors
+    bound = error_bound(fmt, stored)
+    assert ((k - stored).abs() <= bound).all()
+    assert ((v + stored).abs() <= bound).all()
+
+
+def test_fp8_rotation_is_orthonormal_so_attention_can_undo_it():
+    rotation = make("fp8_e4m3").rotation
+    assert torch.allclose(rotation @ rotation.T, torch.eye(DIM), atol=1e-6)
+    assert make("int8").rotation is None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -79,7 +79,7 @@ class LLMEngine:
                              "the KV layout the planner derived from its config")
         self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
                                    mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs)
-        logger.info(self._capacity_line())
+        logger.info(self.capacity_line())
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
                                  hash_namespace=config.kv_cache_format, eviction=self.eviction,
                                  windows=self.layout.windows)
@@ -95,7 +95,8 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
 
-    def _capacity_line(self) -> str:
+    def capacity_line(self) -> str:
+        """The start-up line: the pool the planner sized, its storage format and layer groups."""
         described = "; ".join(filter(None, [self.cache.describe(), self.layout.describe()]))
         line = self.cache_plan.summary_line(described)
         if self.cache.extra_nbytes:

@@ -41,15 +41,15 @@ def engine_view(engine: LLMEngine, model_name: str) -> dict[str, Any]:
          "block_ids": engine.kv.block_ids(seq.request_id)}
         for seq in engine.scheduler.running
     ]
-    plan = engine.cache_plan
     return {
         "format_version": FORMAT_VERSION,
         "time": time.time(),
         "model": model_name,
-        "kv_cache_dtype": plan.kv_dtype.name,
+        "kv_cache_dtype": engine.config.kv_cache_format,
+        "kv_cache": engine.kv_cache_info(),
         "block_size": engine.kv.block_size,
         "num_blocks": engine.kv.pool.num_blocks,
-        "capacity": plan.summary_line(),
+        "capacity": engine.capacity_line(),
         "stats": engine.stats(),
         "block_states": BLOCK_STATES,
         "block_counts": {name: snapshot.count(name) for name in BLOCK_STATES.values()},

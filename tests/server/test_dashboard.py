@@ -104,8 +104,9 @@ def test_idle_view_equals_the_engines_stats(server, engine):
     assert counts["free"] + counts["cached"] == stats["num_free_blocks"] == view["num_blocks"]
     assert view["sequences"] == [] and set(view["blocks"]["ref_cnt"]) == {0}
     assert sorted(view["blocks"]["free_rank"]) == list(range(view["num_blocks"]))
-    assert view["capacity"] == engine.cache_plan.summary_line()
-    assert (view["kv_cache_dtype"], view["block_size"], view["model"]) == ("fp32", 16, "tiny-chat")
+    assert view["capacity"] == engine.capacity_line() and view["capacity"].startswith("KV cache (float32): ")
+    assert (view["kv_cache_dtype"], view["block_size"], view["model"]) == ("float32", 16, "tiny-chat")
+    assert view["kv_cache"] == engine.kv_cache_info()
 
 
 def test_pages_are_served_whole_and_load_nothing_from_elsewhere(server):

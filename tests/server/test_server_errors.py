@@ -77,7 +77,7 @@ BAD_REQUESTS = [
      "messages.0.content", "messages.0.content"),
     ("stream-options-without-stream", "completions", completion(stream_options={"include_usage": True}), 400,
      "stream_options", "stream"),
-    ("echo-with-logprobs", "completions", completion(echo=True, logprobs=1), 400, "echo", "prompt logprobs"),
+    ("prompt-logprobs-above-20", "completions", completion(prompt_logprobs=21), 400, "prompt_logprobs", "20"),
     ("top-logprobs-without-logprobs", "chat/completions", chat(top_logprobs=2), 400, "top_logprobs", "logprobs"),
     # once past validation into the engine step, where they stopped it for everyone (issue 13)
     ("top-k-beyond-int64", "completions", completion(top_k=2**63), 400, "top_k", "below 2**63"),

@@ -1,0 +1,110 @@
+"""A decoder's matmuls and embedding table, as the model dtype or as int8 (EngineConfig.quantization).
+
+int8 is W8A8: weights in int8 with one float32 scale per output channel, and each call quantizes its input per
+row (token), y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] qw[n, k]. The integer sums are exact, so a token's output
+is the same whichever tokens share its step (batch invariance), and every kernel route gives the same numbers:
+the route (kvserve/model/int8_kernels.py) is only a question of speed."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.int8_kernels import Int8Kernel, choose_kernel
+
+INT8_MAX = 127
+
+
+class Linear:
+    """y = x W^T (+ b) in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
+
+
+class Int8Linear:
+    """int8 weights [N, K] with float32 scales [N] (absmax per output channel / 127), run by `kernel`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: Int8Kernel | None = None):
+        self.weight_q, self.weight_scale = quantize_rows(weight)
+        self.bias = bias
+        self.kernel = kernel or choose_kernel()
+        self.packed = self.kernel.pack(self.weight_q)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        sums = self.kernel.matmul(x_q, self.packed)  # [M, N] float32: the exact integer sums
+        y = (sums * x_scale[:, None] * self.weight_scale).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, -1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight_q, self.weight_scale, self.bias, *self.kernel.extra_tensors(self.packed))
+                if t is not None]
+
+
+class Embedding:
+    """Rows of the token embedding table; an int8 table (shared with a tied int8 lm_head) is dequantized per row."""
+
+    def __init__(self, table: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        self.table = table
+        self.scale = scale
+        self.dtype = dtype or table.dtype
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(input_ids, self.table)
+        if self.scale is None:
+            return rows
+        return (rows.float() * self.scale[input_ids, None]).to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.table, self.scale) if t is not None]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: codes [M, K] and float32 scales [M] (a zero row gets scale 1, codes 0)."""
+    amax = x.abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / INT8_MAX, 1.0)
+    codes = (x.float() / scale[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+class Linears:
+    """Builds a model's linears and embedding for one `quantization` ("none" or "int8")."""
+
+    def __init__(self, quantization: str, dtype: torch.dtype):
+        self.quantization = quantization
+        self.dtype = dtype
+        self.kernel = choose_kernel() if quantization == "int8" else None
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+        if self.kernel is None:
+            return Linear(weight, bias)
+        return Int8Linear(weight, bias, self.kernel)
+
+    def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
+                                                                                            Embedding]:
+        """The output projection and the input embedding; `lm_head` None means tied to `embed` (one table kept)."""
+        head = self.linear(lm_head if lm_head is not None else embed)
+        if self.kernel is None:
+            return head, Embedding(embed)
+        if lm_head is None:
+            return head, Embedding(head.weight_q, head.weight_scale, self.dtype)
+        return head, Embedding(*quantize_rows(embed), self.dtype)
+
+
+def weights_nbytes(*holders) -> int:
+    """Bytes of the distinct tensors held by `holders` (objects with tensors(), or tensors); tied ones count once."""
+    seen: dict[int, int] = {}
+    for holder in holders:
+        for tensor in holder.tensors() if hasattr(holder, "tensors") else [holder]:
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())

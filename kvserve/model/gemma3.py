@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import SLIDING_ATTENTION, ModelConfig
-from kvserve.model.linear import Linears, weights_nbytes
+from kvserve.model.linear import Linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -25,8 +25,8 @@ class Gemma3Norm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), self.scale.shape, self.scale, self.eps).to(x.dtype)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.scale]
+    def storages(self) -> dict[int, int]:
+        return tensor_storages(self.scale)
 
 
 class Gemma3DecoderLayer:
@@ -75,10 +75,10 @@ class Gemma3DecoderLayer:
         out = paged_attention(q, k, v, layer, cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
-    def tensors(self) -> list[torch.Tensor]:
-        parts = (self.qkv, self.o_proj, self.gate_up, self.down, self.q_norm, self.k_norm, self.input_norm,
-                 self.post_attention_norm, self.pre_feedforward_norm, self.post_feedforward_norm)
-        return [t for part in parts for t in part.tensors()]
+    def weight_parts(self) -> list:
+        """The linears and norms this layer holds (for weights_nbytes)."""
+        return [self.qkv, self.o_proj, self.gate_up, self.down, self.q_norm, self.k_norm, self.input_norm,
+                self.post_attention_norm, self.pre_feedforward_norm, self.post_feedforward_norm]
 
 
 class Gemma3Model:
@@ -129,4 +129,4 @@ class Gemma3Model:
     @property
     def weights_nbytes(self) -> int:
         """Bytes of every weight the model holds, in the form it computes with (tied tables counted once)."""
-        return weights_nbytes(self.embed, self.lm_head, self.norm, *self.layers)
+        return weights_nbytes(self.embed, self.lm_head, self.norm, *(p for layer in self.layers for p in layer.weight_parts()))

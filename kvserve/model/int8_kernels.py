@@ -39,9 +39,9 @@ class Int8Kernel:
     def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
         raise NotImplementedError
 
-    def extra_tensors(self, packed) -> list[torch.Tensor]:
-        """Tensors the packed form holds beyond the int8 codes (for weight memory)."""
-        return []
+    def storages(self, packed) -> dict[int, int]:
+        """{storage address: bytes} of what the packed form holds (for weight memory)."""
+        return {packed.untyped_storage().data_ptr(): packed.untyped_storage().nbytes()}
 
 
 class IntMMKernel(Int8Kernel):
@@ -59,19 +59,24 @@ class OneDNNKernel(Int8Kernel):
     name = "onednn.qlinear"
     library = "oneDNN quantized linear (PyTorch's x86 inductor kernel)"
 
-    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        n = weight.shape[0]
-        return (torch.ops.onednn.qlinear_prepack(weight, None), torch.ones(n), torch.zeros(n, dtype=torch.long),
-                weight.numel())
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.ops.onednn.qlinear_prepack(weight, None), *_unit_scales(weight.shape[0]))
 
     def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
-        weight, ones, zeros, _ = packed
+        weight, ones, zeros = packed
         return torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, weight, ones, zeros, None, 1.0, 0, torch.float32,
                                                   "none", [None], "")
 
-    def extra_tensors(self, packed) -> list[torch.Tensor]:
-        # oneDNN keeps its own reordered copy of the codes (an opaque tensor): count its size as int8 codes
-        return [torch.empty(packed[3], dtype=torch.int8), packed[1], packed[2]]
+    def storages(self, packed) -> dict[int, int]:
+        # oneDNN's reordered copy of the codes is an opaque tensor: one byte per weight, keyed by the object
+        weight, ones, zeros = packed
+        return {id(weight): weight.numel(), ones.data_ptr(): ones.nbytes, zeros.data_ptr(): zeros.nbytes}
+
+
+@functools.cache
+def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight scales 1 and zero points 0 for n channels, so oneDNN returns the bare integer sums; shared by size."""
+    return torch.ones(n), torch.zeros(n, dtype=torch.long)
 
 
 class FloatKernel(Int8Kernel):
@@ -85,9 +90,6 @@ class FloatKernel(Int8Kernel):
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         return x.float() @ packed.t()
-
-    def extra_tensors(self, packed: torch.Tensor) -> list[torch.Tensor]:
-        return [packed]
 
 
 KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel())

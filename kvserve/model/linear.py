@@ -24,18 +24,29 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.bias) if t is not None]
+    def storages(self) -> dict[int, int]:
+        return tensor_storages(self.weight, self.bias)
 
 
 class Int8Linear:
-    """int8 weights [N, K] with float32 scales [N] (absmax per output channel / 127), run by `kernel`."""
+    """int8 weights [N, K] with float32 scales [N] (absmax per output channel / 127), run by `kernel`, which keeps
+    the codes in its own form (`packed`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: Int8Kernel | None = None):
-        self.weight_q, self.weight_scale = quantize_rows(weight)
+        self.__init_from_codes(*quantize_rows(weight), bias, kernel or choose_kernel())
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, kernel: Int8Kernel) -> Int8Linear:
+        linear = cls.__new__(cls)
+        linear.__init_from_codes(codes, scale, None, kernel)
+        return linear
+
+    def __init_from_codes(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                          kernel: Int8Kernel) -> None:
+        self.weight_scale = scale
         self.bias = bias
-        self.kernel = kernel or choose_kernel()
-        self.packed = self.kernel.pack(self.weight_q)
+        self.kernel = kernel
+        self.packed = kernel.pack(codes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -46,9 +57,8 @@ class Int8Linear:
             y = y + self.bias
         return y.view(*lead, -1)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight_q, self.weight_scale, self.bias, *self.kernel.extra_tensors(self.packed))
-                if t is not None]
+    def storages(self) -> dict[int, int]:
+        return {**tensor_storages(self.weight_scale, self.bias), **self.kernel.storages(self.packed)}
 
 
 class Embedding:
@@ -65,8 +75,8 @@ class Embedding:
             return rows
         return (rows.float() * self.scale[input_ids, None]).to(self.dtype)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.table, self.scale) if t is not None]
+    def storages(self) -> dict[int, int]:
+        return tensor_storages(self.table, self.scale)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +90,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Linears:
     """Builds a model's linears and embedding for one `quantization` ("none" or "int8")."""
 
-    def __init__(self, quantization: str, dtype: torch.dtype):
+    def __init__(self, quantization: str, dtype: torch.dtype, kernel: Int8Kernel | None = None):
         self.quantization = quantization
         self.dtype = dtype
-        self.kernel = choose_kernel() if quantization == "int8" else None
+        self.kernel = (kernel or choose_kernel()) if quantization == "int8" else None
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         if self.kernel is None:
@@ -93,18 +103,24 @@ class Linears:
     def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
                                                                                             Embedding]:
         """The output projection and the input embedding; `lm_head` None means tied to `embed` (one table kept)."""
-        head = self.linear(lm_head if lm_head is not None else embed)
         if self.kernel is None:
-            return head, Embedding(embed)
-        if lm_head is None:
-            return head, Embedding(head.weight_q, head.weight_scale, self.dtype)
-        return head, Embedding(*quantize_rows(embed), self.dtype)
+            return self.linear(lm_head if lm_head is not None else embed), Embedding(embed)
+        codes, scale = quantize_rows(embed)
+        embedding = Embedding(codes, scale, self.dtype)
+        if lm_head is None:  # tied: the head multiplies by the table's own codes
+            return Int8Linear.from_codes(codes, scale, self.kernel), embedding
+        return self.linear(lm_head), embedding
+
+
+def tensor_storages(*tensors: torch.Tensor | None) -> dict[int, int]:
+    """{storage address: bytes} of the tensors given (None skipped): views of one storage count once."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
 
 
 def weights_nbytes(*holders) -> int:
-    """Bytes of the distinct tensors held by `holders` (objects with tensors(), or tensors); tied ones count once."""
+    """Bytes of the distinct storages held by `holders` (objects with storages(), or tensors); tied weights
+    count once."""
     seen: dict[int, int] = {}
     for holder in holders:
-        for tensor in holder.tensors() if hasattr(holder, "tensors") else [holder]:
-            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        seen.update(holder.storages() if hasattr(holder, "storages") else tensor_storages(holder))
     return sum(seen.values())

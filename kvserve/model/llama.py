@@ -55,10 +55,10 @@ class DecoderLayer:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
 
-    def tensors(self) -> list[torch.Tensor]:
+    def weight_parts(self) -> list:
+        """The linears and norm weights this layer holds (for weights_nbytes)."""
         norms = [self.q_norm, self.k_norm, self.input_norm, self.post_attention_norm]
-        return [t for m in (self.qkv, self.o_proj, self.gate_up, self.down) for t in m.tensors()] + \
-            [t for t in norms if t is not None]
+        return [self.qkv, self.o_proj, self.gate_up, self.down] + [t for t in norms if t is not None]
 
 
 class LlamaModel:
@@ -92,4 +92,4 @@ class LlamaModel:
     @property
     def weights_nbytes(self) -> int:
         """Bytes of every weight the model holds, in the form it computes with (tied tables counted once)."""
-        return weights_nbytes(self.embed, self.lm_head, self.norm, *self.layers)
+        return weights_nbytes(self.embed, self.lm_head, self.norm, *(p for layer in self.layers for p in layer.weight_parts()))

@@ -4,7 +4,7 @@ numbers through every kernel route."""
 import pytest
 import torch
 
-from kvserve.model.int8_kernels import KERNELS, FloatKernel
+from kvserve.model.int8_kernels import KERNELS, FloatKernel, IntMMKernel
 from kvserve.model.linear import Embedding, Int8Linear, Linear, Linears, quantize_rows, weights_nbytes
 
 AVAILABLE = [k for k in KERNELS if k.available()] + [FloatKernel()]
@@ -57,14 +57,17 @@ def test_int8_keeps_the_activation_dtype():
     assert Int8Linear(gaussian(16, 32), kernel=FloatKernel())(x).dtype == torch.bfloat16
 
 
-def test_tied_int8_embedding_reads_the_head_codes():
+@pytest.mark.parametrize("kernel", AVAILABLE, ids=lambda k: k.name)
+def test_tied_int8_embedding_reads_the_head_codes(kernel):
     table = gaussian(50, 16, seed=8)
-    head, embedding = Linears("int8", torch.float32).head_and_embedding(table, None)
+    head, embedding = Linears("int8", torch.float32, kernel).head_and_embedding(table, None)
     ids = torch.tensor([0, 7, 49])
     codes, scale = quantize_rows(table)
     assert torch.equal(embedding(ids), codes[ids].float() * scale[ids, None])
     assert (embedding(ids) - table[ids]).abs().max() <= scale.max() / 2 * (1 + 1e-6)
-    assert weights_nbytes(head, embedding) == weights_nbytes(head)  # one table for both
+    assert torch.equal(head(table[:3]), Int8Linear(table, kernel=kernel)(table[:3]))
+    if isinstance(kernel, IntMMKernel):  # its packed form is a view of the codes: one table for both
+        assert weights_nbytes(head, embedding) == weights_nbytes(embedding)
 
 
 def test_float_linears_are_plain_and_tied_tables_count_once():

@@ -25,4 +25,4 @@ class Fp8KVCache(PerTokenQuantizedKVCache):
         return scaled.to(self.fp8_dtype).view(torch.uint8), scale
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return data.view(self.fp8_dtype).to(self.dtype) * scale.to(self.dtype)[..., None]
+        return data.view(self.fp8_dtype).to(self.dtype).mul_(scale.to(self.dtype)[..., None])  # in place: one pass fewer

@@ -91,6 +91,10 @@ class LLMEngine:
         if self.config.quantization == "int8":
             form = "int8 (per-output-channel scales, activations quantized per token; norms in " \
                    f"{self.config.dtype})"
+            copy = self.model.linears.tied_copy_nbytes
+            if copy:
+                form += (f"; of which {copy / 1e6:,.1f} MB is the int8 kernel's own copy of the tied embedding table "
+                         "(lookups read the codes, the output head its packed copy)")
         else:
             form = self.config.dtype
         return f"weights: {self.model.weights_nbytes / 1e6:,.1f} MB {form}"

@@ -90,6 +90,7 @@ class Gemma3Model:
         linears = Linears(quantization, dtype)
         self.cfg = cfg
         self.quantization = quantization
+        self.linears = linears
         self.lm_head, self.embed = linears.head_and_embedding(
             w.pop("model.embed_tokens.weight"), None if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
         # transformers multiplies in the model dtype, so bf16 scales by sqrt(hidden) rounded to bf16

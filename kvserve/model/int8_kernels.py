@@ -25,6 +25,7 @@ class Int8Kernel:
 
     name = "?"
     library = "?"
+    copies_codes = True  # pack() makes its own copy of the codes (False: a view of them)
 
     def available(self) -> bool:
         try:
@@ -47,6 +48,7 @@ class Int8Kernel:
 class IntMMKernel(Int8Kernel):
     name = "torch._int_mm"
     library = "PyTorch int8 GEMM (oneDNN on x86)"
+    copies_codes = False
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.t()  # a view: no second copy of the codes

@@ -88,12 +88,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Linears:
-    """Builds a model's linears and embedding for one `quantization` ("none" or "int8")."""
+    """Builds a model's linears and embedding for one `quantization` ("none" or "int8").
+
+    A tied int8 table is quantized once; lookups read its codes, and the head multiplies by them, through a view
+    or, when the kernel keeps a packed copy of its own (oneDNN), through that copy: then the table is held twice
+    (`tied_copy_nbytes`)."""
 
     def __init__(self, quantization: str, dtype: torch.dtype, kernel: Int8Kernel | None = None):
         self.quantization = quantization
         self.dtype = dtype
         self.kernel = (kernel or choose_kernel()) if quantization == "int8" else None
+        self.tied_copy_nbytes = 0
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         if self.kernel is None:
@@ -108,6 +113,7 @@ class Linears:
         codes, scale = quantize_rows(embed)
         embedding = Embedding(codes, scale, self.dtype)
         if lm_head is None:  # tied: the head multiplies by the table's own codes
+            self.tied_copy_nbytes = codes.numel() if self.kernel.copies_codes else 0
             return Int8Linear.from_codes(codes, scale, self.kernel), embedding
         return self.linear(lm_head), embedding
 

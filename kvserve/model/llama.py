@@ -70,6 +70,7 @@ class LlamaModel:
         linears = Linears(quantization, dtype)
         self.cfg = cfg
         self.quantization = quantization
+        self.linears = linears
         self.lm_head, self.embed = linears.head_and_embedding(
             w.pop("model.embed_tokens.weight"), None if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
         self.norm = w["model.norm.weight"]

@@ -80,3 +80,20 @@ def test_cli_flag_runs_int8_and_rejects_unknown_values(model_dir, capsys):
         main(["generate", "hi", "--model", str(model_dir), "--quantization", "fp4"])
     err = capsys.readouterr().err
     assert "--quantization: invalid choice: 'fp4'" in err and "'none', 'int8'" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization, planner_dtype", [("none", "fp32"), ("int8", "int8")])
+def test_engine_weights_agree_with_kvserve_plan(quantization, planner_dtype):
+    """The embedded SmolLM2: what the engine holds is what `kvserve plan --weights-dtype` predicts, within the
+    int8 scales (4 bytes per output channel) and the float32 norms the planner counts at the weights' size, plus
+    the second copy of the tied embedding table that a kernel with its own packed weights keeps (and says so)."""
+    import json
+
+    from kvserve.planner.model_spec import ModelSpec
+    from kvserve.planner.weights import weights_bytes
+
+    llm = LLM(quantization=quantization, max_model_len=256, kv_cache_memory="16MiB")
+    spec = ModelSpec.from_hf_config(json.loads((llm.engine.model_path / "config.json").read_text()))
+    planned = weights_bytes(spec, planner_dtype) + llm.engine.model.linears.tied_copy_nbytes
+    assert llm.engine.model.weights_nbytes == pytest.approx(planned, rel=0.01 if quantization == "int8" else 1e-6)

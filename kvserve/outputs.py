@@ -13,7 +13,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
@@ -43,4 +43,4 @@ class RequestOutput:
     # per prompt token (None for the first): {token id: logprob} with the top-k and the actual token; or, when
     # SamplingParams(prompt_logprobs=-1), one [prompt_len, vocab] float32 tensor whose first row is NaN
     prompt_logprobs: list[dict[int, float] | None] | torch.Tensor | None = None
-    error: str | None = field(default=None)
+    error: str | None = field(default=None)  # set when the request failed inside a step (finish_reason "error")

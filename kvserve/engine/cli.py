@@ -93,18 +93,29 @@ def _stream(engine, request_id: str, prompt, params: SamplingParams) -> str:
     return shown
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace, command: str):
+    """The LLM the flags ask for, or None after printing why it cannot start (no traceback for a bad flag)."""
     from kvserve.engine.llm import LLM
 
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    try:
+        return LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    llm = _load(args, "generate")
+    if llm is None:
+        return 1
     _stream(llm.engine, "generate", " ".join(args.prompt), sampling_params_from_args(args))
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from kvserve.engine.llm import LLM
-
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    llm = _load(args, "chat")
+    if llm is None:
+        return 1
     params = sampling_params_from_args(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat: type a message, empty line or Ctrl-D to quit.", file=sys.stderr)
@@ -116,7 +127,8 @@ def run_chat(args: argparse.Namespace) -> int:
         if not user:
             break
         messages.append({"role": "user", "content": user})
-        reply = _stream(llm.engine, f"chat-{turn}", llm.apply_chat_template(messages), params)
+        prompt = {"prompt": llm.apply_chat_template(messages), "add_special_tokens": False}  # the template has its BOS
+        reply = _stream(llm.engine, f"chat-{turn}", prompt, params)
         messages.append({"role": "assistant", "content": reply})
         stats = llm.stats()
         print(f"[prefix cache: {stats['prefix_cache_hits']:,} of {stats['prefix_cache_queries']:,} prompt tokens "

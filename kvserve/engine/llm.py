@@ -67,7 +67,9 @@ class LLM:
     ) -> RequestOutput | list[RequestOutput]:
         """Apply the model's chat template and generate the assistant's reply (one conversation or a list)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt": self.apply_chat_template(c), **({"cache_salt": cache_salt} if cache_salt else {})}
+        salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
+        # the rendered template holds its own special tokens (BOS): the tokenizer must not add them again
+        prompts = [{"prompt": self.apply_chat_template(c), "add_special_tokens": False, **salt}
                    for c in conversations]
         outputs = self.generate(prompts, sampling_params)
         return outputs[0] if conversations is not messages else outputs
@@ -93,9 +95,17 @@ class LLM:
         return list(params)
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Step until every request is done. A request that fails inside a step comes back with finish_reason
+        "error"; if a step itself raises (or Ctrl-C), this call's requests are aborted, so the next call starts
+        clean."""
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    final[output.request_id] = output
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
         return [final[request_id] for request_id in request_ids]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from kvserve.outputs import RequestOutput
 from kvserve.planner.capacity import KVCachePlan, plan_kv_cache
 from kvserve.planner.kv_size import kv_layout
 from kvserve.planner.model_spec import ModelSpec
-from kvserve.sampling_params import SamplingParams
+from kvserve.planner.units import format_bytes
+from kvserve.sampling_params import SamplingParams, is_text
 
 logger = logging.getLogger("kvserve")
 
@@ -48,6 +50,7 @@ class LLMEngine:
         if self.eviction.evicts and self.layout.windows != (None,):
             raise ValueError(f"kv_eviction={config.kv_eviction!r} is not supported with sliding-window models; "
                              "their sliding layers already bound the cache")
+        _check_fits_in_memory(config)
         self.cache_plan: KVCachePlan = plan_kv_cache(
             spec,
             config.kv_cache_memory_bytes,
@@ -60,6 +63,12 @@ class LLMEngine:
         if not self.cache_plan.fits:
             raise ValueError(self.cache_plan.error)
         self.tokenizer = _load_tokenizer(source.path)
+        # No tokenization packs more characters into one token than the vocabulary's longest token has, so a
+        # text longer than this cannot fit in max_model_len tokens: refused before the tokenizer runs.
+        self.longest_token_chars = max(map(len, self.tokenizer.get_vocab())) if self.tokenizer is not None else 0
+        # a streaming-evicting engine takes prompts of any length (the server's body cap still bounds them)
+        self.max_prompt_chars = (float("inf") if self.eviction.unbounded_length
+                                 else self.max_model_len * self.longest_token_chars)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
         mc, plan = self.model_config, self.cache_plan
         weights = load_weights(source.path, config.torch_dtype)
@@ -79,6 +88,9 @@ class LLMEngine:
                                  windows=self.layout.windows)
         self.scores = (AttentionScores(plan.num_blocks * plan.block_size, plan.block_size, config.device)
                        if self.eviction.needs_attention_scores else None)
+        windows = self.layout.windows
+        self._full_group = windows.index(None) if None in windows else 0  # whose tokens "num_tokens_stored" counts
+        self._sliding_group = next((g for g, w in enumerate(windows) if w is not None), None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -125,7 +137,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         parsed = parse_prompt(prompt)
-        token_ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text)
+        token_ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text,
+                                                                                      parsed.add_special_tokens)
         max_tokens = self._check_lengths(token_ids, params)
         request = Request(request_id, parsed.text, list(token_ids), params)
         seq = self._new_sequence(request, 0, list(token_ids), max_tokens, parsed.cache_salt)
@@ -134,23 +147,41 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids. It only reads the tokenizer, so the server calls it off the engine thread.
+        A prompt a chat template rendered already holds its special tokens: add_special_tokens=False."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer; pass prompt_token_ids instead of text")
-        return self.tokenizer(text, add_special_tokens=True).input_ids
+        self.check_prompt_chars(len(text))
+        if not is_text(text):
+            raise ValueError("the prompt is not valid Unicode text (it has a lone surrogate)")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a text prompt too long for max_model_len tokens by its length alone, without tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {num_chars:,} characters, more than max_model_len={self.max_model_len} tokens "
+                f"can hold (at most {self.max_prompt_chars:,}: the longest token has {self.longest_token_chars})"
+            )
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """Refuse an empty prompt or one that leaves no room to generate (reads only max_model_len)."""
+        if num_tokens == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if num_tokens >= self.max_model_len and not self.eviction.unbounded_length:
+            raise ValueError(f"the prompt has {num_tokens} tokens, but max_model_len={self.max_model_len} leaves no "
+                             f"room to generate")
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
-        if not token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
+        self.check_prompt_length(len(token_ids))  # before the per-token check: a huge prompt is refused at once
+        prompt_len, limit = len(token_ids), self.max_model_len
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
-        prompt_len, limit = len(token_ids), self.max_model_len
         if self.eviction.unbounded_length:  # positions stay within the cache: only max_tokens bounds the length
             max_tokens = params.max_tokens if params.max_tokens is not None else limit
             return self._check_n_and_stop(params, max_tokens)
-        if prompt_len >= limit:
-            raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len={limit} leaves no room to generate")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise ValueError(
@@ -243,7 +274,9 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once over the whole batch, sample, and return outputs of requests that moved."""
+        """Schedule, run the model once over the whole batch, sample, and return outputs of requests that moved.
+        A failure in one request's own work (forking its n samples, sampling, detokenizing, stop checks) fails
+        that request alone (finish_reason "error"); only a failure of the shared schedule or forward pass raises."""
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
@@ -256,18 +289,53 @@ class LLMEngine:
         if self.eviction.evicts or self.layout.windows != (None,):
             for seq in self.scheduler.running:
                 self.kv.drop_unneeded(seq, self.scores)
-        logits, seqs = self._fork_for_n(logits, seqs)
-        result = sample(logits, seqs, self.generator)
-        now = time.time()
         touched: dict[str, Request] = {}
-        for i, seq in enumerate(seqs):
-            seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+        logits, seqs = self._fork_for_n(logits, seqs, touched)
+        samples = self._sample(logits, seqs)
+        now = time.time()
+        for seq, sampled in zip(seqs, samples):
             request = self.requests[_request_id(seq)]
-            request.metrics.first_token_time = request.metrics.first_token_time or now
             touched[request.request_id] = request
-            if seq.is_finished:
-                self.scheduler.finish(seq)
+            if request.error is None:
+                self._append(request, seq, sampled, now)
         return [self._output(request, now) for request in touched.values()]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple | Exception]:
+        """(token id, logprob, top logprobs) per row, or the exception that row's request raised."""
+        try:
+            result = sample(logits, seqs, self.generator)
+        except Exception:
+            # One request's parameters broke the batched sampler: sample row by row so only that request fails.
+            return [self._sample_row(logits[i : i + 1], seq) for i, seq in enumerate(seqs)]
+        return list(zip(result.token_ids, result.logprobs, result.top_logprobs))
+
+    def _sample_row(self, logits: torch.Tensor, seq: Sequence) -> tuple | Exception:
+        try:
+            result = sample(logits, [seq], self.generator)
+        except Exception as exc:
+            return exc
+        return result.token_ids[0], result.logprobs[0], result.top_logprobs[0]
+
+    def _append(self, request: Request, seq: Sequence, sampled: tuple | Exception, now: float) -> None:
+        try:
+            if isinstance(sampled, Exception):
+                raise sampled
+            seq.append_token(*sampled)
+        except Exception as exc:
+            self._fail_request(request, exc)
+            return
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        if seq.is_finished:
+            self.scheduler.finish(seq)
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        """Finish every sequence of `request` with finish_reason "error" and free its blocks; the others go on."""
+        logger.error(f"request {request.request_id!r} failed: {type(exc).__name__}: {exc}", exc_info=exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        for seq in request.sequences:
+            if not seq.is_finished:
+                seq.finish("error")
+            self.scheduler.finish(seq)
 
     def _count_tokens(self, out: SchedulerOutput) -> None:
         now = time.time()
@@ -283,25 +351,39 @@ class LLMEngine:
             if seq.index == 0 and seq.num_preemptions == 0:
                 request.num_cached_tokens = seq.num_computed_tokens
 
-    def _fork_for_n(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """After its prompt is computed once, sample 0 of an n>1 request gets n-1 siblings sharing its blocks."""
+    def _fork_for_n(self, logits: torch.Tensor, seqs: list[Sequence],
+                    failed: dict[str, Request]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Each row's sequence, plus the n-1 new siblings of an n>1 request whose prompt was just computed (they
+        sample from the same logits). A request whose fork fails is failed, added to `failed`, and left out."""
         rows, expanded = [], []
         for row, seq in enumerate(seqs):
-            rows.append(row)
-            expanded.append(seq)
+            siblings = []
             if seq.params.n > 1 and not seq.forked:
-                seq.forked = True
                 request = self.requests[seq.request_id]
-                for index in range(1, seq.params.n):
-                    child = self._new_sequence(request, index, list(seq.token_ids), seq.max_tokens, seq.cache_salt)
-                    child.forked = True
-                    child.num_computed_tokens = seq.num_computed_tokens
-                    self.kv.fork(seq, child)
-                    self.scheduler.add_running(child, after=seq)
-                    request.sequences.append(child)
-                    rows.append(row)
-                    expanded.append(child)
-        return (logits[rows] if len(rows) != len(seqs) else logits), expanded
+                try:
+                    siblings = self._fork_samples(request, seq)
+                except Exception as exc:
+                    self._fail_request(request, exc)
+                    failed[request.request_id] = request
+                    continue
+            for each in [seq, *siblings]:
+                rows.append(row)
+                expanded.append(each)
+        return (logits if rows == list(range(len(seqs))) else logits[rows]), expanded
+
+    def _fork_samples(self, request: Request, seq: Sequence) -> list[Sequence]:
+        """After its prompt is computed once, sample 0 of an n>1 request gets n-1 siblings sharing its blocks."""
+        seq.forked = True
+        siblings = []
+        for index in range(1, seq.params.n):
+            child = self._new_sequence(request, index, list(seq.token_ids), seq.max_tokens, seq.cache_salt)
+            child.forked = True
+            child.num_computed_tokens = seq.num_computed_tokens
+            request.sequences.append(child)  # first: if what follows fails, failing the request frees the child
+            self.kv.fork(seq, child)
+            self.scheduler.add_running(child, after=seq)
+            siblings.append(child)
+        return siblings
 
     def _output(self, request: Request, now: float) -> RequestOutput:
         if request.finished:
@@ -310,20 +392,30 @@ class LLMEngine:
         return request.to_output()
 
     # ---- what the cache holds ----------------------------------------------------------------------------
+    def kv_cache_info(self) -> dict[str, str]:
+        """How the cache stores and keeps tokens, as labels (the server's kvserve:kv_cache_info metric)."""
+        config = self.config
+        return {"kv_cache_dtype": config.kv_cache_format, "format": self.cache.describe(),
+                "block_size": str(self.kv.block_size), "layout": self.layout.describe() or "one group of every layer",
+                "kv_eviction": config.kv_eviction}
+
     def stats(self) -> dict[str, float | int]:
         pool = self.kv.pool
         live = self.scheduler.running
         queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        sliding = {}
+        if self._sliding_group is not None:  # a sliding layer holds only its window's tokens
+            sliding["num_tokens_stored_sliding"] = sum(self.kv.num_stored_tokens(s, self._sliding_group) for s in live)
         return {
+            **sliding,
             "num_blocks": pool.num_blocks,
             "block_size": self.kv.block_size,
             "num_free_blocks": pool.num_free_blocks,
             "num_used_blocks": pool.num_used_blocks,
             "num_cached_blocks": pool.num_cached_blocks,
             "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
-            "num_tokens_stored": sum(self.kv.num_stored_tokens(s) for s in live),
-            "slot_waste_tokens": sum(self.kv.num_allocated_slots(s.request_id) - self.kv.num_stored_tokens(s)
-                                     for s in live),
+            "num_tokens_stored": sum(self.kv.num_stored_tokens(s, self._full_group) for s in live),
+            "slot_waste_tokens": sum(self.kv.num_wasted_slots(s) for s in live),
             "num_running": len(live),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
@@ -339,6 +431,16 @@ class LLMEngine:
 
 def _request_id(seq: Sequence) -> str:
     return seq.request_id.rsplit("#", 1)[0] if seq.index else seq.request_id
+
+
+def _check_fits_in_memory(config: EngineConfig) -> None:
+    """A CPU KV cache larger than the machine's RAM fails late and obscurely (allocator error or OOM kill)."""
+    if config.device != "cpu" or "SC_PHYS_PAGES" not in os.sysconf_names:
+        return
+    ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if config.kv_cache_memory_bytes > ram_bytes:
+        raise ValueError(f"kv_cache_memory={format_bytes(config.kv_cache_memory_bytes)} is more than this machine's "
+                         f"memory ({format_bytes(ram_bytes)}); choose a smaller --kv-cache-memory")
 
 
 def _load_tokenizer(path: Path):

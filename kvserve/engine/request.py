@@ -20,9 +20,12 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    error: str | None = None  # why it failed inside a step (its sequences finished with "error")
 
     @property
     def finished(self) -> bool:
+        if self.error is not None:
+            return True
         return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
 
     def to_output(self) -> RequestOutput:
@@ -48,6 +51,7 @@ class Request:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            error=self.error,
         )
 
     def _prompt_logprobs(self) -> list[dict[int, float] | None] | torch.Tensor | None:

@@ -13,7 +13,7 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: s
     """sha256 over (parent key, token ids[, salt]); the salt and the namespace (what the block's bytes mean: the
     storage format) only enter the first block, so they taint the whole chain."""
     h = hashlib.sha256(parent or b"root:" + namespace.encode())
-    if parent is None and cache_salt:
+    if parent is None and cache_salt is not None:
         h.update(b"salt:" + cache_salt.encode())
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()

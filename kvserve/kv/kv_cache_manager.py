@@ -124,6 +124,11 @@ class KVCacheManager:
         bs, computed = self.block_size, seq.num_computed_tokens
         return sum(min(bs, max(0, computed - b * bs)) for b in self.block_table(seq.request_id, group).logical)
 
+    def num_wasted_slots(self, seq: CachedSequence) -> int:
+        """Slots `seq` holds that hold no token (the unfilled end of each group's last block)."""
+        return sum(len(self.block_table(seq.request_id, g).blocks) * self.block_size - self.num_stored_tokens(seq, g)
+                   for g in range(self.num_groups))
+
     def find_cached_prefix(self, seq: CachedSequence) -> CachedPrefix:
         """Longest cached prefix of whole blocks whose full groups hold all of it and whose sliding groups hold
         the window before its end; the last token is always left to compute."""

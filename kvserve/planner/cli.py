@@ -17,7 +17,7 @@ from kvserve.planner.capacity import (
 )
 from kvserve.planner.conversation import plan_conversation
 from kvserve.planner.gpus import GPU_MEMORY_GIB, gpu_memory_bytes
-from kvserve.planner.kv_size import KV_DTYPE_CHOICES, resolve_kv_dtype
+from kvserve.planner.kv_size import KV_DTYPE_CHOICES, eviction_max_blocks, resolve_kv_dtype
 from kvserve.planner.loaders import load_model_spec, preset_names
 from kvserve.planner.model_spec import ModelSpec
 from kvserve.planner.report import PlanReport, render_report, report_to_json
@@ -68,6 +68,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--weights-gib", type=float, metavar="GIB", help="weights size instead of an estimate")
     parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GiB, metavar="GIB",
                         help="memory for runtime and activations, neither weights nor KV (default %(default)s)")
+    evict = parser.add_argument_group("KV eviction (bounds what one request holds at any length)")
+    evict.add_argument("--kv-eviction", default="none", choices=("none", "streaming", "h2o"),
+                       help="streaming: StreamingLLM sinks + recent window; h2o: heavy hitters within a budget")
+    evict.add_argument("--kv-sink-tokens", type=int, default=4, metavar="N", help="sinks kept (%(default)s)")
+    evict.add_argument("--kv-recent-tokens", type=int, default=1024, metavar="N",
+                       help="recent window kept (%(default)s)")
+    evict.add_argument("--kv-budget-tokens", type=int, default=2048, metavar="N",
+                       help="h2o: tokens kept in all (%(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the GPU memory split and the maximum concurrency against context length for "
@@ -148,6 +156,10 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     spec = load_model_spec(args.model)
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, spec)
     max_model_len = resolve_max_model_len(spec, args.max_model_len)
+    if min(args.kv_sink_tokens, args.kv_recent_tokens, args.kv_budget_tokens) < 0:
+        raise ValueError("--kv-sink-tokens, --kv-recent-tokens and --kv-budget-tokens must not be negative")
+    max_blocks = eviction_max_blocks(args.kv_eviction, args.kv_sink_tokens, args.kv_recent_tokens,
+                                     args.kv_budget_tokens, args.block_size)
     gpu_bytes = _gpu_memory_bytes(args)
     weights, weights_source = _weights(spec, args, needed=gpu_bytes is not None)
     budget = kv_plan = None
@@ -155,7 +167,8 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         if args.overhead_gib < 0:
             raise ValueError(f"--overhead-gib must not be negative, got {args.overhead_gib}")
         budget = MemoryBudget(gpu_bytes, args.gpu_memory_utilization, weights, round(args.overhead_gib * GiB))
-        kv_plan = plan_kv_cache(spec, budget.kv_budget_bytes, args.block_size, kv_dtype.name, max_model_len)
+        kv_plan = plan_kv_cache(spec, budget.kv_budget_bytes, args.block_size, kv_dtype.name, max_model_len,
+                                args.kv_eviction, max_blocks)
     conversation = None
     if args.conversation:
         conversation = plan_conversation(spec, kv_dtype, args.first, args.question, args.answer,
@@ -164,6 +177,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         spec=spec, kv_dtype=kv_dtype, block_size=args.block_size, max_model_len=max_model_len,
         contexts=_contexts(spec, args.context), weights_bytes=weights, weights_source=weights_source,
         gpu_name=args.gpu or args.gpu_memory, budget=budget, kv_plan=kv_plan, conversation=conversation,
+        max_blocks_per_request=max_blocks,
     )
 
 

@@ -36,6 +36,7 @@ class PlanReport:
     budget: MemoryBudget | None = None
     kv_plan: KVCachePlan | None = None
     conversation: ConversationPlan | None = None
+    max_blocks_per_request: int | None = None  # a KV eviction policy's bound on one request's blocks
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -48,7 +49,11 @@ class PlanReport:
         return self.kv_plan.error if self.kv_plan is not None else None
 
     def request_bytes(self, tokens: int) -> int:
-        return request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
+        kv = request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
+        if self.max_blocks_per_request is None:
+            return kv
+        block_bytes = self.block_size * kv_bytes_per_token(self.spec, self.kv_dtype, self.block_size)
+        return min(kv, self.max_blocks_per_request * block_bytes)
 
 
 def kv_formula(spec: ModelSpec, dtype: KVDtype, block_size: int) -> str:
@@ -113,6 +118,7 @@ def report_to_json(report: PlanReport) -> dict:
         "model_type": spec.model_type,
         "attention": spec.attention_kind,
         "kv_cache_dtype": report.kv_dtype.name,
+        "max_blocks_per_request": report.max_blocks_per_request,
         "block_size": report.block_size,
         "kv_bytes_per_token": report.kv_bytes_per_token,
         "kv_bytes_per_token_formula": kv_formula(spec, report.kv_dtype, report.block_size),

@@ -2,19 +2,36 @@
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal, TypeVar, Union
+import logging
+import re
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request
 
-Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+logger = logging.getLogger("kvserve")
+
+# Arrays and objects one body may hold: prompts, messages and their parts need far fewer. Python builds each as an
+# object the garbage collector then walks: 2 MiB of tiny prompts took seconds to parse, holding the GIL.
+MAX_JSON_CONTAINERS = 10_000
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+# Tried left to right, each list stopping at its first bad item: a union collects every item's error for every
+# alternative otherwise, and a few MB of floats in `prompt` took pydantic many seconds.
+TokenIds = Annotated[list[StrictInt], Field(fail_fast=True)]
+Prompt = Annotated[
+    Union[StrictStr, Annotated[list[StrictStr], Field(fail_fast=True)], TokenIds,
+          Annotated[list[TokenIds], Field(fail_fast=True)]],
+    Field(union_mode="left_to_right"),
+]
 
 
 class _Strict(BaseModel):
     # Unknown fields are an error, not silently dropped: a typo like "max_token" must not be ignored quietly.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -26,6 +43,9 @@ class _GenerationRequest(_Strict):
 
     # OpenAI parameters the engine does not implement, with the value that means "not used".
     UNSUPPORTED: ClassVar[dict[str, Any]] = {"logit_bias": {}}
+    # OpenAI parameters that common clients send and that change nothing here: accepted, logged, ignored.
+    IGNORED: ClassVar[frozenset[str]] = frozenset({"store", "metadata", "service_tier", "prompt_cache_key",
+                                                   "safety_identifier"})
 
     model: str | None = None
     temperature: float = 1.0
@@ -42,9 +62,9 @@ class _GenerationRequest(_Strict):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # "" would read as "no salt": refused
 
     @property
     def include_usage(self) -> bool:
@@ -54,13 +74,14 @@ class _GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -71,6 +92,7 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: each prompt token's logprob + top k
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt forms the API allows, as a list of single prompts."""
@@ -82,10 +104,10 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo together with logprobs needs prompt logprobs, which kvserve does not compute",
-                              "echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(_Strict):
@@ -112,10 +134,10 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_GenerationRequest):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
         **_GenerationRequest.UNSUPPORTED, "tools": [], "tool_choice": "none", "functions": [],
-        "function_call": "none", "response_format": {"type": "text"}, "parallel_tool_calls": None,
-        "audio": None, "modalities": ["text"], "prediction": None, "reasoning_effort": None,
-        "web_search_options": None,
+        "function_call": "none", "response_format": {"type": "text"}, "audio": None, "modalities": ["text"],
+        "prediction": None, "reasoning_effort": None, "web_search_options": None,
     }
+    IGNORED: ClassVar[frozenset[str]] = _GenerationRequest.IGNORED | {"parallel_tool_calls"}  # no tools: no effect
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
@@ -136,20 +158,50 @@ RequestT = TypeVar("RequestT", bound=_GenerationRequest)
 
 def parse_request(model_cls: type[RequestT], raw_body: bytes) -> RequestT:
     """Parse a JSON body into `model_cls`, turning every problem into a 400 that names the parameter."""
+    _check_num_containers(raw_body)
     try:
-        body = json.loads(raw_body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+        # Unlike json.loads: refuses lone surrogates (not text), NaN / Infinity, and nesting past 200 levels.
+        body = pydantic_core.from_json(raw_body, allow_inf_nan=False)
+    except ValueError as exc:
+        hint = " (a \\uD800-\\uDFFF escape must be half of a surrogate pair)" if "hex escape" in str(exc) else ""
+        raise bad_request(f"the request body is not valid JSON: {exc}{hint}") from exc
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    for name, unused_value in model_cls.UNSUPPORTED.items():
-        value = body.pop(name, None)
-        if value is not None and value != unused_value:
-            raise bad_request(f"{name!r} is not supported by kvserve", name, "unsupported_parameter")
+        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    _drop_unused(model_cls, body)
+    unknown = body.keys() - model_cls.model_fields.keys()
+    if unknown:  # found here, not by pydantic: it would build an error for each of a million unknown keys
+        name = next(key for key in body if key in unknown)
+        raise bad_request(f"unknown parameter {name!r}", name, "unknown_parameter")
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
+
+
+def _check_num_containers(raw_body: bytes) -> None:
+    num_brackets = raw_body.count(b"[") + raw_body.count(b"{")
+    if num_brackets <= MAX_JSON_CONTAINERS:  # the usual case, in a millisecond for 2 MiB
+        return
+    outside_strings = _JSON_STRING.sub(b"", raw_body)  # brackets in a prompt's text are no containers
+    if outside_strings.count(b"[") + outside_strings.count(b"{") > MAX_JSON_CONTAINERS:
+        raise bad_request(f"the request body has more than {MAX_JSON_CONTAINERS:,} JSON arrays and objects; kvserve "
+                          f"takes at most that many in one request")
+
+
+def _drop_unused(model_cls: type[RequestT], body: dict[str, Any]) -> None:
+    """Remove the OpenAI parameters kvserve ignores (with a warning) or refuses unless given their no-op value."""
+    for name, no_op in model_cls.UNSUPPORTED.items():
+        value = body.pop(name, None)
+        if value is not None and not (type(value) is type(no_op) and value == no_op):  # best_of: true is not 1
+            raise bad_request(f"{name!r} is not supported by kvserve (only its no-op value {json.dumps(no_op)} is "
+                              f"accepted)", name, "unsupported_parameter")
+    ignored = sorted(name for name in model_cls.IGNORED if body.pop(name, None) is not None)
+    if ignored:
+        logger.warning(f"ignoring request parameters kvserve does not use: {', '.join(ignored)}")
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
 
 
 def _validation_error(exc: ValidationError) -> APIError:

@@ -7,13 +7,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.api_models import ChatCompletionRequest, CompletionRequest, parse_request
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING, AsyncEngine
+from kvserve.server.body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.dashboard import StatsHistory, add_dashboard_routes
@@ -23,15 +25,20 @@ from kvserve.server.metrics import ServerMetrics
 
 
 def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-              max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
+              max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An app serving `engine` as `served_model_name`; the engine thread (app.state.engine) runs while the app's
-    lifespan does. With `api_key`, /v1 routes need `Authorization: Bearer <api_key>`. A request that finds
-    `max_waiting` requests already queued for the engine gets 503."""
+    lifespan does. With `api_key`, every route but /health and /metrics needs `Authorization: Bearer <api_key>`.
+    A request that finds `max_waiting` requests already queued for the engine gets 503; a body over
+    `max_body_bytes` gets 413."""
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
+    if api_key is not None and not api_key.strip():  # an empty key would lock everyone out (or, ignored, no one)
+        raise ValueError("api_key is empty; give a non-empty key, or none to serve without one")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     model_name = served_model_name or engine.model_name
     # Each needs the other: the metrics read the engine thread's stats, the engine thread feeds the metrics.
-    metrics = ServerMetrics(model_name, lambda: async_engine.stats())
+    metrics = ServerMetrics(model_name, lambda: async_engine.stats(), engine.kv_cache_info())
     async_engine = AsyncEngine(engine, max_waiting, metrics.observe)
     ctx = ServingContext(async_engine, model_name, engine.tokenizer)
     history = StatsHistory(async_engine.stats)
@@ -45,13 +52,16 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
         history.stop()
         async_engine.shutdown()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    # The docs routes are added below, behind the key like /v1.
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = async_engine
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
+    auth = _api_key_check(api_key)
     _add_open_routes(app, async_engine, metrics)
-    _add_v1_routes(app, ctx, engine.max_model_len, auth)
+    _add_docs_routes(app, auth)
+    _add_v1_routes(app, ctx, engine.max_model_len, auth, max_body_bytes)
     add_dashboard_routes(app, async_engine, history, model_name, auth)
     return app
 
@@ -68,7 +78,21 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMet
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _add_v1_routes(app: FastAPI, ctx: ServingContext, max_model_len: int, auth) -> None:
+def _add_docs_routes(app: FastAPI, auth) -> None:
+    @app.get("/openapi.json", dependencies=[Depends(auth)], include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[Depends(auth)], include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvserve")
+
+    @app.get("/redoc", dependencies=[Depends(auth)], include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="kvserve")
+
+
+def _add_v1_routes(app: FastAPI, ctx: ServingContext, max_model_len: int, auth, max_body_bytes: int) -> None:
     created = int(time.time())
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
@@ -79,12 +103,12 @@ def _add_v1_routes(app: FastAPI, ctx: ServingContext, max_model_len: int, auth) 
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(request: Request) -> Response:
-        req = parse_request(CompletionRequest, await request.body())
+        req = parse_request(CompletionRequest, await read_json_body(request, max_body_bytes))
         return await create_completion(ctx, req, request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await request.body())
+        req = parse_request(ChatCompletionRequest, await read_json_body(request, max_body_bytes))
         return await create_chat_completion(ctx, req, request)
 
 
@@ -92,8 +116,9 @@ def _api_key_check(api_key: str | None):
     async def check(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # The scheme is case-insensitive (RFC 9110); compare_digest takes as long whatever the key's prefix.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise unauthorized()
 
     return check

@@ -1,6 +1,6 @@
 """The engine behind the HTTP server: one thread owns the (not thread-safe) engine and steps it while there is
-work; handlers on the asyncio loop hand it commands through a thread-safe queue and get outputs back on
-asyncio queues."""
+work; handlers on the asyncio loop hand it commands through a thread-safe queue and get outputs back in an
+OutputSink per HTTP request."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +30,45 @@ class EngineDeadError(RuntimeError):
     """The engine raised inside a step (its requests are lost) or is shutting down: it takes no more."""
 
 
+class RequestFailedError(RuntimeError):
+    """A request failed inside the engine (finish_reason "error"); the engine serves the others on."""
+
+
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; the request was not queued."""
 
     def __init__(self, num_waiting: int):
         super().__init__(f"{num_waiting} requests are already waiting")
         self.num_waiting = num_waiting
+
+
+class OutputSink:
+    """Where the outputs of one HTTP request's engine requests land (on the loop's thread). Outputs are
+    cumulative, so only the latest of each request is kept: a client that stops reading holds one output per
+    request, not one per step."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, RequestOutput] = {}
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._latest[output.request_id] = output
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def take(self) -> list[RequestOutput]:
+        """The latest output of every request that moved since the last take (waits for one); raises the
+        engine's failure."""
+        await self._ready.wait()
+        self._ready.clear()
+        if self._error is not None:
+            raise self._error
+        latest, self._latest = self._latest, {}
+        return list(latest.values())
 
 
 @dataclass
@@ -72,12 +106,21 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self._observer = observer or (lambda outputs, now: None)
         self._commands: queue.Queue[_Add | _Abort | _AbortAll | _Call | _Stop] = queue.Queue()
-        self._outputs: dict[str, asyncio.Queue] = {}  # touched only on the loop's thread
+        self._outputs: dict[str, OutputSink] = {}  # touched only on the loop's thread
         self._adds_in_flight: set[asyncio.Future] = set()  # sent to the engine thread, unanswered (loop thread)
         self._calls_in_flight: set[asyncio.Future] = set()  # likewise, for `call`
-        self._stats: dict[str, Any] = engine.stats()  # replaced (never mutated) by the engine thread
+        # Admission counting, on the loop's thread: requests let in but not sent yet (their prompts are being
+        # tokenized), and _Add commands sent. The engine thread publishes its stats together with how many
+        # _Add commands it has applied, so a request is counted once: in flight, or in the engine's queue.
+        self._num_reserved = 0
+        self._num_adds_sent = 0
+        self._num_adds_applied = 0  # engine thread
+        self._snapshot: tuple[dict[str, Any], int] = (engine.stats(), 0)  # replaced (never mutated) by it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # Prompts are tokenized (and chat templates rendered) here, never on the engine thread or the loop: one
+        # thread, so a flood of long prompts costs the engine at most one core's share.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenize")
         self.error: str | None = None  # why it takes no more requests, once it does not
 
     # ---- on the event loop ---------------------------------------------------------------------------------
@@ -94,25 +137,56 @@ class AsyncEngine:
         self._commands.put(_Stop())
         self._thread.join(timeout_s)
         self._thread = None
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats() as of its last step (read without touching the engine)."""
-        return self._stats
+        return self._snapshot[0]
 
     @property
     def num_waiting(self) -> int:
-        return self._stats["num_waiting"] + len(self._adds_in_flight)
+        """Requests let in and not yet running: reserved, in flight to the engine thread, or in its queue."""
+        stats, num_adds_applied = self._snapshot
+        return stats["num_waiting"] + self._num_reserved + (self._num_adds_sent - num_adds_applied)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          outputs: asyncio.Queue) -> None:
-        """Queue a request whose outputs go to `outputs`; raises ValueError (bad input) before anything runs."""
+    def reserve(self, num_requests: int) -> None:
+        """Let `num_requests` requests in, counted as waiting from now on, or raise EngineOverloadedError (a
+        full queue) or EngineDeadError. Each is then either sent by add_request or handed back by release."""
         if self.error is not None:
             raise EngineDeadError(self.error)
-        if self.num_waiting >= self.max_waiting:
+        if num_requests > self.max_waiting:
+            raise ValueError(f"prompt is a list of {num_requests} prompts; this server queues at most {self.max_waiting} "
+                             f"requests (--max-waiting)")
+        if self.num_waiting + num_requests > self.max_waiting:
             raise EngineOverloadedError(self.num_waiting)
+        self._num_reserved += num_requests
+
+    def release(self, num_requests: int) -> None:
+        """Hand back reserved requests that will not be sent (bad prompt, client gone)."""
+        self._num_reserved -= num_requests
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._loop.run_in_executor(self._tokenizer_thread, fn, *args)
+
+    async def token_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: text is tokenized in the tokenizer thread (after the engine's cheap length
+        bound), token ids are checked against max_model_len here. Raises ValueError naming the problem."""
+        if isinstance(prompt, str):
+            return await self.run_in_tokenizer_thread(self.engine.encode, prompt)
+        self.engine.check_prompt_length(len(prompt))  # reads only max_model_len: safe off the engine thread
+        return prompt
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          outputs: OutputSink) -> None:
+        """Queue a reserved request whose outputs go to `outputs`; raises ValueError (bad input) before anything
+        runs."""
+        self._num_reserved -= 1
+        if self.error is not None:
+            raise EngineDeadError(self.error)
         accepted = self._loop.create_future()
         self._outputs[request_id] = outputs
         self._adds_in_flight.add(accepted)
+        self._num_adds_sent += 1
         self._commands.put(_Add(request_id, prompt, params, accepted))
         try:
             await accepted
@@ -151,13 +225,13 @@ class AsyncEngine:
             sink = self._outputs.get(output.request_id)
             if sink is None:  # aborted by its handler meanwhile
                 continue
-            sink.put_nowait(output)
+            sink.put(output)
             if output.finished:
                 del self._outputs[output.request_id]
 
     def _fail_all(self, error: EngineDeadError) -> None:
         for sink in self._outputs.values():
-            sink.put_nowait(error)
+            sink.fail(error)
         self._outputs.clear()
         for accepted in self._adds_in_flight | self._calls_in_flight:  # the dead thread will never answer them
             _settle(accepted, error)
@@ -175,7 +249,8 @@ class AsyncEngine:
         while True:
             commands = self._take_commands(block=not self.engine.has_unfinished_requests())
             answers = [self._apply(c) for c in commands if not isinstance(c, _Stop)]
-            self._stats = self.engine.stats()  # before answering, so an accepted request is counted as waiting
+            self._num_adds_applied += sum(isinstance(c, _Add) for c in commands)
+            self._publish_stats()
             for future, exc in filter(None, answers):
                 self._loop.call_soon_threadsafe(_settle, future, exc)
             if any(isinstance(c, _Stop) for c in commands):
@@ -218,10 +293,13 @@ class AsyncEngine:
             result, exc = None, error
         self._loop.call_soon_threadsafe(_settle, call.done, exc, result)
 
+    def _publish_stats(self) -> None:
+        self._snapshot = (self.engine.stats(), self._num_adds_applied)
+
     def _step(self) -> None:
         outputs = self.engine.step()
         self._observer(outputs, time.time())
-        self._stats = self.engine.stats()
+        self._publish_stats()
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
 
@@ -229,7 +307,7 @@ class AsyncEngine:
         aborted = [self.engine.abort_request(request_id) for request_id in list(self.engine.requests)]
         aborted = [output for output in aborted if output is not None]
         self._observer(aborted, time.time())
-        self._stats = self.engine.stats()
+        self._publish_stats()
         if aborted:
             self._loop.call_soon_threadsafe(self._deliver, aborted)
 
@@ -243,19 +321,16 @@ def _settle(future: asyncio.Future, exc: BaseException | None, result: Any = Non
         future.set_exception(exc)
 
 
-async def updates(outputs: asyncio.Queue, request_ids: list[str]) -> AsyncIterator[list[RequestOutput]]:
+async def updates(outputs: OutputSink, request_ids: list[str]) -> AsyncIterator[list[RequestOutput]]:
     """The outputs of `request_ids` as they come, until all have finished. Each item holds the latest output of
     every request that moved; outputs are cumulative, so when a client falls behind, older ones are skipped."""
-    unfinished = set(request_ids)
+    unfinished, errors = set(request_ids), []
     while unfinished:
-        items = [await outputs.get()]
-        while not outputs.empty():
-            items.append(outputs.get_nowait())
-        latest: dict[str, RequestOutput] = {}
-        for item in items:
-            if isinstance(item, BaseException):
-                raise item
-            latest[item.request_id] = item
-            if item.finished:
-                unfinished.discard(item.request_id)
-        yield list(latest.values())
+        batch = await outputs.take()
+        for output in batch:
+            if output.finished:
+                unfinished.discard(output.request_id)
+                errors += [output.error] if output.error is not None else []
+        yield batch
+    if errors:  # after the outputs, so a stream shows the failed choice's finish_reason "error" first
+        raise RequestFailedError("; ".join(errors))

@@ -22,13 +22,17 @@ FIELDS = set(ChatCompletionRequest.model_fields)
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
     ctx.check_model(req.model)
     req.check_stream_options()
+    if ctx.tokenizer is None or not getattr(ctx.tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+    messages = [m.to_template() for m in req.messages]
     try:
         params = req.sampling_params()
+        # The rendered prompt holds every message, so this bounds it before the template runs.
+        ctx.engine.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
     except ValueError as exc:
-        raise bad_value(exc, FIELDS) from exc
-    prompt = render_chat(ctx, req)
-    engine_prompt = {"prompt": prompt, "cache_salt": req.cache_salt} if req.cache_salt is not None else prompt
-    generation = await start(ctx, new_id("chatcmpl"), [engine_prompt], params, FIELDS, "messages")
+        raise bad_value(exc, FIELDS, "messages") from exc
+    prompt = await ctx.engine.run_in_tokenizer_thread(chat_token_ids, ctx, messages)
+    generation = await start(ctx, new_id("chatcmpl"), [prompt], req.cache_salt, params, FIELDS, "messages")
     if req.stream:
         return EventStreamResponse(ctx, generation, _chunks(ctx, req, generation))
     outputs = await final_outputs(ctx, generation, request)
@@ -43,14 +47,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse({**header(ctx, generation, "chat.completion"), "choices": choices, "usage": usage(outputs)})
 
 
-def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+def chat_token_ids(ctx: ServingContext, messages: list[dict[str, str]]) -> list[int]:
+    """The rendered conversation's token ids; the template holds its own special tokens (BOS), so none are added."""
+    return ctx.engine.engine.encode(render_chat(ctx, messages), add_special_tokens=False)
+
+
+def render_chat(ctx: ServingContext, messages: list[dict[str, str]]) -> str:
     """The prompt text: the conversation through the model's chat template, ending where the assistant speaks."""
-    tokenizer = ctx.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-    messages = [m.to_template() for m in req.messages]
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except jinja2.TemplateError as exc:
         raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from exc
 

@@ -6,8 +6,10 @@ import os
 import signal
 import sys
 
+from kvserve.config import parse_size
 from kvserve.engine.cli import add_engine_args, engine_config_from_args
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING
+from kvserve.server.body import DEFAULT_MAX_BODY_BYTES
 
 
 def add_parser(subparsers) -> None:
@@ -16,11 +18,14 @@ def add_parser(subparsers) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on /v1 routes (default: $KVSERVE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer <key>' on every route but /health and /metrics "
+                        "(default: $KVSERVE_API_KEY, else none; an empty key is refused)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must use (default: the model's own, e.g. smollm2-135m)")
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help=f"a request finding this many queued for the engine gets 503 (default {DEFAULT_MAX_WAITING})")
+    g.add_argument("--max-body-size", default=DEFAULT_MAX_BODY_BYTES, type=parse_size, dest="max_body_bytes",
+                   help=f"a request body larger than this gets 413, e.g. 8MiB (default {DEFAULT_MAX_BODY_BYTES >> 20}MiB)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, dest="shutdown_timeout_s",
                    help="seconds running requests get to finish on Ctrl-C / SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log every request")
@@ -46,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 1
-    app = build_app(engine, args.served_model_name, args.api_key, args.max_waiting)
+    app = build_app(engine, args.served_model_name, args.api_key, args.max_waiting, args.max_body_bytes)
     host, port = sock.getsockname()[:2]
     print(f"Serving {args.served_model_name or engine.model_name} on http://{_url_host(host)}:{port}/v1 "
           f"(OpenAI-compatible; /health, /metrics, KV cache dashboard on /dashboard; Ctrl-C to stop)", file=sys.stderr)
@@ -61,6 +66,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
     if args.shutdown_timeout_s < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout_s}")
+    if args.api_key is not None and not args.api_key.strip():
+        # Refused rather than read as "no key": someone who set the variable meant to require one.
+        raise ValueError("the API key is empty (--api-key or KVSERVE_API_KEY); give a key, or unset it to serve "
+                         "without one")
 
 
 def _url_host(host: str) -> str:

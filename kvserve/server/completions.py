@@ -7,7 +7,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvserve.engine.prompts import PromptType
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.api_models import CompletionRequest
 from kvserve.server.async_engine import updates
@@ -27,8 +26,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         params = req.sampling_params()
     except ValueError as exc:
         raise bad_value(exc, FIELDS) from exc
-    engine_prompts = [_engine_prompt(p, req.cache_salt) for p in prompts]
-    generation = await start(ctx, new_id("cmpl"), engine_prompts, params, FIELDS, "prompt")
+    generation = await start(ctx, new_id("cmpl"), prompts, req.cache_salt, params, FIELDS, "prompt")
     echoes = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:
         return EventStreamResponse(ctx, generation, _chunks(ctx, req, generation, echoes))
@@ -41,15 +39,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
             logprobs = None
             if req.logprobs is not None:
                 logprobs = _logprobs(ctx, c.token_ids, c.logprobs or [], len(echoes[i]))
-            choices.append(_choice(req.n * i + c.index, echoes[i] + c.text, logprobs, c))
+                if req.echo:
+                    logprobs = _join(_echoed_logprobs(ctx, output), logprobs)
+            choice = _choice(req.n * i + c.index, echoes[i] + c.text, logprobs, c)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs(ctx, output)
+            choices.append(choice)
     return JSONResponse({**header(ctx, generation, "text_completion"), "choices": choices, "usage": usage(outputs)})
-
-
-def _engine_prompt(prompt: str | list[int], cache_salt: str | None) -> PromptType:
-    if cache_salt is None:
-        return prompt
-    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-    return {key: prompt, "cache_salt": cache_salt}
 
 
 def _prompt_text(ctx: ServingContext, prompt: str | list[int]) -> str:
@@ -61,6 +57,30 @@ def _prompt_text(ctx: ServingContext, prompt: str | list[int]) -> str:
 def _choice(index: int, text: str, logprobs: dict | None, c: CompletionOutput) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason}
+
+
+def _prompt_logprobs(ctx: ServingContext, output: RequestOutput) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob, decoded_token}} for the
+    top k alternatives and the token itself."""
+    return [None if entry is None else {
+        str(t): {"logprob": lp, "decoded_token": token_text(ctx.tokenizer, t)} for t, lp in entry.items()
+    } for entry in output.prompt_logprobs or []]
+
+
+def _echoed_logprobs(ctx: ServingContext, output: RequestOutput) -> dict[str, list]:
+    """The legacy logprobs object for an echoed prompt: its first token has nothing to be predicted from."""
+    token_ids, entries = output.prompt_token_ids, (output.prompt_logprobs or [None])[1:]
+    scored = _logprobs(ctx, token_ids[1:], entries, len(token_text(ctx.tokenizer, token_ids[0])))
+    return {"tokens": [token_text(ctx.tokenizer, token_ids[0]), *scored["tokens"]],
+            "token_logprobs": [None, *scored["token_logprobs"]], "top_logprobs": [None, *scored["top_logprobs"]],
+            "text_offset": [0, *scored["text_offset"]]}
+
+
+def _join(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
+    """Two logprobs objects, the second's text offsets moved past the first's tokens."""
+    shift = sum(len(token) for token in first["tokens"]) - (second["text_offset"][0] if second["text_offset"] else 0)
+    return {**{key: first[key] + second[key] for key in ("tokens", "token_logprobs", "top_logprobs")},
+            "text_offset": first["text_offset"] + [offset + shift for offset in second["text_offset"]]}
 
 
 def _logprobs(ctx: ServingContext, token_ids: list[int], logprobs: list[dict[int, float]],
@@ -99,11 +119,17 @@ async def _chunks(ctx: ServingContext, req: CompletionRequest, generation: Gener
                 text, token_ids, top_logprobs = new
                 echo = echoes[i] if index not in offsets else ""  # the prompt goes out with a choice's first chunk
                 offset = offsets.get(index, len(echoes[i]))
+                first = index not in offsets
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = _logprobs(ctx, token_ids, top_logprobs, offset)
                     offset += sum(len(token) for token in logprobs["tokens"])
+                    if req.echo and first:
+                        logprobs = _join(_echoed_logprobs(ctx, output), logprobs)
                 offsets[index] = offset
-                yield {**head, "choices": [_choice(index, echo + text, logprobs, c)], **extra}
+                choice = _choice(index, echo + text, logprobs, c)
+                if req.prompt_logprobs is not None and first:
+                    choice["prompt_logprobs"] = _prompt_logprobs(ctx, output)
+                yield {**head, "choices": [choice], **extra}
     if req.include_usage:
         yield {**head, "choices": [], "usage": usage([last[r] for r in generation.request_ids])}

@@ -50,6 +50,22 @@ def unauthorized() -> APIError:
                     code="invalid_api_key")
 
 
+def payload_too_large(max_body_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {max_body_bytes:,} bytes "
+                         f"(kvserve serve --max-body-size)", code="body_too_large")
+
+
+def unsupported_media_type(content_type: str | None) -> APIError:
+    got = f"got {content_type!r}" if content_type else "got none"
+    return APIError(415, f"the request body must be JSON with the header 'Content-Type: application/json' ({got})",
+                    code="unsupported_media_type")
+
+
+def request_failed(reason: str) -> APIError:
+    """The request was accepted and then failed inside the engine; the engine goes on serving the others."""
+    return APIError(500, f"the request failed while generating: {reason}", code="request_failed", type="server_error")
+
+
 def overloaded(num_waiting: int) -> APIError:
     return APIError(503, f"the server is overloaded: {num_waiting} requests are already waiting; retry later",
                     code="overloaded", type="server_error", headers={"Retry-After": "1"})

@@ -1,5 +1,6 @@
-"""What the completion and chat endpoints share: starting the engine requests behind one HTTP request, waiting
-for them or streaming them as server-sent events (aborting them when the client leaves), usage, token text."""
+"""What the completion and chat endpoints share: starting the engine requests behind one HTTP request (counted
+as waiting, tokenized off the engine thread, then queued), waiting for them or streaming them as server-sent
+events (aborting them when the client leaves), usage, token text."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,10 @@ from starlette.types import Receive, Scope, Send
 from kvserve.engine.prompts import PromptType
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, updates
-from kvserve.server.errors import APIError, bad_value, engine_unavailable, model_not_found, overloaded
+from kvserve.server.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, OutputSink,
+                                         RequestFailedError, updates)
+from kvserve.server.errors import (APIError, bad_value, engine_unavailable, model_not_found, overloaded,
+                                   request_failed)
 
 SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
@@ -44,7 +47,7 @@ class Generation:
     id: str
     created: int
     request_ids: list[str]
-    outputs: asyncio.Queue
+    outputs: OutputSink
 
 
 def new_id(prefix: str) -> str:
@@ -56,22 +59,37 @@ def header(ctx: ServingContext, generation: Generation, object_name: str) -> dic
     return {"id": generation.id, "object": object_name, "created": generation.created, "model": ctx.model_name}
 
 
-async def start(ctx: ServingContext, id_: str, prompts: list[PromptType], params: SamplingParams,
-                fields: set[str], prompt_param: str) -> Generation:
-    """Queue every prompt, or none: a bad prompt aborts the ones queued before it and raises a 4xx."""
-    generation = Generation(id_, int(time.time()), [], asyncio.Queue())
-    for i, prompt in enumerate(prompts):
-        request_id = f"{id_}-{i}"
-        try:
-            await ctx.engine.add_request(request_id, prompt, params, generation.outputs)
-        except BaseException as exc:  # cancelled too: the client left while its prompts were being queued
-            abort(ctx, generation)
-            error = _as_api_error(exc, i if len(prompts) > 1 else None, fields, prompt_param)
-            if error is None:
-                raise
-            raise error from exc
-        generation.request_ids.append(request_id)
+async def start(ctx: ServingContext, id_: str, prompts: list[str | list[int]], cache_salt: str | None,
+                params: SamplingParams, fields: set[str], prompt_param: str) -> Generation:
+    """Queue every prompt, or none: a bad prompt aborts the ones queued before it and raises a 4xx. The prompts
+    count as waiting from the start (503 when the queue is full), and text is tokenized off the engine thread."""
+    generation = Generation(id_, int(time.time()), [], OutputSink())
+    try:
+        ctx.engine.reserve(len(prompts))
+    except (EngineOverloadedError, EngineDeadError, ValueError) as exc:
+        raise _as_api_error(exc, None, fields, prompt_param) from exc
+    index, num_unsent = 0, len(prompts)
+    try:
+        token_ids = []
+        for index, prompt in enumerate(prompts):
+            token_ids.append(await ctx.engine.token_ids(prompt))
+        for index, ids in enumerate(token_ids):
+            request_id = f"{id_}-{index}"
+            num_unsent -= 1
+            await ctx.engine.add_request(request_id, _engine_prompt(ids, cache_salt), params, generation.outputs)
+            generation.request_ids.append(request_id)
+    except BaseException as exc:  # cancelled too: the client left while its prompts were being queued
+        ctx.engine.release(num_unsent)
+        abort(ctx, generation)
+        error = _as_api_error(exc, index if len(prompts) > 1 else None, fields, prompt_param)
+        if error is None:
+            raise
+        raise error from exc
     return generation
+
+
+def _engine_prompt(token_ids: list[int], cache_salt: str | None) -> PromptType:
+    return {"prompt_token_ids": token_ids, **({"cache_salt": cache_salt} if cache_salt is not None else {})}
 
 
 def _as_api_error(exc: BaseException, prompt_index: int | None, fields: set[str], prompt_param: str) -> APIError | None:
@@ -109,6 +127,8 @@ async def final_outputs(ctx: ServingContext, generation: Generation, request: Re
         return result.result() if result.done() else None
     except EngineDeadError as exc:
         raise engine_unavailable(str(exc)) from exc
+    except RequestFailedError as exc:
+        raise request_failed(str(exc)) from exc
     finally:
         result.cancel()
         disconnect.cancel()
@@ -122,12 +142,15 @@ async def _disconnected(request: Request) -> None:
 
 
 async def event_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Server-sent events from `events`, then [DONE]; an engine failure becomes an error event."""
+    """Server-sent events from `events`, then [DONE]; an engine failure, or this request's failure (after its
+    chunk with finish_reason "error"), becomes an error event."""
     try:
         async for event in events:
             yield sse(event)
     except EngineDeadError as exc:
         yield sse(engine_unavailable(str(exc)).body())
+    except RequestFailedError as exc:
+        yield sse(request_failed(str(exc)).body())
     yield SSE_DONE
 
 

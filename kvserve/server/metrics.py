@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from kvserve.outputs import RequestOutput
 
@@ -35,15 +35,23 @@ COUNTERS = [
     ("kvserve:num_preemptions", "num_preemptions", "Sequences preempted to free KV cache blocks."),
     ("kvserve:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("kvserve:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("kvserve:kv_evicted_blocks", "num_evicted_blocks", "KV blocks dropped by the eviction policy (--kv-eviction)."),
+    ("kvserve:kv_window_blocks_freed", "num_window_blocks_freed",
+     "KV blocks freed by sliding-window layers once their window passed."),
 ]
 
 
 class _EngineStatsCollector:
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]):
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]], kv_info: dict[str, str]):
         self._model_name = model_name
         self._stats = stats
+        self._kv_info = kv_info
 
     def collect(self):
+        info = InfoMetricFamily("kvserve:kv_cache", "How the KV cache stores and keeps tokens.",
+                                labels=["model_name"])
+        info.add_metric([self._model_name], self._kv_info)
+        yield info
         stats = self._stats()
         for name, key, help_text in GAUGES:
             family = GaugeMetricFamily(name, help_text, labels=["model_name"])
@@ -65,9 +73,9 @@ class _Progress:
 class ServerMetrics:
     """The app's metrics. `observe` runs on the engine thread; `render` on the HTTP loop (prometheus locks)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]):
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]], kv_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(model_name, stats))
+        self.registry.register(_EngineStatsCollector(model_name, stats, kv_info or {}))
         label = dict(labelnames=["model_name"], registry=self.registry)
         self._prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of started requests.",
                                       **label).labels(model_name)

@@ -51,6 +51,11 @@ def test_generate_streams_piece_by_piece(model_dir, llm, monkeypatch):
     assert len(pieces) >= 3  # text in more than one piece, then the newline
 
 
-def test_generate_refuses_bad_engine_options(model_dir):
-    with pytest.raises(ValueError, match="block_size must be a positive integer"):
-        main(["generate", "hi", "--model", str(model_dir), "--block-size", "0", *ENGINE_ARGS])
+@pytest.mark.parametrize("option, message", [
+    (["--block-size", "0"], "block_size must be a positive integer"),
+    (["--kv-cache-memory", "64TiB"], "is more than this machine's memory"),  # not an allocator traceback
+])
+def test_generate_refuses_bad_engine_options_with_a_message(model_dir, capsys, option, message):
+    assert main(["generate", "hi", "--model", str(model_dir), *ENGINE_ARGS, *option]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve generate: ") and message in err and "Traceback" not in err

@@ -184,3 +184,12 @@ def test_bad_eviction_options_are_refused_naming_the_problem(model_dir):
         make(model_dir, kv_eviction="h2o", kv_budget_tokens=32, kv_recent_tokens=20)
     with pytest.raises(ValueError, match="kv_recent_tokens must be at least 1"):
         make(model_dir, kv_eviction="streaming", kv_recent_tokens=0)
+
+
+def test_streaming_takes_prompts_past_max_model_len_as_chat_needs(model_dir):
+    long_prompt = torch.randint(3, 256, (3 * MAX_LEN,), generator=torch.Generator().manual_seed(8)).tolist()
+    with pytest.raises(ValueError, match="max_model_len=64 leaves no room"):
+        make(model_dir).generate(long_prompt, greedy(4))
+    llm = make(model_dir, **STREAMING)
+    assert len(llm.generate(long_prompt, greedy(4))[0].outputs[0].token_ids) == 4
+    assert llm.stats()["num_evicted_blocks"] > 0

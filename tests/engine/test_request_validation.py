@@ -98,6 +98,9 @@ def test_duplicate_request_id_is_refused_and_the_first_request_survives(llm):
     ({}, "exactly one of 'prompt' or 'prompt_token_ids'"),
     ({"cache_salt": "s"}, "exactly one of 'prompt' or 'prompt_token_ids'"),
     ({"prompt_token_ids": [1, 2], "cache_salt": 5}, "cache_salt must be a string"),
+    ({"prompt_token_ids": [1, 2], "cache_salt": ""}, "cache_salt must be a non-empty string"),
+    ({"prompt_token_ids": [1, 2], "cache_salt": "\udc80"}, "cache_salt must be valid Unicode text"),
+    ({"prompt": "ab", "add_special_tokens": "no"}, "add_special_tokens must be true or false"),
     ({"prompt_token_ids": "some text"}, "'prompt_token_ids' a list of token ids"),
     ({"prompt": [1, 2, 3]}, "'prompt' must be a string"),
     ({"prompt_token_ids": {"prompt_token_ids": [1]}}, "'prompt_token_ids' a list of token ids"),
@@ -142,23 +145,34 @@ def test_wrong_sampling_params_type_among_good_ones_queues_nothing(model_dir):
     ("n", 2.0, "n must be an integer"),
     ("max_tokens", 0, "max_tokens must be"),
     ("max_tokens", 2.5, "max_tokens must be an integer"),
-    ("temperature", -0.1, "temperature must be non-negative"),
-    ("temperature", float("nan"), "temperature must be non-negative"),
+    ("temperature", -0.1, "temperature must be a finite number >= 0"),
+    ("temperature", float("nan"), "temperature must be a finite number >= 0"),
+    ("temperature", float("inf"), "temperature must be a finite number >= 0"),
+    ("top_p", float("nan"), r"top_p must be in \(0, 1\]"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
     ("top_k", -2, "top_k must be"),
     ("top_k", 2.5, "top_k must be an integer"),
+    ("top_k", 2**63, r"top_k must be .* below 2\*\*63"),  # would overflow the sampler's int64 tensor
     ("min_p", -0.1, r"min_p must be in \[0, 1\]"),
     ("min_p", 1.1, r"min_p must be in \[0, 1\]"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be positive"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be in \[0.01, 100\]"),
+    ("repetition_penalty", 1e-40, r"repetition_penalty must be in \[0.01, 100\]"),  # logits / 1e-40 = inf
+    ("presence_penalty", float("inf"), r"presence_penalty must be in \[-2, 2\]"),
     ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\]"),
     ("frequency_penalty", -2.5, r"frequency_penalty must be in \[-2, 2\]"),
     ("logprobs", 21, r"logprobs must be an integer in \[0, 20\]"),
     ("logprobs", -1, r"logprobs must be an integer in \[0, 20\]"),
     ("logprobs", 1.5, "logprobs must be an integer"),
     ("seed", 1.5, "seed must be an integer"),
+    ("seed", 2**63, r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"),
     ("stop", [""], "stop strings must be non-empty strings"),
     ("stop", ["ok", 3], "stop strings must be non-empty strings"),
+    ("stop", [f"s{i}" for i in range(33)], "stop has 33 strings; at most 32"),
+    ("stop", ["x" * 257], "at most 256 characters, got one of 257"),
+    ("stop", ["a\ud800"], "stop strings must be valid Unicode text"),
+    ("stop_token_ids", list(range(1025)), "stop_token_ids has 1025 ids; at most 1024"),
+    ("stop_token_ids", [1, "2"], "stop_token_ids must be integers"),
 ])
 def test_bad_sampling_params_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -188,6 +202,12 @@ def test_engine_refuses_to_start_when_one_full_length_request_cannot_fit(model_d
     message = str(refused.value)
     assert "max_model_len 512" in message and "kv_cache_memory" in message
     assert "holds 128 tokens" in message and "The largest max_model_len that fits is 128" in message
+
+
+def test_kv_cache_larger_than_the_machines_memory_is_refused_with_a_clear_message(model_dir):
+    with pytest.raises(ValueError, match=r"kv_cache_memory=65,536.00 GiB is more than this machine's memory \(.* GiB\); "
+                                         r"choose a smaller --kv-cache-memory"):
+        LLM(str(model_dir), kv_cache_memory="64TiB")
 
 
 def test_max_model_len_above_the_models_positions_is_refused(model_dir):

@@ -72,6 +72,9 @@ def test_blocks_held_stay_within_the_window_and_come_back(model_dir):
         engine.step()
         for seq in engine.scheduler.running:
             assert len(engine.kv.block_ids(seq.request_id)) <= bound
+            stats = llm.stats()
+            assert WINDOW - 1 <= stats["num_tokens_stored_sliding"] < bound * BS or seq.num_computed_tokens < WINDOW
+            assert 0 <= stats["slot_waste_tokens"] < BS
     stats = llm.stats()
     assert stats["num_window_blocks_freed"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
 

@@ -59,15 +59,14 @@ def test_batched_greedy_matches_transformers_generate(models):
 @pytest.mark.slow
 def test_chat_uses_gemma_turns_and_matches_transformers(models):
     llm, hf = models
-    prompt = llm.apply_chat_template(CAPITALS_CHAT)
-    ids = llm.tokenizer(prompt).input_ids
+    output = llm.chat(CAPITALS_CHAT, SamplingParams(max_tokens=12, temperature=0))
+    ids = output.prompt_token_ids  # what the engine ran: the template's BOS, and no second one
     model_turn = llm.tokenizer("model\n", add_special_tokens=False).input_ids
     assert ids[:2] == [BOS, START_OF_TURN] and ids.count(BOS) == 1
     assert ids.count(START_OF_TURN) == 4 and ids.count(END_OF_TURN) == 3
     assert ids[-len(model_turn) - 3:] == [END_OF_TURN, *llm.tokenizer("\n", add_special_tokens=False).input_ids,
                                           START_OF_TURN, *model_turn]
-
-    reply = llm.chat(CAPITALS_CHAT, SamplingParams(max_tokens=12, temperature=0)).outputs[0]
+    reply = output.outputs[0]
     assert reply.token_ids == hf_greedy(hf, ids, 12)
     assert reply.text.startswith("The capital of France is Paris")
 

@@ -152,3 +152,13 @@ def test_plot_draws_the_plan_and_a_bad_plot_fails_before_planning(capsys, tmp_pa
     assert main(["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--plot", str(tmp_path / "no" / "plan.png")]) == 2
     assert f"the directory {tmp_path / 'no'} does not exist" in capsys.readouterr().err
     assert not (tmp_path / "plan.png").exists()
+
+
+def test_streaming_eviction_makes_concurrency_independent_of_length(capsys):
+    plans = [plan_json(capsys, "llama-3.1-8b", "--gpu", "h100-80", "--max-model-len", str(n), "--kv-eviction",
+                       "streaming", "--kv-sink-tokens", "4", "--kv-recent-tokens", "1024")[1] for n in (8192, 131072)]
+    assert plans[0]["max_blocks_per_request"] == 1 + 64 + 1
+    assert plans[0]["max_concurrency"] == plans[1]["max_concurrency"]
+    assert plans[0]["max_concurrency"] == pytest.approx(plans[0]["num_blocks"] / 66)
+    without = plan_json(capsys, "llama-3.1-8b", "--gpu", "h100-80", "--max-model-len", "131072")[1]
+    assert without["max_concurrency"] < plans[1]["max_concurrency"] / 100

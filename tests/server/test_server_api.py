@@ -176,3 +176,29 @@ def test_metrics_count_what_was_served(server, client):
     for name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:num_preemptions_total",
                  "kvserve:prefix_cache_hits_total", "kvserve:e2e_request_latency_seconds_count"):
         assert name in after
+
+
+def test_prompt_logprobs_and_echo_with_logprobs_give_the_engines_prompt_logprobs(server, client, offline):
+    prompt = "The cache holds keys and values"
+    expected = offline.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    response = httpx.post(server.url + "/v1/completions", json={
+        "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "echo": True, "logprobs": 1}).json()
+    choice = response["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected)
+    for entry, want in zip(got[1:], expected[1:]):
+        assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(want)
+    echoed = choice["logprobs"]
+    assert echoed["token_logprobs"][0] is None and len(echoed["tokens"]) == len(expected) + 1  # prompt + 1 token
+    prompt_ids = offline.tokenizer(prompt).input_ids
+    assert echoed["token_logprobs"][1:len(expected)] == pytest.approx(
+        [want[t] for t, want in zip(prompt_ids[1:], expected[1:])])
+
+    stream = httpx.post(server.url + "/v1/completions", json={
+        "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 2, "stream": True}).text
+    assert stream.count('"prompt_logprobs"') == 1  # with the first chunk only
+
+
+def test_prompt_logprobs_beyond_twenty_are_refused(server):
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "prompt_logprobs": 21})
+    assert response.status_code == 400 and "prompt_logprobs" in response.text

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 KV_EVICTION_POLICIES = ("none", "streaming", "h2o")
+QUANTIZATIONS = ("none", "int8")  # weights: as the model dtype, or int8 with per-output-channel scales
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: holds ~23K SmolLM2 tokens in float32 on a CPU box
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
@@ -58,6 +59,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "float32"
+    quantization: str = "none"  # "int8": int8 weights, int8 activations per token (kvserve/model/linear.py)
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
@@ -74,6 +76,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
+                             f"{', '.join(QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
                              f"{', '.join(KV_DTYPE_CHOICES)}")

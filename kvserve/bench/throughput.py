@@ -1,21 +1,29 @@
 """`kvserve bench throughput`: the same synthetic requests through kvserve, transformers and llama.cpp, in one run.
 
-Batched: N requests (prompt lengths uniform in [min, max], fixed output length, fixed seed). kvserve takes them
-all at once (continuous batching); transformers runs padded static batches through `generate`; llama.cpp
-(llama-cpp-python, the Q4_1 GGUF itself) runs them one after another, as its Python API serves one sequence.
-Single stream: one request, decode tokens/s, and transformers with and without its KV cache.
-Greedy decoding with EOS ignored everywhere, so every engine produces exactly the same number of tokens."""
+Workloads (fixed seed, greedy, EOS ignored everywhere, so every engine produces exactly the same number of tokens):
+decode-heavy (N requests, prompt lengths uniform in [min, max], long outputs: the --num-requests ... options),
+prefill-heavy (12 prompts of 50-400 tokens, 48 new tokens each) and long-context (16 requests of 4,096-token
+prompts, 32 new tokens each: decode reads a lot of KV per token). kvserve runs once per configuration
+(--dtypes x --quantization x --kv-cache-dtype), taking all requests at once (continuous batching);
+transformers runs padded static batches through `generate`; llama.cpp (llama-cpp-python on the Q4_1 GGUF) runs
+them one after another and, through its batch API, all at once. Single stream: one request, tokens/s.
+A roofline line per workload compares each kvserve run's matmul FLOP/s with plain float32 torch matmuls of the
+same shapes replayed in the same run (kvserve/bench/roofline.py)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.plots import check_plot_path, plot_throughput
 
 if TYPE_CHECKING:
     import torch
+
+LONG_CONTEXT_KV_MEMORY = "4GiB"  # 16 x 4,128 tokens of SmolLM2's float32 KV (45 KiB/token) is 2.9 GiB
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class Workload:
     max_prompt_len: int = 512
     output_len: int = 128
     seed: int = 0
+    name: str = "decode-heavy"
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
         import torch
@@ -34,6 +43,19 @@ class Workload:
         # stay clear of the special tokens at both ends of the vocabulary
         return [torch.randint(100, vocab_size - 100, (int(n),), generator=g).tolist() for n in lengths]
 
+    @property
+    def max_len(self) -> int:
+        return self.max_prompt_len + self.output_len
+
+    def describe(self, prompts: list[list[int]]) -> str:
+        return (f"{self.name}: {len(prompts)} requests, prompts {self.min_prompt_len}-{self.max_prompt_len} tokens "
+                f"({sum(map(len, prompts)):,} in all), {self.output_len} output tokens each")
+
+
+PREFILL_HEAVY = Workload(12, 50, 400, 48, name="prefill-heavy")
+LONG_CONTEXT = Workload(16, 4096, 4096, 32, name="long-context")
+WORKLOADS = ("decode", "prefill", "long-context")
+
 
 @dataclass(frozen=True)
 class RunResult:
@@ -41,21 +63,53 @@ class RunResult:
     output_tokens: int
     seconds: float
     outputs: list[list[int]] | None = None
+    decode_tokens: int = 0  # tokens sampled in steps that prefilled nothing ...
+    decode_seconds: float = 0.0  # ... and the time of those steps (kvserve only)
+    steps: Counter = field(default_factory=Counter)  # (tokens, sampled rows) -> steps of that shape (kvserve)
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else None
+
 
 def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
+    """All prompts at once, stepping the engine to time decode-only steps and record each step's shape."""
     from kvserve.sampling_params import SamplingParams
 
+    engine = llm.engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    lengths = dict.fromkeys(ids, 0)
+    outputs: dict[str, list[int]] = {}
+    steps: Counter = Counter()
+    decode_tokens, decode_seconds = 0, 0.0
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        prefilled, decoded = engine.num_prefill_tokens, engine.num_decode_tokens
+        step_start = time.perf_counter()
+        step_outputs = engine.step()
+        step_seconds = time.perf_counter() - step_start
+        sampled = 0
+        for output in step_outputs:
+            token_ids = output.outputs[0].token_ids
+            sampled += len(token_ids) - lengths[output.request_id]
+            lengths[output.request_id] = len(token_ids)
+            if output.finished:
+                outputs[output.request_id] = list(token_ids)
+        prefilled = engine.num_prefill_tokens - prefilled
+        steps[(prefilled + engine.num_decode_tokens - decoded, sampled)] += 1
+        if not prefilled:
+            decode_tokens += sampled
+            decode_seconds += step_seconds
     seconds = time.perf_counter() - start
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    return RunResult(name, sum(map(len, tokens)), seconds, tokens)
+    tokens = [outputs[i] for i in ids]
+    return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps)
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
@@ -76,13 +130,14 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, batch_siz
     return RunResult(name, sum(map(len, outputs)), seconds, outputs)
 
 
-def run_llama_cpp(prompts: list[list[int]], output_len: int, n_ctx: int, name: str) -> RunResult | str:
+def run_llama_cpp(prompts: list[list[int]], output_len: int, n_ctx: int, name: str,
+                  batched: bool = False) -> RunResult | str:
     """A RunResult, or the reason llama.cpp could not run here."""
     import torch
 
     from kvserve.bench.llama_cpp_baseline import run_in_child
 
-    result = run_in_child(prompts, output_len, n_ctx, torch.get_num_threads())
+    result = run_in_child(prompts, output_len, n_ctx, torch.get_num_threads(), batched)
     if "error" in result:
         return result["error"]
     return RunResult(name, sum(map(len, result["outputs"])), result["seconds"], result["outputs"])
@@ -99,91 +154,200 @@ def agreement(a: RunResult, b: RunResult) -> float:
     return sum(x == y for x, y in zip(a.outputs, b.outputs)) / len(a.outputs)
 
 
+def _names(values: list[str]) -> list[str]:
+    """Space- or comma-separated option values ("auto,int8" or "auto int8")."""
+    return [v for value in values for v in value.split(",") if v]
+
+
 def add_throughput_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("throughput", help="batched and single-stream tokens/s vs transformers and llama.cpp")
     w = Workload()
-    p.add_argument("--num-requests", type=int, default=w.num_requests)
-    p.add_argument("--min-prompt-len", type=int, default=w.min_prompt_len)
-    p.add_argument("--max-prompt-len", type=int, default=w.max_prompt_len)
-    p.add_argument("--output-len", type=int, default=w.output_len)
+    p.add_argument("--num-requests", type=int, default=w.num_requests, help="decode-heavy workload")
+    p.add_argument("--min-prompt-len", type=int, default=w.min_prompt_len, help="decode-heavy workload")
+    p.add_argument("--max-prompt-len", type=int, default=w.max_prompt_len, help="decode-heavy workload")
+    p.add_argument("--output-len", type=int, default=w.output_len, help="decode-heavy workload")
     p.add_argument("--seed", type=int, default=w.seed)
+    p.add_argument("--workloads", nargs="+", default=["decode", "prefill"], metavar="NAME",
+                   help=f"of {', '.join(WORKLOADS)} (default: decode prefill); long-context runs kvserve only")
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="kvserve runs once per dtype (transformers always runs float32: its fastest on CPU)")
+    p.add_argument("--quantization", nargs="+", default=["none"], metavar="Q",
+                   help="kvserve's weights, e.g. none int8 (or none,int8); one run per value (default: none)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="FORMAT",
+                   help="kvserve's KV storage, e.g. auto,fp8,int8,int4; one run per value (default: auto)")
     p.add_argument("--profile", action="store_true",
-                   help="also print where kvserve's batched run spends its time (cProfile, top functions)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "single"],
-                   help="leave out a baseline or the single-stream part")
+                   help="also print where each kvserve batched run spends its time (cProfile, top functions)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "single", "roofline"],
+                   help="leave out a baseline, the single-stream part or the roofline")
     p.add_argument("--model", default=None,
                    help="default: the embedded SmolLM2-135M-Instruct (llama.cpp always runs the embedded GGUF)")
-    p.add_argument("--kv-cache-memory", default=None, help="kvserve's KV cache size (default: the engine's, 1GiB)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help=f"kvserve's KV cache size (default: the engine's 1GiB; {LONG_CONTEXT_KV_MEMORY} with "
+                        "long-context)")
     p.add_argument("--plot", metavar="PATH", help="also draw tokens/s per engine (.png or .svg)")
     p.set_defaults(func=run_throughput)
+
+
+@dataclass(frozen=True)
+class _Config:
+    dtype: str
+    quantization: str
+    kv_cache_dtype: str
+
+    @property
+    def name(self) -> str:
+        extras = ([f"{self.quantization} weights"] if self.quantization != "none" else []) + \
+            ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else [])
+        return f"kvserve ({', '.join([self.dtype, *extras])})"
 
 
 def run_throughput(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from kvserve.engine.llm import LLM
+    from kvserve.config import EngineConfig
 
     if args.plot:
         try:
             check_plot_path(args.plot)
         except ValueError as exc:
             raise SystemExit(f"kvserve bench throughput: {exc}") from exc
-    console = Console(width=150)
-    workload = Workload(args.num_requests, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed)
-    max_len = workload.max_prompt_len + workload.output_len
-    llms = {dtype: LLM(args.model, dtype=dtype, max_model_len=max(max_len, 1024), kv_cache_memory=args.kv_cache_memory,
-                       max_num_seqs=max(workload.num_requests, 1))
-            for dtype in args.dtypes}
-    engine = next(iter(llms.values())).engine
-    prompts = workload.prompts(engine.model_config.vocab_size)
-    console.print(f"workload: {len(prompts)} requests, prompts {workload.min_prompt_len}-{workload.max_prompt_len} "
-                  f"tokens ({sum(map(len, prompts)):,} in all), {workload.output_len} output tokens each, "
-                  f"greedy, EOS ignored; torch threads: {torch.get_num_threads()}")
+    unknown = [w for w in _names(args.workloads) if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"kvserve bench throughput: unknown workload {unknown[0]!r}; choose from "
+                         f"{', '.join(WORKLOADS)}")
+    configs = [_Config(d, q, kv) for d in args.dtypes for q in _names(args.quantization)
+               for kv in _names(args.kv_cache_dtype)]
+    for c in configs:  # bad values fail here, naming the choices, before anything loads
+        try:
+            EngineConfig(dtype=c.dtype, quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype)
+        except ValueError as exc:
+            raise SystemExit(f"kvserve bench throughput: {exc}") from exc
+    console = Console(width=170)
+    workloads = {"decode": Workload(args.num_requests, args.min_prompt_len, args.max_prompt_len, args.output_len,
+                                    args.seed), "prefill": PREFILL_HEAVY, "long-context": LONG_CONTEXT}
+    workloads = {name: workloads[name] for name in dict.fromkeys(_names(args.workloads))}
+    kv_memory = args.kv_cache_memory or (LONG_CONTEXT_KV_MEMORY if "long-context" in workloads else None)
+    console.print(f"torch threads: {torch.get_num_threads()}; greedy, EOS ignored; CPU: {_cpu_name()}")
+    runs = _KvserveRuns(args, workloads, kv_memory, console)
+    for config in configs:
+        runs.run(config)
+    prompts, batched, singles = runs.prompts, runs.batched, runs.singles
     run_llama = "llama.cpp" not in args.skip and _llama_cpp_ready(console)
-    hf = None
-    if "transformers" not in args.skip:
-        hf = load_transformers(engine.model_path, torch.float32)
-        tokenizer = engine.tokenizer
-        pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-        run_transformers(hf, prompts[:2], 4, 2, pad_id)  # warm-up
-    for llm in llms.values():
-        run_kvserve(llm, prompts[:2], 4)  # warm-up
-
-    batched = [_maybe_profiled(args.profile, console, run_kvserve, llm, prompts, workload.output_len,
-                               f"kvserve ({dtype})") for dtype, llm in llms.items()]
-    if hf is not None:
-        batched.append(run_transformers(hf, prompts, workload.output_len, args.hf_batch_size, pad_id,
-                                        name="transformers"))
-    if run_llama:
-        batched.append(run_llama_cpp(prompts, workload.output_len, max_len, "llama.cpp"))
-    _print_table(console, "Batched throughput (output tokens/s)", batched)
-    if hf is not None:
-        console.print(f"transformers: float32, generate() on left-padded static batches of {args.hf_batch_size}")
-    if run_llama:
-        console.print("llama.cpp: llama-cpp-python on the Q4_1 GGUF, one request after another")
-    if hf is not None:
-        for r in batched[: len(llms)]:
-            console.print(f"{r.name}: greedy output identical to transformers for {agreement(r, batched[len(llms)]):.0%}"
-                          " of requests")
-    singles = []
-    if "single" not in args.skip:
-        single = prompts[:1]
-        singles = [run_kvserve(llm, single, workload.output_len, f"kvserve ({dtype})") for dtype, llm in llms.items()]
+    hf, pad_id = None, 0
+    if "transformers" not in args.skip and set(workloads) - {"long-context"}:
+        hf = load_transformers(runs.model_path, torch.float32)
+        pad_id = runs.pad_id
+        run_transformers(hf, prompts[next(iter(prompts))][:2], 4, 2, pad_id)  # warm-up
+    for name, workload in workloads.items():
+        rows = batched[name]
+        if name != "long-context":
+            if hf is not None:
+                rows.append(run_transformers(hf, prompts[name], workload.output_len, args.hf_batch_size, pad_id))
+            if run_llama:
+                n_ctx = workload.max_len
+                rows.append(run_llama_cpp(prompts[name], workload.output_len, n_ctx, "llama.cpp (serial)"))
+                rows.append(run_llama_cpp(prompts[name], workload.output_len, n_ctx, "llama.cpp (batched)", True))
+        _report_workload(console, args, workload, rows, len(configs), runs.model_config, hf is not None)
+    if singles:
+        single = prompts[next(iter(prompts))][:1]
+        output_len = next(iter(workloads.values())).output_len
         if hf is not None:
             for use_cache in (True, False):
-                singles.append(run_transformers(hf, single, workload.output_len, 1, pad_id, use_cache,
+                singles.append(run_transformers(hf, single, output_len, 1, pad_id, use_cache,
                                                 "transformers" if use_cache else "transformers, no KV cache"))
         if run_llama:
-            singles.append(run_llama_cpp(single, workload.output_len, max_len, "llama.cpp"))
-        _print_table(console, f"Single stream ({len(single[0])}-token prompt, tokens/s incl. prefill)", singles)
+            singles.append(run_llama_cpp(single, output_len, len(single[0]) + output_len, "llama.cpp"))
+        _print_table(console, f"Single stream ({len(single[0])}-token prompt, {output_len} new tokens; tokens/s "
+                              "incl. prefill)", singles)
     if args.plot:
-        plot_throughput(args.plot, _speeds(batched), _speeds(singles))
+        plot_throughput(args.plot, _speeds(batched[next(iter(workloads))]), _speeds(singles))
         console.print(f"plot written to {args.plot}")
     return 0
+
+
+class _KvserveRuns:
+    """kvserve's rows: each configuration's engine is built, run on every workload (and one stream), then freed,
+    so that no more than one engine's weights and KV cache are in memory."""
+
+    def __init__(self, args, workloads: dict[str, Workload], kv_memory, console):
+        self.args, self.workloads, self.kv_memory, self.console = args, workloads, kv_memory, console
+        self.max_len = max(max(w.max_len for w in workloads.values()), 1024)
+        self.num_seqs = max(w.num_requests for w in workloads.values())
+        self.prompts: dict[str, list[list[int]]] = {}
+        self.batched: dict[str, list[RunResult | str]] = {name: [] for name in workloads}
+        self.singles: list[RunResult | str] = []
+
+    def run(self, config: _Config) -> None:
+        from kvserve.engine.llm import LLM
+
+        llm = LLM(self.args.model, dtype=config.dtype, quantization=config.quantization,
+                  kv_cache_dtype=config.kv_cache_dtype, max_model_len=self.max_len, kv_cache_memory=self.kv_memory,
+                  max_num_seqs=self.num_seqs)
+        if not self.prompts:
+            self._describe(llm.engine)
+        for name, workload in self.workloads.items():
+            run_kvserve(llm, self.prompts[name][:2], 4)  # warm-up
+            self.batched[name].append(_maybe_profiled(self.args.profile, self.console, run_kvserve, llm,
+                                                      self.prompts[name], workload.output_len, config.name))
+        if "single" not in self.args.skip:
+            first = next(iter(self.workloads))
+            self.singles.append(run_kvserve(llm, self.prompts[first][:1], self.workloads[first].output_len,
+                                            config.name))
+        del llm
+        gc.collect()
+
+    def _describe(self, engine) -> None:
+        self.model_path, self.model_config = engine.model_path, engine.model_config
+        tokenizer = engine.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        for name, workload in self.workloads.items():
+            self.prompts[name] = workload.prompts(engine.model_config.vocab_size)
+            self.console.print(workload.describe(self.prompts[name]))
+
+
+def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, model_config, with_hf: bool) -> None:
+    _print_table(console, f"Batched throughput, {workload.name} (output tokens/s)", rows)
+    if with_hf and workload.name != "long-context":
+        console.print(f"transformers: float32, generate() on left-padded static batches of {args.hf_batch_size}")
+        reference = next(r for r in rows if isinstance(r, RunResult) and r.name == "transformers")
+        for r in rows[:num_kvserve]:
+            console.print(f"{r.name}: greedy output identical to transformers for {agreement(r, reference):.0%} "
+                          "of requests")
+    if any(isinstance(r, RunResult) and r.name.startswith("llama.cpp") for r in rows):
+        console.print("llama.cpp: llama-cpp-python on the Q4_1 GGUF; serial: one request after another; "
+                      "batched: all requests in one llama_decode per step (its batch API)")
+    if "roofline" not in args.skip:
+        _print_roofline(console, rows[:num_kvserve], model_config)
+
+
+def _print_roofline(console, runs: list[RunResult], model_config) -> None:
+    from kvserve.bench.roofline import MatmulShapes, matmul_roofline, workload_flops
+
+    shapes = MatmulShapes.of(model_config)
+    reference = runs[0]
+    roof = matmul_roofline(shapes, reference.steps)
+    flops = workload_flops(shapes, reference.steps)
+    console.print(f"roofline: this workload's matmuls (linears and output head; attention not counted) are "
+                  f"{flops / 1e9:,.0f} GFLOP; plain float32 torch matmuls of the same shapes, replayed step by step "
+                  f"now, run at {roof / 1e9:,.1f} GFLOP/s")
+    for run in runs:
+        achieved = workload_flops(shapes, run.steps) / run.seconds
+        console.print(f"  {run.name}: {achieved / 1e9:,.1f} GFLOP/s = {achieved / roof:.0%} of that")
+
+
+def _cpu_name() -> str:
+    """The CPU model and the vector/matrix extensions that decide which kernels are fast."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    kinds = [k for k in ("amx_int8", "amx_bf16", "avx512_vnni", "avx512f", "avx2") if k in flags]
+    return f"{model} ({', '.join(kinds) or 'no AVX2'})"
 
 
 def _speeds(results: list[RunResult | str]) -> dict[str, float]:
@@ -217,17 +381,27 @@ def _maybe_profiled(profile: bool, console, fn, *args):
 
 
 def _print_table(console, title: str, results: list[RunResult | str]) -> None:
-    """One row per engine, with its speed relative to each baseline that ran (a str is one that could not)."""
+    """One row per engine: its speed against each baseline that ran and against the first kvserve row (a str is
+    one that could not run); kvserve rows also show decode-only tokens/s (steps that prefilled nothing)."""
     from rich.table import Table
 
-    baselines = [r for r in results if isinstance(r, RunResult) and not r.name.startswith("kvserve")]
+    ran = [r for r in results if isinstance(r, RunResult)]
+    baselines = [r for r in ran if not r.name.startswith("kvserve")]
+    first = next((r for r in ran if r.name.startswith("kvserve")), None)
+    compared = ([first] if first is not None else []) + baselines
     table = Table(title=title)
-    for column in ["engine", "output tokens", "seconds", "tokens/s"] + [f"÷ {b.name}" for b in baselines]:
+    columns = ["engine", "output tokens", "seconds", "tokens/s"] + [f"÷ {b.name}" for b in compared] + \
+        ["decode tokens/s", f"decode ÷ {first.name}" if first else "decode"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "engine" else "right")
     for r in results:
         if isinstance(r, str):
-            table.add_row(f"did not run: {r}", *["-"] * (3 + len(baselines)))
+            table.add_row(f"did not run: {r}", *["-"] * (len(columns) - 1))
             continue
-        ratios = [f"{r.tokens_per_s / b.tokens_per_s:.2f}x" for b in baselines]
-        table.add_row(r.name, f"{r.output_tokens:,}", f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}", *ratios)
+        ratios = [f"{r.tokens_per_s / b.tokens_per_s:.2f}x" for b in compared]
+        decode = r.decode_tokens_per_s
+        decode_ratio = (f"{decode / first.decode_tokens_per_s:.2f}x"
+                        if decode and first is not None and first.decode_tokens_per_s else "-")
+        table.add_row(r.name, f"{r.output_tokens:,}", f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}", *ratios,
+                      f"{decode:.1f}" if decode else "-", decode_ratio)
     console.print(table)

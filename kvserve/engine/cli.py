@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import sys
 
-from kvserve.config import EngineConfig
+from kvserve.config import QUANTIZATIONS, EngineConfig
 from kvserve.sampling_params import SamplingParams
 
 
@@ -23,6 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g = _Group()
     g.add_argument("--model", default=None, help="preset name, HF model directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=defaults.quantization, choices=QUANTIZATIONS,
+                   help="weights: none (the --dtype) or int8 (per-output-channel scales, activations quantized per "
+                        "token) (default %(default)s)")
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
                    help="KV storage: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2, "
                         "int8, int4 (default %(default)s)")

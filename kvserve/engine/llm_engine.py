@@ -72,7 +72,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
         mc, plan = self.model_config, self.cache_plan
         weights = load_weights(source.path, config.torch_dtype)
-        self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device)
+        self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device,
+                                 config.quantization)
+        del weights
+        logger.info(self._weights_line())
         model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
         if model_windows != [self.layout.windows[g] for g in self.layout.group_of]:
             raise ValueError(f"{self.model_name}: the model's sliding-window layers {model_windows} disagree with "
@@ -94,6 +97,19 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+
+    def _weights_line(self) -> str:
+        """e.g. "weights: 135.5 MB int8 (per-output-channel scales; activations per token)"."""
+        if self.config.quantization == "int8":
+            form = "int8 (per-output-channel scales, activations quantized per token; norms in " \
+                   f"{self.config.dtype})"
+            copy = self.model.linears.tied_copy_nbytes
+            if copy:
+                form += (f"; of which {copy / 1e6:,.1f} MB is the int8 kernel's own copy of the tied embedding table "
+                         "(lookups read the codes, the output head its packed copy)")
+        else:
+            form = self.config.dtype
+        return f"weights: {self.model.weights_nbytes / 1e6:,.1f} MB {form}"
 
     def capacity_line(self) -> str:
         """The start-up line: the pool the planner sized, its storage format and layer groups."""

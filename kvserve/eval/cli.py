@@ -15,7 +15,8 @@ GiB = 1 << 30
 
 _DESCRIPTION = """\
 Measure what KV cache settings cost in quality, through the engine's own paged path, on one text.
-Comma-separated values of --kv-cache-dtype give one setting each; the first is the reference.
+Comma-separated values of --kv-cache-dtype (or --quantization, for the weights) give one setting each;
+the first is the reference.
 
 Perplexity uses windows of --context tokens every --stride tokens; each token after the first is scored
 once, in the window where it is new. --streaming instead feeds the whole text through one sequence,
@@ -55,6 +56,7 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         return {
             "setting": self.setting.label,
+            "quantization": self.setting.value("quantization", "none"),
             "kv_cache_dtype": self.setting.value("kv_cache_dtype", "auto"),
             "kv_eviction": self.setting.value("kv_eviction", "none"),
             "bytes_per_token": self.bytes_per_token,
@@ -79,6 +81,7 @@ def add_parser(subparsers) -> None:
                               description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, exclude=SWEPT_FIELDS)
     s = p.add_argument_group("settings (comma-separated lists; the first setting is the reference)")
+    s.add_argument("--quantization", default="none", help="weights, e.g. none,int8 (default: none)")
     s.add_argument("--kv-cache-dtype", default="auto", help="e.g. auto,fp8,fp8_e5m2,int8,int4 (default: auto)")
     s.add_argument("--kv-eviction", default="none", help="e.g. none,streaming,h2o (default: none)")
     s.add_argument("--kv-sink-tokens", default="4", help="streaming/h2o sinks, e.g. 4,0 (default: 4)")
@@ -123,6 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvserve.eval.windows import sliding_windows
 
     settings = [parse_setting(spec) for spec in args.setting] or cross_product({
+        "quantization": parse_list(args.quantization),
         "kv_cache_dtype": parse_list(args.kv_cache_dtype),
         "kv_eviction": parse_list(args.kv_eviction),
         "kv_sink_tokens": parse_list(args.kv_sink_tokens, int),

@@ -1,6 +1,7 @@
 """The KV cache settings an evaluation compares: the cross product of the values given for each swept option.
 
-`--kv-cache-dtype auto,int8,int4` gives three settings; the first is the reference the others are compared with."""
+`--kv-cache-dtype auto,int8,int4` gives three settings; the first is the reference the others are compared with.
+`--quantization none,int8` compares weight formats the same way."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # EngineConfig fields an evaluation may sweep, in the order a setting's label names them
-SWEPT_FIELDS = ("kv_cache_dtype", "kv_eviction", "kv_sink_tokens", "kv_recent_tokens", "kv_budget_tokens")
+SWEPT_FIELDS = ("quantization", "kv_cache_dtype", "kv_eviction", "kv_sink_tokens", "kv_recent_tokens", "kv_budget_tokens")
 # the fields that matter only with some eviction policies
 _USED_BY = {"kv_sink_tokens": ("streaming", "h2o"), "kv_recent_tokens": ("streaming", "h2o"),
             "kv_budget_tokens": ("h2o",)}
@@ -24,6 +25,8 @@ class Setting:
     @property
     def label(self) -> str:
         parts = [self.options.get("kv_cache_dtype", "auto")]
+        if self.options.get("quantization", "none") != "none":
+            parts.insert(0, f"{self.options['quantization']} weights")
         eviction = self.options.get("kv_eviction", "none")
         if eviction != "none":
             details = [f"{_SHORT[name]} {self.options[name]}" for name in _USED_BY if name in self.options]
@@ -68,5 +71,5 @@ def parse_setting(spec: str) -> Setting:
         name = name.strip().replace("-", "_")
         if not sep or name not in SWEPT_FIELDS:
             raise ValueError(f"--setting {spec!r}: expected name=value pairs with names from {', '.join(SWEPT_FIELDS)}")
-        options[name] = value.strip() if name in ("kv_cache_dtype", "kv_eviction") else int(value)
+        options[name] = value.strip() if name in ("quantization", "kv_cache_dtype", "kv_eviction") else int(value)
     return cross_product({name: [value] for name, value in options.items()})[0]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import SLIDING_ATTENTION, ModelConfig
+from kvserve.model.linear import Linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -24,16 +25,21 @@ class Gemma3Norm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), self.scale.shape, self.scale, self.eps).to(x.dtype)
 
+    def storages(self) -> dict[int, int]:
+        return tensor_storages(self.scale)
+
 
 class Gemma3DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, layer_type: str):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, layer_type: str,
+                 linears: Linears):
         a = f"{prefix}.self_attn"
         # q, k, v and gate, up are fused: one matmul each instead of three and two
-        self.qkv_weight = torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"])
-        self.qkv_bias = torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
-        self.o_weight = w[f"{a}.o_proj.weight"]
-        self.gate_up_weight = torch.cat([w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"]])
-        self.down_weight = w[f"{prefix}.mlp.down_proj.weight"]
+        self.qkv = linears.linear(torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"]),
+                                  torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None)
+        self.o_proj = linears.linear(w[f"{a}.o_proj.weight"])
+        self.gate_up = linears.linear(torch.cat([w[f"{prefix}.mlp.gate_proj.weight"],
+                                                 w[f"{prefix}.mlp.up_proj.weight"]]))
+        self.down = linears.linear(w[f"{prefix}.mlp.down_proj.weight"])
 
         def norm(name: str) -> Gemma3Norm:
             return Gemma3Norm(w[f"{name}.weight"], cfg.rms_norm_eps)
@@ -54,35 +60,44 @@ class Gemma3DecoderLayer:
                 cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.post_attention_norm(self._attention(self.input_norm(h), cos, sin, layer, cache, meta))
         x = self.pre_feedforward_norm(h)
-        gate, up = F.linear(x, self.gate_up_weight).split(self.cfg.intermediate_size, dim=-1)
-        mlp = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_weight)
+        gate, up = self.gate_up(x).split(self.cfg.intermediate_size, dim=-1)
+        mlp = self.down(F.gelu(gate, approximate="tanh") * up)
         return h + self.post_feedforward_norm(mlp)
 
     def _attention(self, x, cos, sin, layer, cache, meta) -> torch.Tensor:
         cfg = self.cfg
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         q = self.q_norm(qkv[:, : self.q_size].view(-1, cfg.num_heads, cfg.head_dim))
         k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim))
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)  # q and k heads rotated in one pass
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, layer, cache, meta, self.scale)
-        return F.linear(out.reshape(-1, self.q_size), self.o_weight)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def weight_parts(self) -> list:
+        """The linears and norms this layer holds (for weights_nbytes)."""
+        return [self.qkv, self.o_proj, self.gate_up, self.down, self.q_norm, self.k_norm, self.input_norm,
+                self.post_attention_norm, self.pre_feedforward_norm, self.post_feedforward_norm]
 
 
 class Gemma3Model:
     """Weights plus forward(); `layer_types` says which layers slide over the last `sliding_window` tokens."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"):
         w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
+        linears = Linears(quantization, dtype)
         self.cfg = cfg
-        self.embed = w["model.embed_tokens.weight"]
+        self.quantization = quantization
+        self.linears = linears
+        self.lm_head, self.embed = linears.head_and_embedding(
+            w.pop("model.embed_tokens.weight"), None if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
         # transformers multiplies in the model dtype, so bf16 scales by sqrt(hidden) rounded to bf16
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.norm = Gemma3Norm(w["model.norm.weight"], cfg.rms_norm_eps)
-        self.layers = [Gemma3DecoderLayer(cfg, w, f"model.layers.{i}", t) for i, t in enumerate(cfg.layer_types)]
+        self.layers = [Gemma3DecoderLayer(cfg, w, f"model.layers.{i}", t, linears)
+                       for i, t in enumerate(cfg.layer_types)]
         self.full_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
         self.sliding_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.sliding_rope_theta,
                                               cfg.sliding_rope_scaling, dtype, device)
@@ -98,7 +113,7 @@ class Gemma3Model:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         """input_ids: [T] flat tokens of all requests. Returns final hidden states [T, hidden]."""
-        h = F.embedding(input_ids, self.embed) * self.embed_scale
+        h = self.embed(input_ids) * self.embed_scale
         full_rope = self.full_rotary.lookup(meta.positions)
         sliding_rope = self.sliding_rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
@@ -108,6 +123,11 @@ class Gemma3Model:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of every weight the model holds, in the form it computes with (tied tables counted once)."""
+        return weights_nbytes(self.embed, self.lm_head, self.norm, *(p for layer in self.layers for p in layer.weight_parts()))

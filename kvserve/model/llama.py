@@ -7,20 +7,22 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
+from kvserve.model.linear import Linears, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, linears: Linears):
         a = f"{prefix}.self_attn"
         # q, k, v and gate, up are fused: one matmul each instead of three and two
-        self.qkv_weight = torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"])
-        self.qkv_bias = torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
-        self.o_weight = w[f"{a}.o_proj.weight"]
+        self.qkv = linears.linear(torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"]),
+                                  torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None)
+        self.o_proj = linears.linear(w[f"{a}.o_proj.weight"])
         self.q_norm = w.get(f"{a}.q_norm.weight")
         self.k_norm = w.get(f"{a}.k_norm.weight")
-        self.gate_up_weight = torch.cat([w[f"{prefix}.mlp.gate_proj.weight"], w[f"{prefix}.mlp.up_proj.weight"]])
-        self.down_weight = w[f"{prefix}.mlp.down_proj.weight"]
+        self.gate_up = linears.linear(torch.cat([w[f"{prefix}.mlp.gate_proj.weight"],
+                                                 w[f"{prefix}.mlp.up_proj.weight"]]))
+        self.down = linears.linear(w[f"{prefix}.mlp.down_proj.weight"])
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_attention_norm = w[f"{prefix}.post_attention_layernorm.weight"]
         self.cfg = cfg
@@ -33,12 +35,12 @@ class DecoderLayer:
         x = self._rms_norm(h, self.input_norm)
         h = h + self._attention(x, cos, sin, layer, cache, meta)
         x = self._rms_norm(h, self.post_attention_norm)
-        gate, up = F.linear(x, self.gate_up_weight).split(self.cfg.intermediate_size, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up(x).split(self.cfg.intermediate_size, dim=-1)
+        return h + self.down(F.silu(gate) * up)
 
     def _attention(self, x, cos, sin, layer, cache, meta) -> torch.Tensor:
         cfg = self.cfg
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, cfg.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -48,29 +50,37 @@ class DecoderLayer:
         qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one pass
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, layer, cache, meta, self.scale)
-        return F.linear(out.reshape(-1, self.q_size), self.o_weight)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
+
+    def weight_parts(self) -> list:
+        """The linears and norm weights this layer holds (for weights_nbytes)."""
+        norms = [self.q_norm, self.k_norm, self.input_norm, self.post_attention_norm]
+        return [self.qkv, self.o_proj, self.gate_up, self.down] + [t for t in norms if t is not None]
 
 
 class LlamaModel:
     """Weights plus forward(); holds no per-request state (that lives in the cache and the metadata)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"):
         w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
+        linears = Linears(quantization, dtype)
         self.cfg = cfg
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.quantization = quantization
+        self.linears = linears
+        self.lm_head, self.embed = linears.head_and_embedding(
+            w.pop("model.embed_tokens.weight"), None if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
         self.norm = w["model.norm.weight"]
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", linears) for i in range(cfg.num_layers)]
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         """input_ids: [T] flat tokens of all requests. Returns final hidden states [T, hidden]."""
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed(input_ids)
         cos, sin = self.rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, i, cache, meta)
@@ -78,4 +88,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of every weight the model holds, in the form it computes with (tied tables counted once)."""
+        return weights_nbytes(self.embed, self.lm_head, self.norm, *(p for layer in self.layers for p in layer.weight_parts()))

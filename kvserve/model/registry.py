@@ -17,6 +17,8 @@ MODEL_CLASSES: dict[str, type] = {
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel | Gemma3Model:
-    """The decoder for `cfg.architecture`, holding `weights` cast to `dtype` on `device`."""
-    return MODEL_CLASSES[cfg.architecture](cfg, weights, max_positions, dtype, device)
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                quantization: str = "none") -> LlamaModel | Gemma3Model:
+    """The decoder for `cfg.architecture`, holding `weights` cast to `dtype` on `device` (int8 where
+    `quantization` says so: kvserve/model/linear.py)."""
+    return MODEL_CLASSES[cfg.architecture](cfg, weights, max_positions, dtype, device, quantization)

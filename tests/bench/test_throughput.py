@@ -1,11 +1,12 @@
-"""`kvserve bench throughput` without llama-cpp-python (the `[bench]` extra): it says so and runs the rest."""
+"""`kvserve bench throughput` without llama-cpp-python (the `[bench]` extra): it says so and runs the rest; one
+row per kvserve configuration (dtype x weights x KV format), a roofline line, and bad values named."""
 import pytest
 
 from kvserve.bench import llama_cpp_baseline
 from kvserve.cli import main
 
 TINY_RUN = ["bench", "throughput", "--num-requests", "2", "--min-prompt-len", "8", "--max-prompt-len", "8",
-            "--output-len", "2", "--dtypes", "float32", "--skip", "transformers", "single"]
+            "--output-len", "2", "--dtypes", "float32", "--workloads", "decode", "--skip", "transformers", "single"]
 
 
 @pytest.mark.slow
@@ -18,3 +19,27 @@ def test_missing_llama_cpp_is_named_with_its_install_command(monkeypatch, capsys
     assert "llama.cpp: not installed (pip install -e '.[bench]')" in out
     assert "kvserve (float32)" in out  # the table still comes, with kvserve's row
     assert "did not run" not in out and "llama-cpp-python process failed" not in out
+
+
+@pytest.mark.slow
+def test_one_row_per_configuration_and_a_roofline(capsys):
+    argv = [*TINY_RUN, "llama.cpp", "--quantization", "none,int8", "--kv-cache-dtype", "auto", "int8"]
+
+    assert main(argv) == 0
+
+    out = capsys.readouterr().out
+    for name in ("kvserve (float32)", "kvserve (float32, KV int8)", "kvserve (float32, int8 weights)",
+                 "kvserve (float32, int8 weights, KV int8)"):
+        assert f"│ {name} " in out
+    assert "roofline: this workload's matmuls" in out and "kvserve (float32, int8 weights): " in out
+    assert "÷ kvserve (float32)" in out and "decode tokens/s" in out
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--quantization", "int4", "quantization='int4' is not supported; choose one of none, int8"),
+    ("--kv-cache-dtype", "int3", "kv_cache_dtype='int3' is not supported"),
+    ("--workloads", "chat", "unknown workload 'chat'; choose from decode, prefill, long-context"),
+])
+def test_bad_values_are_named_before_anything_loads(option, value, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "throughput", option, value])

@@ -61,6 +61,15 @@ def test_reference_matches_transformers_and_a_setting_matches_itself(capsys, mod
             "top1_agreement", "tokens_scored", "passkey_accuracy"} <= set(auto)
 
 
+def test_weight_quantization_is_a_setting_compared_with_the_float_reference(capsys, model_dir, corpus):
+    rows = run_json(capsys, "--model", str(model_dir), "--corpus", str(corpus), "--tokens", "200", "--context",
+                    "128", "--stride", "64", "--quantization", "none,int8")
+    none, int8 = rows
+    assert (none["quantization"], int8["quantization"]) == ("none", "int8")
+    assert int8["setting"] == "int8 weights + auto" and none["kld"] == 0
+    assert int8["kld"] > 0 and int8["tokens_scored"] == none["tokens_scored"]
+
+
 def test_streaming_mode_runs_past_max_model_len_and_says_what_it_cannot_compare(capsys, model_dir, corpus):
     rows = run_json(capsys, "--model", str(model_dir), "--corpus", str(corpus), "--tokens", "500", "--streaming",
                     "--max-model-len", "256", "--chunk", "64", "--segment", "128",
@@ -84,6 +93,7 @@ def test_passkey_and_plot(capsys, model_dir, corpus, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--kv-cache-dtype", "auto,int3"], "kv_cache_dtype='int3' is not supported"),
+    (["--quantization", "none,int4"], "quantization='int4' is not supported; choose one of none, int8"),
     (["--context", "512"], "--context 512 exceeds max_model_len 256"),
     (["--stride", "128"], "stride (128) must be positive and smaller than context (128)"),
     (["--corpus", "/nonexistent/text.txt"], "cannot read corpus"),

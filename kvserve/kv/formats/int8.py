@@ -18,4 +18,4 @@ class Int8KVCache(PerTokenQuantizedKVCache):
         return q.to(torch.int8), scale
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return data.to(self.dtype) * scale.to(self.dtype)[..., None]
+        return data.to(self.dtype).mul_(scale.to(self.dtype)[..., None])  # in place: one float pass fewer

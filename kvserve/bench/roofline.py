@@ -1,0 +1,71 @@
+"""The machine's own matmul rate for a workload, to say what share of "what this CPU can do" an engine reaches.
+
+An engine run records each step's shape: tokens through the layers, rows through the output head. The same
+matmuls (the model's linear shapes, plain float32 `torch` on random weights, no attention, no Python around them)
+are replayed and timed here, in the same process and run; the workload's matmul FLOPs divided by that time is the
+roofline an engine's achieved rate is compared with."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.config import ModelConfig
+
+StepShapes = Counter  # (tokens through the layers, rows through the head) -> number of such steps
+
+
+@dataclass(frozen=True)
+class MatmulShapes:
+    """A decoder's linear layers as [out, in] shapes: the ones every token goes through, and the head."""
+
+    per_layer: tuple[tuple[int, int], ...]
+    num_layers: int
+    head: tuple[int, int]
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> MatmulShapes:
+        q, kv, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+        per_layer = ((q + 2 * kv, hidden), (hidden, q), (2 * cfg.intermediate_size, hidden),
+                     (hidden, cfg.intermediate_size))
+        return cls(per_layer, cfg.num_layers, (cfg.vocab_size, hidden))
+
+    def flops(self, tokens: int, head_rows: int) -> int:
+        layer_params = sum(n * k for n, k in self.per_layer) * self.num_layers
+        return 2 * tokens * layer_params + 2 * head_rows * self.head[0] * self.head[1]
+
+
+def workload_flops(shapes: MatmulShapes, steps: StepShapes) -> int:
+    return sum(shapes.flops(tokens, rows) * count for (tokens, rows), count in steps.items())
+
+
+def matmul_roofline(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> float:
+    """FLOP/s of plain float32 matmuls replaying `steps` (each distinct step shape timed, best of `reps`)."""
+    gen = torch.Generator().manual_seed(0)
+    layer_weights = [torch.randn(n, k, generator=gen) for n, k in shapes.per_layer]
+    head = torch.randn(*shapes.head, generator=gen)
+    seconds = 0.0
+    for (tokens, rows), count in steps.items():
+        inputs = [torch.randn(tokens, w.shape[1], generator=gen) for w in layer_weights]
+        head_in = torch.randn(rows, head.shape[1], generator=gen)
+
+        def step() -> None:
+            for _ in range(shapes.num_layers):
+                for w, xi in zip(layer_weights, inputs):
+                    F.linear(xi, w)
+            F.linear(head_in, head)
+
+        seconds += count * _best_time(step, reps)
+    return workload_flops(shapes, steps) / seconds
+
+
+def _best_time(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,153 @@
+"""Who multiplies int8 by int8 on this CPU: PyTorch's maintained kernels, chosen by a start-up probe.
+
+Every route returns the same thing, the integer sums sum_k qx[m, k] qw[n, k] as float32, so the choice changes
+speed and never results. Which one is fast depends on the CPU (AMX, AVX-512 VNNI or AVX2 only: see
+docs/benchmarks.md), so a short probe times each on one matrix against a float32 matmul, once per process, and
+the fastest wins; when none beats float32 the codes are multiplied as float32 (same numbers, float32's speed)
+and the start-up log says so."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("kvserve")
+
+PROBE_SHAPE = (2048, 1024)  # [N, K]: an MLP-sized weight, 2 MB in int8
+PROBE_ROWS = (1, 64)  # tokens per call: one decode step, and a batched step
+
+
+class Int8Kernel:
+    """pack() once per weight [N, K] int8; matmul() per call: int8 [M, K] x packed -> float32 [M, N] sums."""
+
+    name = "?"
+    library = "?"
+    copies_codes = True  # pack() makes its own copy of the codes (False: a view of them)
+
+    def available(self) -> bool:
+        try:
+            weight = torch.ones(4, 8, dtype=torch.int8)
+            return bool((self.matmul(torch.ones(2, 8, dtype=torch.int8), self.pack(weight)) == 8).all())
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return False
+
+    def pack(self, weight: torch.Tensor):
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
+        raise NotImplementedError
+
+    def storages(self, packed) -> dict[int, int]:
+        """{storage address: bytes} of what the packed form holds (for weight memory)."""
+        return {packed.untyped_storage().data_ptr(): packed.untyped_storage().nbytes()}
+
+
+class IntMMKernel(Int8Kernel):
+    name = "torch._int_mm"
+    library = "PyTorch int8 GEMM (oneDNN on x86)"
+    copies_codes = False
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.t()  # a view: no second copy of the codes
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return torch._int_mm(x, packed).float()
+
+
+class OneDNNKernel(Int8Kernel):
+    name = "onednn.qlinear"
+    library = "oneDNN quantized linear (PyTorch's x86 inductor kernel)"
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.ops.onednn.qlinear_prepack(weight, None), *_unit_scales(weight.shape[0]))
+
+    def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
+        weight, ones, zeros = packed
+        return torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, weight, ones, zeros, None, 1.0, 0, torch.float32,
+                                                  "none", [None], "")
+
+    def storages(self, packed) -> dict[int, int]:
+        # oneDNN's reordered copy of the codes is an opaque tensor: one byte per weight, keyed by the object
+        weight, ones, zeros = packed
+        return {id(weight): weight.numel(), ones.data_ptr(): ones.nbytes, zeros.data_ptr(): zeros.nbytes}
+
+
+@functools.cache
+def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight scales 1 and zero points 0 for n channels, so oneDNN returns the bare integer sums; shared by size."""
+    return torch.ones(n), torch.zeros(n, dtype=torch.long)
+
+
+class FloatKernel(Int8Kernel):
+    """The fallback: the codes multiplied as float32 (exact while a sum stays below 2^24; the last bit beyond)."""
+
+    name = "float32 matmul of the int8 codes"
+    library = "fallback: no int8 kernel beat float32 here"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.float()
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return x.float() @ packed.t()
+
+
+KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel())
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernel: Int8Kernel
+    speedup_by_rows: dict[int, float] = field(default_factory=dict)  # the winner's float32 time / its time
+
+    def describe(self) -> str:
+        if isinstance(self.kernel, FloatKernel):
+            return f"int8 matmuls: {self.kernel.name} ({self.kernel.library} on this CPU)"
+        speeds = ", ".join(f"{s:.1f}x float32 at {m} token{'s' if m > 1 else ''}"
+                           for m, s in self.speedup_by_rows.items())
+        return f"int8 matmuls: {self.kernel.name}, {self.kernel.library}; start-up probe: {speeds}"
+
+
+@functools.cache
+def choose_kernel() -> Int8Kernel:
+    """The fastest available route on this CPU (probed once per process); the fallback if none beats float32."""
+    choice = probe_kernels()
+    logger.info(choice.describe())
+    return choice.kernel
+
+
+def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
+    """Time each kernel and float32 on PROBE_SHAPE at PROBE_ROWS tokens; the winner has the best mean speedup."""
+    n, k = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    float_weight = weight.float()
+    best: KernelChoice | None = None
+    for kernel in (kn for kn in kernels if kn.available()):
+        packed = kernel.pack(weight)
+        speedups = {}
+        for m in PROBE_ROWS:
+            x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
+            x_float = x.float()
+            float_s = _best_time(lambda: torch.nn.functional.linear(x_float, float_weight))
+            speedups[m] = float_s / _best_time(lambda: kernel.matmul(x, packed))
+        mean = sum(speedups.values()) / len(speedups)
+        if min(speedups.values()) > 1.0 and (best is None or mean > _mean(best)):
+            best = KernelChoice(kernel, speedups)
+    return best or KernelChoice(FloatKernel())
+
+
+def _mean(choice: KernelChoice) -> float:
+    return sum(choice.speedup_by_rows.values()) / len(choice.speedup_by_rows)
+
+
+def _best_time(fn, reps: int = 5) -> float:
+    fn()  # the first call may pack or allocate
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)

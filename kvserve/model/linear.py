@@ -1,0 +1,135 @@
+"""A decoder's matmuls and embedding table, as the model dtype or as int8 (EngineConfig.quantization).
+
+int8 is W8A8: weights in int8 with one float32 scale per output channel, and each call quantizes its input per
+row (token), y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] qw[n, k]. The integer sums are exact, so a token's output
+is the same whichever tokens share its step (batch invariance), and every kernel route gives the same numbers:
+the route (kvserve/model/int8_kernels.py) is only a question of speed."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.int8_kernels import Int8Kernel, choose_kernel
+
+INT8_MAX = 127
+MIN_AMAX = torch.finfo(torch.float32).tiny
+
+
+class Linear:
+    """y = x W^T (+ b) in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def storages(self) -> dict[int, int]:
+        return tensor_storages(self.weight, self.bias)
+
+
+class Int8Linear:
+    """int8 weights [N, K] with float32 scales [N] (absmax per output channel / 127), run by `kernel`, which keeps
+    the codes in its own form (`packed`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: Int8Kernel | None = None):
+        self.__init_from_codes(*quantize_rows(weight), bias, kernel or choose_kernel())
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, kernel: Int8Kernel) -> Int8Linear:
+        linear = cls.__new__(cls)
+        linear.__init_from_codes(codes, scale, None, kernel)
+        return linear
+
+    def __init_from_codes(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                          kernel: Int8Kernel) -> None:
+        self.weight_scale = scale
+        self.bias = bias
+        self.kernel = kernel
+        self.packed = kernel.pack(codes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        sums = self.kernel.matmul(x_q, self.packed)  # [M, N] float32: the exact integer sums
+        y = sums.mul_(x_scale[:, None]).mul_(self.weight_scale).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, -1)
+
+    def storages(self) -> dict[int, int]:
+        return {**tensor_storages(self.weight_scale, self.bias), **self.kernel.storages(self.packed)}
+
+
+class Embedding:
+    """Rows of the token embedding table; an int8 table (shared with a tied int8 lm_head) is dequantized per row."""
+
+    def __init__(self, table: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        self.table = table
+        self.scale = scale
+        self.dtype = dtype or table.dtype
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(input_ids, self.table)
+        if self.scale is None:
+            return rows
+        return (rows.float() * self.scale[input_ids, None]).to(self.dtype)
+
+    def storages(self) -> dict[int, int]:
+        return tensor_storages(self.table, self.scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: codes [M, K] and float32 scales [M] (a zero row gets a tiny scale and codes 0).
+
+    Few ops on purpose (a decode step calls this 120 times): |x| / (amax / 127) <= 127 rounds to at most 127,
+    so no clamp is needed."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, dtype=torch.float32)
+    scale = amax.clamp_(min=MIN_AMAX).div_(INT8_MAX)
+    return x.float().div(scale[:, None]).round_().to(torch.int8), scale
+
+
+class Linears:
+    """Builds a model's linears and embedding for one `quantization` ("none" or "int8").
+
+    A tied int8 table is quantized once; lookups read its codes, and the head multiplies by them, through a view
+    or, when the kernel keeps a packed copy of its own (oneDNN), through that copy: then the table is held twice
+    (`tied_copy_nbytes`)."""
+
+    def __init__(self, quantization: str, dtype: torch.dtype, kernel: Int8Kernel | None = None):
+        self.quantization = quantization
+        self.dtype = dtype
+        self.kernel = (kernel or choose_kernel()) if quantization == "int8" else None
+        self.tied_copy_nbytes = 0
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+        if self.kernel is None:
+            return Linear(weight, bias)
+        return Int8Linear(weight, bias, self.kernel)
+
+    def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
+                                                                                            Embedding]:
+        """The output projection and the input embedding; `lm_head` None means tied to `embed` (one table kept)."""
+        if self.kernel is None:
+            return self.linear(lm_head if lm_head is not None else embed), Embedding(embed)
+        codes, scale = quantize_rows(embed)
+        embedding = Embedding(codes, scale, self.dtype)
+        if lm_head is None:  # tied: the head multiplies by the table's own codes
+            self.tied_copy_nbytes = codes.numel() if self.kernel.copies_codes else 0
+            return Int8Linear.from_codes(codes, scale, self.kernel), embedding
+        return self.linear(lm_head), embedding
+
+
+def tensor_storages(*tensors: torch.Tensor | None) -> dict[int, int]:
+    """{storage address: bytes} of the tensors given (None skipped): views of one storage count once."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+
+
+def weights_nbytes(*holders) -> int:
+    """Bytes of the distinct storages held by `holders` (objects with storages(), or tensors); tied weights
+    count once."""
+    seen: dict[int, int] = {}
+    for holder in holders:
+        seen.update(holder.storages() if hasattr(holder, "storages") else tensor_storages(holder))
+    return sum(seen.values())

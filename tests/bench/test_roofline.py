@@ -1,0 +1,25 @@
+"""The roofline's FLOP count is the model's linear and head shapes times the tokens each step sends through them,
+and the replayed rate comes from real matmuls of those shapes."""
+from collections import Counter
+
+from kvserve.bench.roofline import MatmulShapes, matmul_roofline, workload_flops
+from kvserve.model.config import ModelConfig
+
+SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+           "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+
+
+def test_flops_count_every_linear_once_per_token_and_the_head_per_sampled_row():
+    shapes = MatmulShapes.of(ModelConfig.from_hf(SMOLLM2))
+    layer_params = 576 * (576 + 2 * 192) + 576 * 576 + 576 * 2 * 1536 + 1536 * 576
+    assert shapes.flops(1, 0) == 2 * 30 * layer_params
+    assert shapes.flops(10, 3) == 10 * shapes.flops(1, 0) + 3 * 2 * 49152 * 576
+    assert workload_flops(shapes, Counter({(10, 3): 2, (1, 1): 5})) == 2 * shapes.flops(10, 3) + 5 * shapes.flops(1, 1)
+
+
+def test_replayed_rate_is_a_positive_flop_rate():
+    tiny = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256)
+    rate = matmul_roofline(MatmulShapes.of(ModelConfig.from_hf(tiny)), Counter({(8, 2): 3, (2, 2): 1}))
+    assert 1e6 < rate < 1e14

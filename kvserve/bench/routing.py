@@ -106,14 +106,14 @@ def print_runs(runs: list[RouterRun]) -> None:
                       f"{r.output_tokens / r.duration_s:.1f}")
     console = Console()
     console.print(table)
-    for line in _ratios(runs):
+    for line in cached_share_ratios(runs):
         console.print(line)
     failures = sorted({t.error for run in runs for t in run.report.turns if not t.success})
     for error in failures[:5]:
         console.print(f"error: {error}")
 
 
-def _ratios(runs: list[RouterRun]) -> list[str]:
+def cached_share_ratios(runs: list[RouterRun]) -> list[str]:
     shares = {run.name: run.report.cached_share for run in runs}
     if "prefix" not in shares:
         return []

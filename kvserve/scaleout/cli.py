@@ -34,8 +34,8 @@ def config_from_args(args: argparse.Namespace) -> ScaleOutConfig:
     from kvserve.engine.cli import engine_config_from_args
 
     return ScaleOutConfig(
-        engine=engine_config_from_args(args), replicas=args.replicas or 1, router=args.router,
-        imbalance_threshold=args.imbalance_threshold, replica_cpus=args.replica_cpus,
+        engine=engine_config_from_args(args), replicas=1 if args.replicas is None else args.replicas,
+        router=args.router, imbalance_threshold=args.imbalance_threshold, replica_cpus=args.replica_cpus,
         replica_gpus=args.replica_gpus, ray_address=args.ray_address, host=args.host, port=args.port,
         api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         shutdown_timeout_s=args.shutdown_timeout_s, access_log=args.access_log,
@@ -54,8 +54,10 @@ def run_on_ray(args: argparse.Namespace) -> int:
         print(f"kvserve serve: --replicas needs Ray Serve ({exc}); install it with: pip install -e \".[ray]\"",
               file=sys.stderr)
         return 1
+    from kvserve.engine.llm import _ensure_log_handler
     from kvserve.scaleout.cluster import RayEndpoint
 
+    _ensure_log_handler()
     endpoint = RayEndpoint(config)
     try:
         endpoint.start()

@@ -2,11 +2,15 @@
 and on the way out stop everything that was started here, Ray processes included."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
 
 from kvserve.scaleout.config import ScaleOutConfig
+from kvserve.server.launch import BACKSTOP_S
+
+logger = logging.getLogger("kvserve")
 
 # Only requests and response pieces travel through Ray's object store: a small one leaves memory to the engines.
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
@@ -56,7 +60,8 @@ class RayEndpoint:
             raise
 
     def stop(self) -> None:
-        """Remove the application; if Ray was started here, stop Serve and every Ray process too."""
+        """Drain (as the single server does on Ctrl-C), remove the application; if Ray was started here, stop Serve
+        and every Ray process too."""
         import ray
         from ray import serve
 
@@ -64,12 +69,25 @@ class RayEndpoint:
             return
         self._started_ray = False
         try:
+            self._drain(serve)
             if self.owns_ray:
                 serve.shutdown()
             else:
                 serve.delete(self.config.app_name)
         finally:
             ray.shutdown()
+
+    def _drain(self, serve) -> None:
+        # Serve's own shutdown stops its HTTP proxy first, cutting every open stream: let the ingress drain first.
+        timeout_s = self.config.shutdown_timeout_s
+        try:
+            ingress = serve.get_app_handle(self.config.app_name)
+            num_aborted = ingress.drain.remote(timeout_s).result(timeout_s=timeout_s + 2 * BACKSTOP_S + 10)
+        except Exception as exc:  # an application that never came up has nothing to drain
+            logger.warning("could not drain the endpoint before stopping it: %s", exc)
+            return
+        if num_aborted:
+            logger.info("aborted %d requests still running after %.0f s", num_aborted, timeout_s)
 
     def _init_ray(self, ray) -> None:
         if not self.owns_ray:

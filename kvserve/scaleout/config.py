@@ -36,7 +36,8 @@ class ScaleOutConfig:
              f"--router-imbalance-threshold must be >= 0, got {self.imbalance_threshold}"),
             (self.replica_cpus > 0, f"--replica-cpus must be positive, got {self.replica_cpus}"),
             (self.replica_gpus >= 0, f"--replica-gpus must be >= 0, got {self.replica_gpus}"),
-            (1 <= self.port <= 65535, f"--port must be in [1, 65535] with Ray (its proxy binds a fixed port), got {self.port}"),
+            (1 <= self.port <= 65535,
+             f"--port must be in [1, 65535] with Ray (its proxy binds a fixed port), got {self.port}"),
             (self.max_waiting >= 1, f"--max-waiting must be at least 1, got {self.max_waiting}"),
             (self.shutdown_timeout_s >= 0, f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}"),
         ]

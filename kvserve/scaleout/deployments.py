@@ -28,7 +28,8 @@ from kvserve.scaleout.metrics import merge_replica_metrics
 from kvserve.scaleout.published_blocks import PublishedBlocks
 from kvserve.scaleout.request_keys import CHAT_PATH, COMPLETIONS_PATH, RequestKeys
 from kvserve.scaleout.routers import ROUTERS
-from kvserve.server.errors import APIError
+from kvserve.server.errors import APIError, engine_unavailable
+from kvserve.server.launch import BACKSTOP_S
 
 logger = logging.getLogger("kvserve")
 ROUTING_STATS_PERIOD_S = 1.0  # how often replicas publish their cached block keys to the routers
@@ -85,6 +86,10 @@ class EngineReplica:
             health["error"] = json.loads(health_body)["error"]["message"]
         return {"replica": self._id, "health": health, "metrics": metrics.decode()}
 
+    async def abort_all(self) -> None:
+        """Stop every request now; each client gets a last output with finish_reason "abort" (for shutdown)."""
+        self._app.state.engine.abort_all()
+
     async def check_health(self) -> None:
         """Serve's periodic check: raising marks the replica unhealthy, and Serve replaces it."""
         error = self._app.state.engine.error
@@ -112,6 +117,8 @@ class Ingress:
         self._reports = engine.options(stream=False)
         self._config = config
         self._keys = RequestKeys(_load_tokenizer(config), config.engine)
+        self._in_flight = _InFlight()
+        self._draining = False
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -120,6 +127,8 @@ class Ingress:
                 return await self._health()
             if request.method == "GET" and path == "/metrics":
                 return await self._metrics()
+            if self._draining:
+                raise engine_unavailable("the server is shutting down")
             if path in DASHBOARD_PATHS:
                 return _dashboard_unavailable(path)
             return await self._relay(request)
@@ -129,19 +138,35 @@ class Ingress:
             logger.exception("the ingress failed on %s %s", request.method, path)
             return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
+    async def drain(self, timeout_s: float) -> int:
+        """Shutting down: refuse new requests, give running ones `timeout_s` to finish, then abort the rest through
+        the engines, so their clients get finish_reason "abort" and a proper end; returns how many were aborted."""
+        self._draining = True
+        if await self._in_flight.wait_idle(timeout_s):
+            return 0
+        num_aborted = self._in_flight.count
+        await self._reports.broadcast("abort_all").results_async(timeout_s=REPORT_TIMEOUT_S, return_exceptions=True)
+        await self._in_flight.wait_idle(BACKSTOP_S)
+        return num_aborted
+
     async def _relay(self, request: Request) -> Response:
         path, body = request.url.path, await request.body()
         keys = await asyncio.to_thread(self._keys.keys, path, body) if path in (COMPLETIONS_PATH, CHAT_PATH) else ()
+        self._in_flight.enter()
         stream = self._engine.handle.remote(await ForwardedRequest.from_request(request, keys))
+
+        def close() -> None:
+            stream.cancel()
+            self._in_flight.leave()
+
         try:
             start = await stream.__anext__()
-        except REPLICA_LOST as exc:
-            raise replica_lost(exc, None) from exc
-        except BaseException:
-            stream.cancel()
+        except BaseException as exc:
+            close()
+            if isinstance(exc, REPLICA_LOST):
+                raise replica_lost(exc, None) from exc
             raise
-        return RelayedResponse(start, stream, lambda exc: replica_lost(exc, start.replica), REPLICA_LOST,
-                               stream.cancel)
+        return RelayedResponse(start, stream, lambda exc: replica_lost(exc, start.replica), REPLICA_LOST, close)
 
     async def _reports_now(self) -> tuple[list[dict], list[str]]:
         try:
@@ -169,6 +194,31 @@ class Ingress:
         reports, _ = await self._reports_now()
         text = merge_replica_metrics({r["replica"]: r["metrics"] for r in reports})
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class _InFlight:
+    """Requests the ingress is relaying, so shutdown can wait for them."""
+
+    def __init__(self):
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
 
 def replica_lost(exc: BaseException, replica: str | None) -> APIError:

@@ -112,8 +112,9 @@ class RelayedResponse(Response):
     """Streams a replica's answer to the client. If the replica dies mid-stream, an event stream ends with the
     error event the single server sends when its engine dies; any other body just ends."""
 
-    def __init__(self, start: ResponseStart, rest: AsyncIterator[bytes], on_replica_lost: Callable[[BaseException], APIError],
-                 replica_errors: tuple[type[BaseException], ...], close: Callable[[], None]):
+    def __init__(self, start: ResponseStart, rest: AsyncIterator[bytes],
+                 on_replica_lost: Callable[[BaseException], APIError], replica_errors: tuple[type[BaseException], ...],
+                 close: Callable[[], None]):
         super().__init__(status_code=start.status)
         self.raw_headers = [*start.headers, (b"x-kvserve-replica", start.replica.encode())]
         self._start, self._rest = start, rest

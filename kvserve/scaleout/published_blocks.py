@@ -32,11 +32,6 @@ class PublishedBlocks:
         self._drain()
         return pack_keys(set(self._cached) | set(self._serving))
 
-    @property
-    def num_cached_keys(self) -> int:
-        self._drain()
-        return len(self._cached)
-
     def _drain(self) -> None:
         while True:
             try:

@@ -249,9 +249,17 @@ def test_killing_a_replica_mid_run_fails_only_its_requests_with_a_503_and_ray_re
     server.wait_healthy(120, replicas_other_than={victim["replica"]})  # a new replica took its place
 
 
-def test_ctrl_c_stops_every_process_the_command_started(server):
+def test_ctrl_c_drains_then_stops_every_process_the_command_started(server):
     server.remember_processes()
     assert len(server.seen) >= 5  # Ray's own processes, the Serve controller and proxy, the ingress and replicas
+    running = Outcome(server, 99, stream=True)  # outlasts --shutdown-timeout 2
+    assert running.started.wait(60)
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    late = httpx.post(server.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, headers=AUTH)
+    assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    running.thread.join(60)
+    assert (running.status, running.finish_reason, running.error) == (200, "abort", None)  # a proper end
     assert server.stop() == 0
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in server.seen) and time.monotonic() < deadline:

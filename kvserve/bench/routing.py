@@ -10,6 +10,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
+import httpx
+
 from kvserve.bench.sessions import SessionsConfig, SessionsReport, run_sessions
 from kvserve.config import parse_size
 
@@ -22,6 +24,7 @@ class RouterRun:
     name: str
     replicas: int
     report: SessionsReport
+    kv_cache_tokens: int | None = None  # all replicas together, when the endpoint's /health says
 
 
 def add_sessions_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +62,7 @@ def run_from_args(args: argparse.Namespace) -> int:
           f"words, then ~{sessions.question_len}-word questions, {sessions.answer_len}-token answers", file=sys.stderr)
     if args.routers is None:
         report = asyncio.run(run_sessions(sessions))
-        runs = [RouterRun(sessions.base_url, 0, report)]
+        runs = [RouterRun(sessions.base_url, 0, report, kv_cache_tokens(sessions.base_url))]
     else:
         runs = compare_routers(sessions, scale, routers)
     print_runs(runs)
@@ -72,8 +75,8 @@ def compare_routers(sessions: SessionsConfig, scale, routers: list[str]) -> list
     runs = []
     for name, setup in setups:
         print(f"{name}: starting {setup.replicas} replica(s) on a local Ray ...", file=sys.stderr, flush=True)
-        report = _run_on_ray(sessions, dataclasses.replace(setup, port=_free_port()))
-        runs.append(RouterRun(name, setup.replicas, report))
+        report, cache_tokens = _run_on_ray(sessions, dataclasses.replace(setup, port=_free_port()))
+        runs.append(RouterRun(name, setup.replicas, report, cache_tokens))
         print(f"{name}: cached share {report.cached_share:.1%}, {len(report.succeeded)}/{len(report.turns)} turns "
               f"ok in {report.duration_s:.1f} s", file=sys.stderr, flush=True)
     return runs
@@ -95,17 +98,21 @@ def print_runs(runs: list[RouterRun]) -> None:
     from rich.table import Table
 
     table = Table(title="Multi-turn sessions: prompt tokens found cached, per setup")
-    for column in ["setup", "replicas", "turns ok", "prompt\ntokens", "prefilled\ntokens", "cached\nshare",
-                   "replicas per\nconversation", "TTFT mean\nms", "TTFT p90\nms", "duration\ns", "output\ntok/s"]:
+    for column in ["setup", "replicas", "KV cache\ntokens", "turns ok", "prompt\ntokens", "prefilled\ntokens",
+                   "cached\nshare", "replicas per\nconversation", "TTFT mean\nms", "TTFT p90\nms", "duration\ns",
+                   "output\ntok/s"]:
         table.add_column(column, justify="right")
     for run in runs:
         r = run.report
-        table.add_row(run.name, str(run.replicas or "-"), f"{len(r.succeeded)}/{len(r.turns)}", f"{r.prompt_tokens:,}",
-                      f"{r.prefilled_tokens:,}", f"{r.cached_share:.1%}", f"{r.replicas_per_conversation():.2f}",
-                      f"{r.ttft_mean_ms:,.0f}", f"{r.ttft_ms(90):,.0f}", f"{r.duration_s:.1f}",
-                      f"{r.output_tokens / r.duration_s:.1f}")
-    console = Console()
+        cache = f"{run.kv_cache_tokens:,}" if run.kv_cache_tokens else "-"
+        table.add_row(run.name, str(run.replicas or "-"), cache, f"{len(r.succeeded)}/{len(r.turns)}",
+                      f"{r.prompt_tokens:,}", f"{r.prefilled_tokens:,}", f"{r.cached_share:.1%}",
+                      f"{r.replicas_per_conversation():.2f}", f"{r.ttft_mean_ms:,.0f}", f"{r.ttft_ms(90):,.0f}",
+                      f"{r.duration_s:.1f}", f"{r.output_tokens / r.duration_s:.1f}")
+    console = Console(width=160)  # the table is wide; a pipe would otherwise squeeze it into 80 columns
     console.print(table)
+    console.print(f"the conversations end holding {runs[0].report.final_tokens:,} tokens in all "
+                  "(each one's last prompt and answer)")
     for line in cached_share_ratios(runs):
         console.print(line)
     failures = sorted({t.error for run in runs for t in run.report.turns if not t.success})
@@ -138,7 +145,16 @@ def _scale_out_from_args(args: argparse.Namespace):
     return routers, scale
 
 
-def _run_on_ray(sessions: SessionsConfig, setup) -> SessionsReport:
+def kv_cache_tokens(base_url: str) -> int | None:
+    """The KV cache size of every replica together, from a scaled-out endpoint's /health (None elsewhere)."""
+    try:
+        replicas = httpx.get(base_url + "/health", timeout=30).json().get("replicas")
+    except (httpx.HTTPError, ValueError):
+        return None
+    return sum(r["kv_cache_tokens"] for r in replicas) if replicas else None
+
+
+def _run_on_ray(sessions: SessionsConfig, setup) -> tuple[SessionsReport, int | None]:
     from kvserve.scaleout.cluster import RayEndpoint
 
     with RayEndpoint(setup, log_to_driver=False) as endpoint:
@@ -146,7 +162,8 @@ def _run_on_ray(sessions: SessionsConfig, setup) -> SessionsReport:
                                       answer_len=2, conversations=WARM_UP_REQUESTS_PER_REPLICA * setup.replicas,
                                       seed=sessions.seed + 1)
         asyncio.run(run_sessions(warm_up))
-        return asyncio.run(run_sessions(dataclasses.replace(sessions, base_url=endpoint.url, model=None)))
+        report = asyncio.run(run_sessions(dataclasses.replace(sessions, base_url=endpoint.url, model=None)))
+        return report, kv_cache_tokens(endpoint.url)
 
 
 def _free_port() -> int:

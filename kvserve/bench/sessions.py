@@ -97,6 +97,15 @@ class SessionsReport:
         ok = self.succeeded
         return sum(t.ttft_s for t in ok) * 1000 / len(ok) if ok else 0.0
 
+    @property
+    def final_tokens(self) -> int:
+        """Tokens the conversations hold at their end (last prompt plus answer, all conversations): the cache
+        that keeps every conversation's history needs this much room."""
+        last: dict[int, TurnResult] = {}
+        for t in self.succeeded:
+            last[t.conversation] = t
+        return sum(t.prompt_tokens + t.output_tokens for t in last.values())
+
     def replicas_per_conversation(self) -> float:
         """How many replicas a conversation's turns met, on average (1.0: every conversation stayed on one)."""
         seen: dict[int, set[str]] = {}

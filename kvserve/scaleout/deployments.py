@@ -81,6 +81,7 @@ class EngineReplica:
         stats = self._app.state.engine.stats()
         health = {"replica": self._id, "status": "ok" if health_status == 200 else "failed",
                   "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                  "kv_cache_tokens": stats["num_blocks"] * stats["block_size"],
                   **{k: stats[k] for k in ("num_running", "num_waiting", "num_cached_blocks", "kv_cache_usage")}}
         if health_status != 200:
             health["error"] = json.loads(health_body)["error"]["message"]

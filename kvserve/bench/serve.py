@@ -245,10 +245,17 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (then output lengths vary)")
     p.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles (default 50,90,99)")
+    from kvserve.bench.routing import add_sessions_args  # it imports this module's WORDS
+
+    add_sessions_args(p)
     p.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.conversations is not None:
+        from kvserve.bench.routing import run_from_args as run_sessions_from_args
+
+        return run_sessions_from_args(args)
     try:
         percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
         config = ServeBenchConfig(

@@ -1,7 +1,7 @@
 """The pool of physical KV blocks: free list in LRU order, reference counts, and the prefix-hash index."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,6 +28,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, Block] = {}
         self._freed_since_taken: list[int] = []  # blocks whose contents stopped mattering, for the storage
+        self._hash_events: deque[tuple[bool, BlockHash]] | None = None  # off until someone subscribes
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,6 +87,13 @@ class BlockPool:
         freed, self._freed_since_taken = self._freed_since_taken, []
         return freed
 
+    def subscribe_hash_events(self) -> deque[tuple[bool, BlockHash]]:
+        """A queue of (True, key) when a prefix key becomes findable and (False, key) when it is evicted, starting
+        with every key findable now; the subscriber pops from the left (deque ends are thread-safe)."""
+        if self._hash_events is None:
+            self._hash_events = deque((True, key) for key in self._cached)
+        return self._hash_events
+
     def register(self, block: Block, block_hash: BlockHash) -> None:
         """Make a full block findable by its prefix key (the first block with a key keeps it)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
@@ -93,9 +101,13 @@ class BlockPool:
         if block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            if self._hash_events is not None:
+                self._hash_events.append((True, block_hash))
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self._hash_events is not None:
+                    self._hash_events.append((False, block.block_hash))
             block.block_hash = None

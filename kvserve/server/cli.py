@@ -8,6 +8,7 @@ import sys
 
 from kvserve.config import parse_size
 from kvserve.engine.cli import add_engine_args, engine_config_from_args
+from kvserve.scaleout.cli import add_scale_out_args, run_on_ray, wants_ray
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING
 from kvserve.server.body import DEFAULT_MAX_BODY_BYTES
 
@@ -30,10 +31,13 @@ def add_parser(subparsers) -> None:
                    help="seconds running requests get to finish on Ctrl-C / SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log every request")
     add_engine_args(serve)
+    add_scale_out_args(serve)
     serve.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if wants_ray(args):
+        return run_on_ray(args)
     from kvserve.engine.llm import _ensure_log_handler
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import build_app

@@ -89,6 +89,23 @@ def test_first_block_registered_under_a_hash_keeps_it():
     assert pool.lookup(key) is first
 
 
+
+def test_hash_events_replay_what_is_findable_then_follow_registrations_and_evictions():
+    pool = BlockPool(2)
+    early, late = hash_block(None, [1] * 4), hash_block(None, [2] * 4)
+    first = pool.allocate(1)[0]
+    pool.register(first, early)
+    events = pool.subscribe_hash_events()
+    assert list(events) == [(True, early)]  # a late subscriber starts from what is findable now
+    events.clear()
+    second = pool.allocate(1)[0]
+    pool.register(second, late)
+    pool.register(second, late)  # already registered: no second event
+    pool.free([first, second])
+    pool.allocate(1)  # reuses `first`, evicting its key
+    assert list(events) == [(True, late), (False, early)]
+    assert pool.subscribe_hash_events() is events
+
 def test_prefix_caching_disabled_registers_nothing():
     pool = BlockPool(2, enable_prefix_caching=False)
     block = pool.allocate(1)[0]

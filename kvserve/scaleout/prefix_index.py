@@ -1,0 +1,82 @@
+"""The prefix router's picture of what each replica has cached, and its choice of replica for a request.
+
+A key is a prefix of a block's chained hash (kvserve/kv/block_hash.py): it names the whole prompt prefix up to and
+including that block, so a request's keys in order, compared with a replica's set, give the number of leading
+blocks that replica can reuse. A collision could only misroute a request; it never touches what the engine computes."""
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+KEY_BYTES = 8
+
+
+def routing_key(block_hash: bytes) -> bytes:
+    """The part of a block hash that routing compares (a hybrid model's per-group suffix falls away too)."""
+    return block_hash[:KEY_BYTES]
+
+
+def pack_keys(keys: Iterable[bytes]) -> bytes:
+    """Keys as one compact blob, the form replicas publish them in."""
+    return b"".join(keys)
+
+
+def unpack_keys(blob: bytes) -> frozenset[bytes]:
+    return frozenset(blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES))
+
+
+class PrefixIndex:
+    """Per replica: the keys of its last published snapshot, plus the keys of requests routed to it since, which the
+    snapshots (taken every few seconds) may not show yet; those expire after `recent_ttl_s`."""
+
+    def __init__(self, recent_ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.recent_ttl_s = recent_ttl_s
+        self._clock = clock
+        self._snapshots: dict[str, frozenset[bytes]] = {}
+        self._versions: dict[str, object] = {}
+        self._recent: dict[str, OrderedDict[bytes, float]] = {}  # key -> expiry, oldest first
+
+    def update_snapshot(self, replica: str, version: object, blob: bytes) -> None:
+        """Take a replica's published keys, unless this version is the one already taken."""
+        if self._versions.get(replica) != version:
+            self._versions[replica] = version
+            self._snapshots[replica] = unpack_keys(blob)
+
+    def record_routed(self, replica: str, keys: Sequence[bytes]) -> None:
+        """The replica is about to prefill these blocks: count them as cached there until its snapshots show them."""
+        recent = self._recent.setdefault(replica, OrderedDict())
+        now = self._clock()
+        while recent and next(iter(recent.values())) <= now:
+            recent.popitem(last=False)
+        for key in keys:
+            recent.pop(key, None)
+            recent[key] = now + self.recent_ttl_s
+
+    def forget(self, replica: str) -> None:
+        for table in (self._snapshots, self._versions, self._recent):
+            table.pop(replica, None)
+
+    def num_cached_blocks(self, replica: str, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, the replica holds."""
+        snapshot = self._snapshots.get(replica, frozenset())
+        recent = self._recent.get(replica, {})
+        now = self._clock()
+        for i, key in enumerate(keys):
+            if key not in snapshot and recent.get(key, 0.0) <= now:
+                return i
+        return len(keys)
+
+
+def rank_replicas(cached_blocks: dict[str, int], loads: dict[str, int], imbalance_threshold: int,
+                  rng: random.Random | None = None) -> list[str]:
+    """Replica ids best first. While the busiest replica has at most `imbalance_threshold` more requests than the
+    idlest, the longest cached prefix wins (then the lighter load); past it, the lighter load wins. Exact ties are
+    broken at random so idle replicas share new conversations."""
+    replicas = list(cached_blocks)
+    (rng or random).shuffle(replicas)
+    imbalanced = max(loads.values()) - min(loads.values()) > imbalance_threshold
+    if imbalanced:
+        return sorted(replicas, key=lambda r: (loads[r], -cached_blocks[r]))
+    return sorted(replicas, key=lambda r: (-cached_blocks[r], loads[r]))

@@ -1,0 +1,70 @@
+"""The prefix router's picture of the replicas: a request's cached run is the leading keys a replica's snapshot or
+its recent routes hold; routes expire; the longest run wins unless the load is too uneven."""
+import random
+
+from kvserve.scaleout.prefix_index import PrefixIndex, pack_keys, rank_replicas, unpack_keys
+
+A, B, C, D = (bytes([i]) * 8 for i in range(1, 5))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_cached_run_counts_leading_keys_of_the_snapshot_only():
+    index = PrefixIndex(recent_ttl_s=5)
+    index.update_snapshot("r1", 1, pack_keys([A, B, D]))
+    assert index.num_cached_blocks("r1", [A, B, C, D]) == 2  # D is cached but after a miss: unusable
+    assert index.num_cached_blocks("r1", [B]) == 1
+    assert index.num_cached_blocks("r2", [A]) == 0
+
+
+def test_a_new_snapshot_version_replaces_the_old_one():
+    index = PrefixIndex(recent_ttl_s=5)
+    index.update_snapshot("r1", 1, pack_keys([A, B]))
+    index.update_snapshot("r1", 2, pack_keys([A]))  # B was evicted
+    assert index.num_cached_blocks("r1", [A, B]) == 1
+
+
+def test_routed_prompts_count_until_they_expire():
+    clock = Clock()
+    index = PrefixIndex(recent_ttl_s=5, clock=clock)
+    index.record_routed("r1", [A, B])
+    assert index.num_cached_blocks("r1", [A, B, C]) == 2
+    clock.now += 6
+    assert index.num_cached_blocks("r1", [A, B, C]) == 0
+    index.update_snapshot("r1", 1, pack_keys([A]))
+    assert index.num_cached_blocks("r1", [A, B]) == 1
+
+
+def test_forgetting_a_replica_drops_everything_it_held():
+    index = PrefixIndex(recent_ttl_s=5)
+    index.update_snapshot("r1", 1, pack_keys([A]))
+    index.record_routed("r1", [A, B])
+    index.forget("r1")
+    assert index.num_cached_blocks("r1", [A, B]) == 0
+
+
+def test_keys_pack_and_unpack():
+    assert unpack_keys(pack_keys([A, B, C])) == {A, B, C}
+    assert unpack_keys(b"") == frozenset()
+
+
+def test_longest_cached_run_wins_while_load_is_even():
+    order = rank_replicas({"r1": 3, "r2": 7, "r3": 0}, {"r1": 0, "r2": 4, "r3": 1}, imbalance_threshold=4)
+    assert order == ["r2", "r1", "r3"]
+
+
+def test_past_the_threshold_the_least_loaded_wins():
+    order = rank_replicas({"r1": 3, "r2": 7}, {"r1": 0, "r2": 5}, imbalance_threshold=4)
+    assert order == ["r1", "r2"]
+
+
+def test_without_a_cached_prefix_the_least_loaded_wins_and_ties_spread():
+    assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 2, "r2": 1}, imbalance_threshold=8)[0] == "r2"
+    firsts = {rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 0}, 8, random.Random(seed))[0] for seed in range(20)}
+    assert firsts == {"r1", "r2"}

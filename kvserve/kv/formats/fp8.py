@@ -13,18 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kv.formats.per_token import PerTokenQuantizedKVCache, absmax_scale
-
-
-def hadamard(size: int) -> torch.Tensor:
-    """An orthonormal [size, size] rotation: Sylvester's Hadamard matrix / sqrt(size) for a power of two, else a
-    fixed random orthogonal matrix."""
-    if size & (size - 1) == 0:
-        matrix = torch.ones(1, 1)
-        while matrix.shape[0] < size:
-            matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-        return matrix / size**0.5
-    gaussian = torch.randn(size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    return torch.linalg.qr(gaussian).Q.float()
+from kvserve.rotation import hadamard
 
 
 class Fp8KVCache(PerTokenQuantizedKVCache):

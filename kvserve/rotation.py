@@ -1,0 +1,62 @@
+"""Orthonormal rotations that spread a vector's energy over all its channels before it is quantized.
+
+A few large channels (outliers) set a per-row scale and leave the other channels only a few quantization levels;
+rotated, every channel carries a share of them. Used by the fp8 KV cache (kvserve/kv/formats/fp8.py) and by int8
+weights with int8 activations (kvserve/model/linear.py)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+def hadamard(size: int) -> torch.Tensor:
+    """An orthonormal [size, size] rotation: Sylvester's Hadamard matrix / sqrt(size) for a power of two, else a
+    fixed random orthogonal matrix."""
+    if size & (size - 1) == 0:
+        matrix = torch.ones(1, 1)
+        while matrix.shape[0] < size:
+            matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+        return matrix / size**0.5
+    gaussian = torch.randn(size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return torch.linalg.qr(gaussian).Q.float().contiguous()
+
+
+class KroneckerRotation:
+    """R = kron(A, H) over `size` channels: H a Hadamard matrix over blocks of `block` channels (a power of two,
+    at most 64 and at most half of `size`) and A a rotation across the size/block blocks, so R is dense yet costs
+    two small matmuls per row (size x (block + size/block) multiply-adds) instead of size x size.
+
+    x R is computed for a batch [M, size] as two matmuls whose folded row count is M x (size/block) >= 2: each
+    row's result is then the same whatever other rows share the call (a single-row matmul would take a
+    different, differently rounded BLAS path)."""
+
+    def __init__(self, size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        block = min(size & -size, 64, size // 2)  # the largest power of two dividing size, capped
+        if block < 2:
+            raise ValueError(f"a rotation needs an even number of channels, got {size}")
+        self.size, self.block, self.num_blocks = size, block, size // block
+        self.within = hadamard(block).to(dtype=dtype, device=device)
+        self.across = hadamard(self.num_blocks).to(dtype=dtype, device=device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x R for x [M, size]."""
+        t = x.reshape(-1, self.num_blocks, self.block) @ self.within
+        return torch.matmul(self.across.T, t).reshape(x.shape)
+
+    def invert(self, x: torch.Tensor) -> torch.Tensor:
+        """x R^T (R is orthonormal: its inverse)."""
+        t = x.reshape(-1, self.num_blocks, self.block) @ self.within.T
+        return torch.matmul(self.across, t).reshape(x.shape)
+
+    def matrix(self) -> torch.Tensor:
+        return torch.kron(self.across, self.within)
+
+    def storages(self) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (self.within, self.across)}
+
+
+@lru_cache(maxsize=None)
+def kronecker_rotation(size: int, dtype: torch.dtype, device: str) -> KroneckerRotation:
+    """One rotation per (size, dtype, device), shared by every linear that reads `size` channels."""
+    return KroneckerRotation(size, dtype, device)

@@ -1,0 +1,36 @@
+"""The rotations used before quantizing (fp8 KV, int8 activations): orthonormal, inverted exactly enough, dense,
+and each row's result independent of the rows it is batched with."""
+import pytest
+import torch
+
+from kvserve.rotation import KroneckerRotation, hadamard
+
+
+@pytest.mark.parametrize("size", [2, 8, 9, 64, 576])
+def test_hadamard_is_orthonormal(size):
+    matrix = hadamard(size).double()
+    assert torch.allclose(matrix @ matrix.T, torch.eye(size, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [4, 16, 64, 96, 576, 1536])
+def test_kronecker_rotation_is_the_dense_product_and_inverts(size):
+    rotation = KroneckerRotation(size)
+    x = torch.randn(5, size, generator=torch.Generator().manual_seed(size))
+    assert torch.allclose(rotation(x), x @ rotation.matrix(), atol=1e-4)
+    assert torch.allclose(rotation.invert(rotation(x)), x, atol=1e-4)
+    assert (rotation.matrix().abs() > 0).all()  # dense: every output channel mixes every input channel
+
+
+@pytest.mark.parametrize("size", [4, 64, 576, 1536])
+def test_each_row_is_rotated_the_same_alone_or_batched(size):
+    rotation = KroneckerRotation(size)
+    x = torch.randn(33, size, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 100, 33)[:, None]
+    together = rotation(x)
+    for i in (0, 1, 16, 32):
+        assert torch.equal(rotation(x[i : i + 1]), together[i : i + 1])
+        assert torch.equal(rotation(x[: i + 1])[i], together[i])
+
+
+def test_an_odd_size_is_refused():
+    with pytest.raises(ValueError, match="even number of channels, got 7"):
+        KroneckerRotation(7)

@@ -101,7 +101,7 @@ class LLMEngine:
     def _weights_line(self) -> str:
         """e.g. "weights: 135.5 MB int8 (per-output-channel scales; activations per token)"."""
         if self.config.quantization == "int8":
-            form = "int8 (per-output-channel scales, activations quantized per token; norms in " \
+            form = "int8 (per-output-channel scales, activations quantized per token, both rotated; norms in " \
                    f"{self.config.dtype})"
             copy = self.model.linears.tied_copy_nbytes
             if copy:

@@ -54,10 +54,21 @@ class RayEndpoint:
         self._started_ray = True
         try:
             serve.start(http_options={"host": self.config.host, "port": self.config.port})
-            serve.run(build_application(self.config), name=self.config.app_name, route_prefix="/")
+            try:
+                serve.run(build_application(self.config), name=self.config.app_name, route_prefix="/")
+            except RuntimeError as exc:  # Serve says only "failed to update the deployments": add the replicas' error
+                raise RuntimeError(f"{exc}\n{self._deployment_errors(serve)}") from exc
         except BaseException:
             self.stop()
             raise
+
+    def _deployment_errors(self, serve) -> str:
+        """What Serve recorded about each unhealthy deployment (a replica's constructor error and its traceback)."""
+        try:
+            deployments = serve.status().applications[self.config.app_name].deployments
+        except Exception as exc:  # noqa: BLE001 - a status we cannot read adds nothing, it must not hide the error
+            return f"(Serve's status could not be read: {exc})"
+        return "\n".join(f"{name}: {d.message}" for name, d in deployments.items() if d.message) or "(no message)"
 
     def stop(self) -> None:
         """Drain (as the single server does on Ctrl-C), remove the application; if Ray was started here, stop Serve

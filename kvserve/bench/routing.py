@@ -49,6 +49,8 @@ def add_sessions_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    from kvserve.scaleout.config import ray_missing
+
     try:
         sessions = SessionsConfig(base_url=args.base_url.rstrip("/"), model=args.model, api_key=args.api_key,
                                   conversations=args.conversations, turns=args.turns, first_len=args.input_len,
@@ -58,13 +60,22 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvserve bench serve: {exc}", file=sys.stderr)
         return 2
+    if args.routers is not None and (missing := ray_missing()):
+        print(f"kvserve bench serve: --routers: {missing}", file=sys.stderr)
+        return 1
     print(f"{sessions.conversations} conversations x {sessions.turns} turns: first message ~{sessions.first_len} "
           f"words, then ~{sessions.question_len}-word questions, {sessions.answer_len}-token answers", file=sys.stderr)
     if args.routers is None:
         report = asyncio.run(run_sessions(sessions))
         runs = [RouterRun(sessions.base_url, 0, report, kv_cache_tokens(sessions.base_url))]
     else:
-        runs = compare_routers(sessions, scale, routers)
+        from kvserve.scaleout.cluster import ReplicaStartError
+
+        try:
+            runs = compare_routers(sessions, scale, routers)
+        except ReplicaStartError as exc:
+            print(f"kvserve bench serve: {exc}", file=sys.stderr)
+            return 1
     print_runs(runs)
     return 0 if all(len(r.report.succeeded) == len(r.report.turns) for r in runs) else 1
 

@@ -256,6 +256,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from kvserve.bench.routing import run_from_args as run_sessions_from_args
 
         return run_sessions_from_args(args)
+    if args.routers is not None:
+        print("kvserve bench serve: --routers compares routers on multi-turn sessions; add --conversations N",
+              file=sys.stderr)
+        return 2
     try:
         percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
         config = ServeBenchConfig(

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import SLIDING_ATTENTION, ModelConfig
-from kvserve.model.linear import Linears, tensor_storages, weights_nbytes
+from kvserve.model.linear import Linears, load_linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -86,13 +86,11 @@ class Gemma3Model:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"):
-        w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
-        linears = Linears(quantization, dtype)
+        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
+                                                            quantization)
         self.cfg = cfg
         self.quantization = quantization
         self.linears = linears
-        self.lm_head, self.embed = linears.head_and_embedding(
-            w.pop("model.embed_tokens.weight"), None if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
         # transformers multiplies in the model dtype, so bf16 scales by sqrt(hidden) rounded to bf16
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
         self.norm = Gemma3Norm(w["model.norm.weight"], cfg.rms_norm_eps)

@@ -146,6 +146,16 @@ class Linears:
         return self.linear(lm_head), embedding
 
 
+def load_linears(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype, device: str | torch.device,
+                 quantization: str) -> tuple[dict[str, torch.Tensor], Linears, Linear | Int8Linear, Embedding]:
+    """A decoder's weights in `dtype` on `device` (the tables taken out), its Linears, output head and embedding."""
+    w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
+    linears = Linears(quantization, dtype)
+    lm_head, embed = linears.head_and_embedding(w.pop("model.embed_tokens.weight"),
+                                                None if tied else w.pop("lm_head.weight"))
+    return w, linears, lm_head, embed
+
+
 def tensor_storages(*tensors: torch.Tensor | None) -> dict[int, int]:
     """{storage address: bytes} of the tensors given (None skipped): views of one storage count once."""
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}

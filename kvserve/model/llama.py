@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
-from kvserve.model.linear import Linears, weights_nbytes
+from kvserve.model.linear import Linears, load_linears, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -66,13 +66,11 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"):
-        w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
-        linears = Linears(quantization, dtype)
+        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
+                                                            quantization)
         self.cfg = cfg
         self.quantization = quantization
         self.linears = linears
-        self.lm_head, self.embed = linears.head_and_embedding(
-            w.pop("model.embed_tokens.weight"), None if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
         self.norm = w["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", linears) for i in range(cfg.num_layers)]
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)

@@ -6,7 +6,7 @@ import signal
 import sys
 import threading
 
-from kvserve.scaleout.config import DEFAULT_IMBALANCE_THRESHOLD, ROUTER_NAMES, ScaleOutConfig
+from kvserve.scaleout.config import DEFAULT_IMBALANCE_THRESHOLD, ROUTER_NAMES, ScaleOutConfig, ray_missing
 
 
 def add_scale_out_args(parser: argparse.ArgumentParser) -> None:
@@ -48,20 +48,17 @@ def run_on_ray(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        import ray.serve  # noqa: F401
-    except ModuleNotFoundError as exc:
-        print(f"kvserve serve: --replicas needs Ray Serve ({exc}); install it with: pip install -e \".[ray]\"",
-              file=sys.stderr)
+    if missing := ray_missing():
+        print(f"kvserve serve: --replicas: {missing}", file=sys.stderr)
         return 1
     from kvserve.engine.llm import _ensure_log_handler
-    from kvserve.scaleout.cluster import RayEndpoint
+    from kvserve.scaleout.cluster import RayEndpoint, ReplicaStartError
 
     _ensure_log_handler()
     endpoint = RayEndpoint(config)
     try:
         endpoint.start()
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ReplicaStartError) as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()

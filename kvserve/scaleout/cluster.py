@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 from kvserve.scaleout.config import ScaleOutConfig
@@ -57,7 +58,7 @@ class RayEndpoint:
             try:
                 serve.run(build_application(self.config), name=self.config.app_name, route_prefix="/")
             except RuntimeError as exc:  # Serve says only "failed to update the deployments": add the replicas' error
-                raise RuntimeError(f"{exc}\n{self._deployment_errors(serve)}") from exc
+                raise ReplicaStartError(replica_error_summary(self._deployment_errors(serve))) from exc
         except BaseException:
             self.stop()
             raise
@@ -111,3 +112,16 @@ class RayEndpoint:
                  object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False,
                  log_to_driver=self.log_to_driver,
                  runtime_env={"env_vars": {"PYTHONPATH": package_root}})
+
+
+class ReplicaStartError(RuntimeError):
+    """The engine replicas did not start (their own error, e.g. a KV cache too small for max_model_len)."""
+
+
+def replica_error_summary(report: str) -> str:
+    """One line from Serve's report on a failed deployment: the replica's own exception (the traceback's last
+    `SomeError: ...` line), else the report's first line."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b[^:]*: ", line)]
+    reason = raised[-1] if raised else (lines[0] if lines else "(Serve gave no reason)")
+    return f"the engine replicas did not start: {reason}"

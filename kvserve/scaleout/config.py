@@ -49,3 +49,12 @@ class ScaleOutConfig:
     def max_ongoing_requests(self) -> int:
         """Requests Serve lets one replica hold: its engine's own queue limit decides beyond its running batch."""
         return self.max_waiting + self.engine.max_num_seqs
+
+
+def ray_missing() -> str | None:
+    """None when Ray Serve can be imported, else what to run to get it."""
+    try:
+        import ray.serve  # noqa: F401
+    except ModuleNotFoundError as exc:
+        return f"this needs Ray Serve ({exc}); install it with: pip install -e \".[ray]\""
+    return None

@@ -1,4 +1,6 @@
 """`kvserve serve --replicas N` refuses bad scale-out options with a message naming the flag, before starting Ray."""
+import sys
+
 import pytest
 
 from kvserve.cli import main
@@ -25,3 +27,38 @@ def test_an_unknown_router_is_refused(capsys):
 def test_serve_lets_each_replica_queue_what_the_single_server_queues():
     config = ScaleOutConfig(max_waiting=10)
     assert config.max_ongoing_requests == 10 + config.engine.max_num_seqs
+
+
+# What Serve reports when every EngineReplica constructor raised (shape of Ray 2.60's deployment status message)
+SERVE_REPORT = """EngineReplica: The deployment failed to start 6 times in a row. This may be due to a problem with its \
+constructor or initial health check failing. See controller logs for details. Error:
+ray::ServeReplica:kvserve:EngineReplica.initialize_and_get_metadata() (pid=7195)
+  File "/x/ray/serve/_private/replica.py", line 1928, in initialize
+    raise RuntimeError(traceback.format_exc()) from None
+RuntimeError: Traceback (most recent call last):
+  File "/x/kvserve/engine/llm_engine.py", line 64, in __init__
+    raise ValueError(self.cache_plan.error)
+ValueError: smollm2-135m: max_model_len 8,192 needs 360.00 MiB of KV cache for one request, more than the 319.92 MiB
+"""
+
+
+def test_a_replica_that_cannot_start_is_reported_by_its_own_error():
+    from kvserve.scaleout.cluster import replica_error_summary
+
+    assert replica_error_summary(SERVE_REPORT) == ("the engine replicas did not start: ValueError: smollm2-135m: "
+                                                   "max_model_len 8,192 needs 360.00 MiB of KV cache for one request, "
+                                                   "more than the 319.92 MiB")
+    assert replica_error_summary("EngineReplica: unhealthy\n") == "the engine replicas did not start: EngineReplica: unhealthy"
+
+
+@pytest.mark.parametrize("argv", [["serve", "--replicas", "2"], ["bench", "serve", "--conversations", "2", "--routers", "prefix"]])
+def test_scale_out_without_ray_names_the_install_command(argv, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    assert main(argv) == 1
+    assert 'pip install -e ".[ray]"' in capsys.readouterr().err
+
+
+def test_routers_without_conversations_are_refused(capsys):
+    assert main(["bench", "serve", "--routers", "prefix"]) == 2
+    assert "add --conversations N" in capsys.readouterr().err

@@ -117,7 +117,7 @@ class LLMEngine:
         line = self.cache_plan.summary_line(described)
         if self.cache.extra_nbytes:
             line += (f"; plus {self.cache.extra_nbytes / 2**20:.1f} MiB of full-precision staging for partly "
-                     f"filled blocks ({self.config.max_num_seqs} sequences)")
+                     f"filled blocks (2 blocks for each of {self.config.max_num_seqs} sequences)")
         return line
 
     @staticmethod

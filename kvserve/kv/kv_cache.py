@@ -65,6 +65,12 @@ class PagedKVCache:
         """K and V of whole blocks of `layer`'s group ([S, B] block ids) as [S, B * block_size, kv_heads, head_dim]."""
         return self._gather(self.layout.row_of[layer], block_tables)
 
+    def gather_with_own_block(self, layer: int, block_tables: torch.Tensor, own_blocks: torch.Tensor,
+                              new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Formats with `exact_own_block`: gather's blocks, then each request's own block's staged full-precision
+        tokens ([S] block ids, -1: none), then the chunk's new tokens `new_k`/`new_v` ([S, Q, kv_heads, head_dim])."""
+        raise NotImplementedError(f"{self.format_name} KV cache reads every block quantized (exact_own_block=False)")
+
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError
 

@@ -77,11 +77,11 @@ def _group_attention(
         # masking is exact even with padding (a real query never sees a later, padded key) and skips half the work.
         keys, values, mask = k[group.query_index], v[group.query_index], None
     else:
-        keys, values = cache.gather(layer, group.block_tables)  # [S, C, KVH, D]
-        if group.residual_blocks is not None:
-            staged_k, staged_v = cache.gather_residual(layer, group.residual_blocks)
-            keys = torch.cat([keys, staged_k, k[group.query_index]], dim=1)
-            values = torch.cat([values, staged_v, v[group.query_index]], dim=1)
+        if group.residual_blocks is None:
+            keys, values = cache.gather(layer, group.block_tables)  # [S, C, KVH, D]
+        else:
+            keys, values = cache.gather_with_own_block(layer, group.block_tables, group.residual_blocks,
+                                                       k[group.query_index], v[group.query_index])
         mask = group.mask
     rotation = None if group.fresh else cache.rotation  # stored K/V are rotated: rotate queries alike, undo after
     if meta.scores is not None or group.sink_rotation is not None:

@@ -52,6 +52,7 @@ class EngineReplica:
         torch.set_num_threads(max(1, int(config.replica_cpus)))
         engine = LLMEngine(config.engine)
         self._blocks = PublishedBlocks(engine.kv.pool)
+        self._capacity_blocks = engine.kv.pool.num_blocks
         self._app = build_app(engine, config.served_model_name, config.api_key, config.max_waiting)
         self._lifespan = self._app.router.lifespan_context(self._app)
         await self._lifespan.__aenter__()
@@ -68,11 +69,12 @@ class EngineReplica:
             self._blocks.stop_serving(request.routing_keys)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What the routers learn every ROUTING_STATS_PERIOD_S: the keys of the blocks cached or being prefilled."""
+        """What the routers learn every ROUTING_STATS_PERIOD_S: the keys of the blocks cached or being prefilled, and
+        how many blocks the cache has."""
         keys = self._blocks.snapshot()
         if keys != self._keys:
             self._keys, self._version = keys, self._version + 1
-        return {"version": self._version, "keys": keys}
+        return {"version": self._version, "keys": keys, "capacity_blocks": self._capacity_blocks}
 
     async def report(self) -> dict[str, Any]:
         """This replica's health and Prometheus metrics, as its own /health and /metrics give them."""

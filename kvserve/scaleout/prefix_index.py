@@ -29,34 +29,52 @@ def unpack_keys(blob: bytes) -> frozenset[bytes]:
 
 class PrefixIndex:
     """Per replica: the keys of its last published snapshot, plus the keys of requests routed to it since, which the
-    snapshots (taken every few seconds) may not show yet; those expire after `recent_ttl_s`."""
+    snapshots (taken every few seconds) may not show yet; those expire after `recent_ttl_s`.
 
-    def __init__(self, recent_ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    It also keeps each replica's working set: the distinct keys routed to it within the last `working_set_s`, i.e.
+    the blocks its live conversations ask it to keep. Against the replica's published capacity that is its cache
+    pressure; a new conversation goes where it is lowest, so no replica is handed more conversations than its
+    cache holds while another has room."""
+
+    def __init__(self, recent_ttl_s: float, working_set_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.recent_ttl_s = recent_ttl_s
+        self.working_set_s = working_set_s
         self._clock = clock
         self._snapshots: dict[str, frozenset[bytes]] = {}
         self._versions: dict[str, object] = {}
+        self._capacities: dict[str, int] = {}
         self._recent: dict[str, OrderedDict[bytes, float]] = {}  # key -> expiry, oldest first
+        self._working: dict[str, OrderedDict[bytes, float]] = {}  # key -> expiry, oldest first
 
-    def update_snapshot(self, replica: str, version: object, blob: bytes) -> None:
-        """Take a replica's published keys, unless this version is the one already taken."""
+    def update_snapshot(self, replica: str, version: object, blob: bytes, capacity_blocks: int | None = None) -> None:
+        """Take a replica's published keys, unless this version is the one already taken, and its capacity."""
+        if capacity_blocks:
+            self._capacities[replica] = capacity_blocks
         if self._versions.get(replica) != version:
             self._versions[replica] = version
             self._snapshots[replica] = unpack_keys(blob)
 
     def record_routed(self, replica: str, keys: Sequence[bytes]) -> None:
-        """The replica is about to prefill these blocks: count them as cached there until its snapshots show them."""
-        recent = self._recent.setdefault(replica, OrderedDict())
+        """The replica is about to prefill these blocks: count them as cached there until its snapshots show them,
+        and as part of its working set."""
         now = self._clock()
-        while recent and next(iter(recent.values())) <= now:
-            recent.popitem(last=False)
-        for key in keys:
-            recent.pop(key, None)
-            recent[key] = now + self.recent_ttl_s
+        for table, ttl in ((self._recent, self.recent_ttl_s), (self._working, self.working_set_s)):
+            entries = _expire(table.setdefault(replica, OrderedDict()), now)
+            for key in keys:
+                entries.pop(key, None)
+                entries[key] = now + ttl
 
     def forget(self, replica: str) -> None:
-        for table in (self._snapshots, self._versions, self._recent):
+        for table in (self._snapshots, self._versions, self._capacities, self._recent, self._working):
             table.pop(replica, None)
+
+    def working_set_blocks(self, replica: str) -> int:
+        return len(_expire(self._working.get(replica, OrderedDict()), self._clock()))
+
+    def pressure(self, replica: str) -> float:
+        """Working set over capacity (over 1 block until the replica has published its capacity)."""
+        return self.working_set_blocks(replica) / self._capacities.get(replica, 1)
 
     def num_cached_blocks(self, replica: str, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, the replica holds."""
@@ -69,14 +87,21 @@ class PrefixIndex:
         return len(keys)
 
 
+def _expire(entries: OrderedDict[bytes, float], now: float) -> OrderedDict[bytes, float]:
+    while entries and next(iter(entries.values())) <= now:
+        entries.popitem(last=False)
+    return entries
+
+
 def rank_replicas(cached_blocks: dict[str, int], loads: dict[str, int], imbalance_threshold: int,
-                  rng: random.Random | None = None) -> list[str]:
+                  rng: random.Random | None = None, pressures: dict[str, float] | None = None) -> list[str]:
     """Replica ids best first. While the busiest replica has at most `imbalance_threshold` more requests than the
-    idlest, the longest cached prefix wins (then the lighter load); past it, the lighter load wins. Exact ties are
-    broken at random so idle replicas share new conversations."""
+    idlest, the longest cached prefix wins, then the lower cache pressure, then the lighter load; past it, the
+    lighter load wins. Exact ties are broken at random so idle replicas share new conversations."""
     replicas = list(cached_blocks)
     (rng or random).shuffle(replicas)
+    pressure = pressures or {}
     imbalanced = max(loads.values()) - min(loads.values()) > imbalance_threshold
     if imbalanced:
         return sorted(replicas, key=lambda r: (loads[r], -cached_blocks[r]))
-    return sorted(replicas, key=lambda r: (-cached_blocks[r], loads[r]))
+    return sorted(replicas, key=lambda r: (-cached_blocks[r], pressure.get(r, 0.0), loads[r]))

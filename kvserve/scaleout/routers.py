@@ -1,7 +1,8 @@
 """kvserve's request routers, plugged into Ray Serve's RequestRouter extension point (alpha API): Serve builds one
 per deployment handle, in the ingress process, and asks it which replica takes each request.
 
-- prefix: the replica holding the longest run of the request's leading blocks, unless load is too uneven;
+- prefix: the replica holding the longest run of the request's leading blocks (on a tie, the one whose cache is
+  least pressed by its live conversations), unless load is too uneven;
 - pow2: power of two choices (two random replicas, the less loaded wins), Serve's own default policy;
 - round-robin: replicas in turn, blind to load and cache (the baseline prefix routing must beat)."""
 from __future__ import annotations
@@ -35,7 +36,8 @@ class PrefixAffinityRouter(_RankingRouter):
         for r in replicas:
             report = r.routing_stats
             if "keys" in report:
-                self.index.update_snapshot(r.replica_id.unique_id, report["version"], report["keys"])
+                self.index.update_snapshot(r.replica_id.unique_id, report["version"], report["keys"],
+                                           report.get("capacity_blocks"))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -49,7 +51,12 @@ class PrefixAffinityRouter(_RankingRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         cached = {rid: self.index.num_cached_blocks(rid, keys) for rid in by_id}
         loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
-        order = [by_id[rid] for rid in rank_replicas(cached, loads, self.imbalance_threshold)]
+        pressures = {rid: self.index.pressure(rid) for rid in by_id}
+        order = [by_id[rid] for rid in rank_replicas(cached, loads, self.imbalance_threshold, pressures=pressures)]
+        if keys:
+            # Count the request on its first choice now: requests arriving together are ranked concurrently, before
+            # Serve confirms any of them (on_request_routed), and must not all see the same empty replica.
+            self.index.record_routed(order[0].replica_id.unique_id, keys)
         return self._ranked(pending_request, [order[:1], order[1:]])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:

@@ -68,3 +68,49 @@ def test_without_a_cached_prefix_the_least_loaded_wins_and_ties_spread():
     assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 2, "r2": 1}, imbalance_threshold=8)[0] == "r2"
     firsts = {rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 0}, 8, random.Random(seed))[0] for seed in range(20)}
     assert firsts == {"r1", "r2"}
+
+
+def test_working_set_counts_distinct_routed_keys_until_the_window_passes():
+    clock = Clock()
+    index = PrefixIndex(recent_ttl_s=5, working_set_s=60, clock=clock)
+    index.record_routed("r1", [A, B])
+    index.record_routed("r1", [A, B, C])  # the conversation's next turn: one new block
+    assert index.working_set_blocks("r1") == 3
+    clock.now += 30
+    index.record_routed("r1", [D])
+    clock.now += 31  # A, B, C last routed 61 s ago
+    assert index.working_set_blocks("r1") == 1
+    assert index.num_cached_blocks("r1", [D]) == 0  # the short cached presumption expired long before
+
+
+def test_pressure_is_the_working_set_over_the_published_capacity():
+    index = PrefixIndex(recent_ttl_s=5)
+    index.record_routed("r1", [A, B])
+    assert index.pressure("r1") == 2  # no capacity published yet: blocks
+    index.update_snapshot("r1", 1, b"", capacity_blocks=8)
+    assert index.pressure("r1") == 0.25
+    index.forget("r1")
+    assert index.pressure("r1") == 0
+
+
+def test_new_conversations_go_where_the_cache_is_least_pressed():
+    pressures = {"r1": 0.9, "r2": 0.2}
+    assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 3}, 8, pressures=pressures)[0] == "r2"
+    # a cached prefix still wins over pressure, and a load past the threshold over both
+    assert rank_replicas({"r1": 4, "r2": 0}, {"r1": 0, "r2": 0}, 8, pressures=pressures)[0] == "r1"
+    assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 9}, 8, pressures=pressures)[0] == "r1"
+
+
+def test_a_stream_of_new_conversations_alternates_between_equal_replicas():
+    index = PrefixIndex(recent_ttl_s=5)
+    for rid in ("r1", "r2"):
+        index.update_snapshot(rid, 1, b"", capacity_blocks=100)
+    placed = []
+    for i in range(8):
+        keys = [bytes([i + 10]) * 8, bytes([i + 100]) * 8]
+        cached = {rid: index.num_cached_blocks(rid, keys) for rid in ("r1", "r2")}
+        pressures = {rid: index.pressure(rid) for rid in ("r1", "r2")}
+        best = rank_replicas(cached, {"r1": 0, "r2": 0}, 8, random.Random(i), pressures)[0]
+        index.record_routed(best, keys)
+        placed.append(best)
+    assert placed.count("r1") == placed.count("r2") == 4

@@ -19,7 +19,8 @@ def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_siz
                   head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
                   max_num_seqs: int = 1) -> PagedKVCache:
     """The storage for `format_name`; `dtype` is the model's compute dtype, which reads return. int4 keeps one
-    full-precision staging row per partly filled block, sized for `max_num_seqs` sequences per layer group."""
+    full-precision staging row per partly filled block (two per sequence at most), sized for `max_num_seqs`
+    sequences per layer group."""
     args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
     if format_name in FLOAT_FORMATS:
         return FullPrecisionKVCache(*args, dtype=dtype, device=device, storage_dtype=FLOAT_FORMATS[format_name])

@@ -36,13 +36,18 @@ class Fp8KVCache(PerTokenQuantizedKVCache):
         return scaled.to(self.fp8_dtype).view(torch.uint8), scale
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # The bytes become float16 bit patterns (fast to widen on a CPU; PyTorch's own float8_e4m3 conversion is
-        # scalar there, 5x slower per read): e5m2 is a float16's top byte; e4m3's sign, exponent and mantissa
+        # The bytes become float16 bit patterns (fast to widen on a CPU; PyTorch's own float8 conversion is scalar
+        # there, about 4x slower per read): e5m2 is a float16's top byte; e4m3's sign, exponent and mantissa
         # shift into place and read 2^-8 too small (float16's exponent bias is 15, e4m3's 7), which the scale
         # absorbs. Every product is exact in float32 and rounded once, so the values are those of a plain cast.
-        codes = data.to(torch.int16)
+        # Sign-extending (int8 -> int16) puts the sign in bit 15 with one shift; e4m3 then clears bit 14, where
+        # the extension also landed. In place on the one int16 tensor: a read is four passes over it.
+        codes = data.view(torch.int8).to(torch.int16)
         if self.fp8_dtype == torch.float8_e5m2:
-            halves, factor = (codes << 8).view(torch.float16), 1.0
+            codes <<= 8
+            factor = 1.0
         else:
-            halves, factor = (((codes & 0x80) << 8) | ((codes & 0x7F) << 7)).view(torch.float16), 256.0
-        return halves.float().mul_(scale.float()[..., None] * factor).to(self.dtype)
+            codes <<= 7
+            codes &= ~0x4000  # 0b1011_1111_1000_0000: sign, then e4m3's 4 exponent and 3 mantissa bits
+            factor = 256.0
+        return codes.view(torch.float16).float().mul_(scale.float()[..., None] * factor).to(self.dtype)

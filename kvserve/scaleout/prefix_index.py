@@ -11,6 +11,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 KEY_BYTES = 8
+# A request's cached run must cover this share of its blocks to pull it to a replica; below it, the request is
+# placed like a new conversation, where the cache has most room. A new conversation shares at most a system
+# prompt with others; a returning one finds its whole previous prompt, most of the new one.
+MIN_AFFINITY_SHARE = 0.5
 
 
 def routing_key(block_hash: bytes) -> bytes:
@@ -32,9 +36,9 @@ class PrefixIndex:
     snapshots (taken every few seconds) may not show yet; those expire after `recent_ttl_s`.
 
     It also keeps each replica's working set: the distinct keys routed to it within the last `working_set_s`, i.e.
-    the blocks its live conversations ask it to keep. Against the replica's published capacity that is its cache
-    pressure; a new conversation goes where it is lowest, so no replica is handed more conversations than its
-    cache holds while another has room."""
+    the blocks its live conversations ask it to keep (a conversation that moves leaves the working set it had).
+    Against the replica's published capacity that is its cache pressure; a new conversation goes where it is
+    lowest, so no replica is handed more conversations than its cache holds while another has room."""
 
     def __init__(self, recent_ttl_s: float, working_set_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -64,6 +68,10 @@ class PrefixIndex:
             for key in keys:
                 entries.pop(key, None)
                 entries[key] = now + ttl
+        for other, entries in self._working.items():  # a conversation lives where its latest turn went
+            if other != replica:
+                for key in keys:
+                    entries.pop(key, None)
 
     def forget(self, replica: str) -> None:
         for table in (self._snapshots, self._versions, self._capacities, self._recent, self._working):
@@ -94,14 +102,21 @@ def _expire(entries: OrderedDict[bytes, float], now: float) -> OrderedDict[bytes
 
 
 def rank_replicas(cached_blocks: dict[str, int], loads: dict[str, int], imbalance_threshold: int,
-                  rng: random.Random | None = None, pressures: dict[str, float] | None = None) -> list[str]:
-    """Replica ids best first. While the busiest replica has at most `imbalance_threshold` more requests than the
-    idlest, the longest cached prefix wins, then the lower cache pressure, then the lighter load; past it, the
-    lighter load wins. Exact ties are broken at random so idle replicas share new conversations."""
+                  rng: random.Random | None = None, pressures: dict[str, float] | None = None,
+                  num_blocks: int = 0) -> list[str]:
+    """Replica ids best first, for a request of `num_blocks` full blocks. While the busiest replica has at most
+    `imbalance_threshold` more requests than the idlest, the longest cached prefix wins, then the lower cache
+    pressure, then the lighter load; past it, the lighter load wins. A cached run shorter than MIN_AFFINITY_SHARE
+    of the request earns no affinity (a shared system prompt must not pull every new conversation to the replica
+    that saw it first); a request without a full block goes by load alone. Exact ties are broken at random so idle replicas share new conversations."""
     replicas = list(cached_blocks)
     (rng or random).shuffle(replicas)
     pressure = pressures or {}
     imbalanced = max(loads.values()) - min(loads.values()) > imbalance_threshold
     if imbalanced:
         return sorted(replicas, key=lambda r: (loads[r], -cached_blocks[r]))
+    if not num_blocks:  # nothing to cache: only the load matters
+        return sorted(replicas, key=lambda r: loads[r])
+    if max(cached_blocks.values()) < MIN_AFFINITY_SHARE * num_blocks:
+        return sorted(replicas, key=lambda r: (pressure.get(r, 0.0), loads[r]))
     return sorted(replicas, key=lambda r: (-cached_blocks[r], pressure.get(r, 0.0), loads[r]))

@@ -52,7 +52,8 @@ class PrefixAffinityRouter(_RankingRouter):
         cached = {rid: self.index.num_cached_blocks(rid, keys) for rid in by_id}
         loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()}
         pressures = {rid: self.index.pressure(rid) for rid in by_id}
-        order = [by_id[rid] for rid in rank_replicas(cached, loads, self.imbalance_threshold, pressures=pressures)]
+        ranked = rank_replicas(cached, loads, self.imbalance_threshold, pressures=pressures, num_blocks=len(keys))
+        order = [by_id[rid] for rid in ranked]
         if keys:
             # Count the request on its first choice now: requests arriving together are ranked concurrently, before
             # Serve confirms any of them (on_request_routed), and must not all see the same empty replica.

@@ -55,7 +55,8 @@ def test_keys_pack_and_unpack():
 
 
 def test_longest_cached_run_wins_while_load_is_even():
-    order = rank_replicas({"r1": 3, "r2": 7, "r3": 0}, {"r1": 0, "r2": 4, "r3": 1}, imbalance_threshold=4)
+    order = rank_replicas({"r1": 3, "r2": 7, "r3": 0}, {"r1": 0, "r2": 4, "r3": 1}, imbalance_threshold=4,
+                          num_blocks=8)
     assert order == ["r2", "r1", "r3"]
 
 
@@ -95,10 +96,10 @@ def test_pressure_is_the_working_set_over_the_published_capacity():
 
 def test_new_conversations_go_where_the_cache_is_least_pressed():
     pressures = {"r1": 0.9, "r2": 0.2}
-    assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 3}, 8, pressures=pressures)[0] == "r2"
+    assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 3}, 8, pressures=pressures, num_blocks=4)[0] == "r2"
     # a cached prefix still wins over pressure, and a load past the threshold over both
-    assert rank_replicas({"r1": 4, "r2": 0}, {"r1": 0, "r2": 0}, 8, pressures=pressures)[0] == "r1"
-    assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 9}, 8, pressures=pressures)[0] == "r1"
+    assert rank_replicas({"r1": 4, "r2": 0}, {"r1": 0, "r2": 0}, 8, pressures=pressures, num_blocks=5)[0] == "r1"
+    assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 9}, 8, pressures=pressures, num_blocks=4)[0] == "r1"
 
 
 def test_a_stream_of_new_conversations_alternates_between_equal_replicas():
@@ -110,7 +111,45 @@ def test_a_stream_of_new_conversations_alternates_between_equal_replicas():
         keys = [bytes([i + 10]) * 8, bytes([i + 100]) * 8]
         cached = {rid: index.num_cached_blocks(rid, keys) for rid in ("r1", "r2")}
         pressures = {rid: index.pressure(rid) for rid in ("r1", "r2")}
-        best = rank_replicas(cached, {"r1": 0, "r2": 0}, 8, random.Random(i), pressures)[0]
+        best = rank_replicas(cached, {"r1": 0, "r2": 0}, 8, random.Random(i), pressures, num_blocks=len(keys))[0]
         index.record_routed(best, keys)
         placed.append(best)
     assert placed.count("r1") == placed.count("r2") == 4
+
+
+def test_a_conversation_that_moves_leaves_its_old_working_set():
+    index = PrefixIndex(recent_ttl_s=5)
+    index.record_routed("r1", [A, B])
+    index.record_routed("r2", [A, B, C])  # its next turn went elsewhere (its prefix was evicted on r1)
+    assert index.working_set_blocks("r1") == 0
+    assert index.working_set_blocks("r2") == 3
+    assert index.num_cached_blocks("r1", [A, B]) == 2  # r1 may still hold it: the cached presumption stays
+
+
+def test_a_short_shared_prefix_earns_no_affinity():
+    pressures = {"r1": 0.5, "r2": 0.1}
+    # a new conversation whose first of 10 blocks (a system prompt) only r1 has seen goes where there is room
+    assert rank_replicas({"r1": 1, "r2": 0}, {"r1": 0, "r2": 0}, 8, pressures=pressures, num_blocks=10)[0] == "r2"
+    # a returning one, with most of its prompt cached on r1, stays there
+    assert rank_replicas({"r1": 8, "r2": 1}, {"r1": 0, "r2": 0}, 8, pressures=pressures, num_blocks=10)[0] == "r1"
+
+
+def test_conversations_behind_one_system_prompt_spread_over_the_replicas():
+    index = PrefixIndex(recent_ttl_s=5)
+    for rid in ("r1", "r2"):
+        index.update_snapshot(rid, 1, b"", capacity_blocks=100)
+    system = b"s" * 8
+    placed = []
+    for i in range(8):
+        keys = [system, bytes([i + 10]) * 8, bytes([i + 100]) * 8]
+        cached = {rid: index.num_cached_blocks(rid, keys) for rid in ("r1", "r2")}
+        pressures = {rid: index.pressure(rid) for rid in ("r1", "r2")}
+        best = rank_replicas(cached, {"r1": 0, "r2": 0}, 8, random.Random(i), pressures, num_blocks=len(keys))[0]
+        index.record_routed(best, keys)
+        placed.append(best)
+    assert placed.count("r1") == placed.count("r2") == 4
+
+
+def test_a_request_without_a_full_block_goes_by_load_alone():
+    order = rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 2}, 8, pressures={"r1": 0.9, "r2": 0.1}, num_blocks=0)
+    assert order == ["r1", "r2"]

@@ -102,18 +102,24 @@ def test_new_conversations_go_where_the_cache_is_least_pressed():
     assert rank_replicas({"r1": 0, "r2": 0}, {"r1": 0, "r2": 9}, 8, pressures=pressures, num_blocks=4)[0] == "r1"
 
 
-def test_a_stream_of_new_conversations_alternates_between_equal_replicas():
+def place_new_conversations(prefix: list[bytes], count: int = 8) -> list[str]:
+    """Route `count` new two-block conversations behind `prefix` over two equal replicas, as the router would."""
     index = PrefixIndex(recent_ttl_s=5)
     for rid in ("r1", "r2"):
         index.update_snapshot(rid, 1, b"", capacity_blocks=100)
     placed = []
-    for i in range(8):
-        keys = [bytes([i + 10]) * 8, bytes([i + 100]) * 8]
+    for i in range(count):
+        keys = [*prefix, bytes([i + 10]) * 8, bytes([i + 100]) * 8]
         cached = {rid: index.num_cached_blocks(rid, keys) for rid in ("r1", "r2")}
         pressures = {rid: index.pressure(rid) for rid in ("r1", "r2")}
         best = rank_replicas(cached, {"r1": 0, "r2": 0}, 8, random.Random(i), pressures, num_blocks=len(keys))[0]
         index.record_routed(best, keys)
         placed.append(best)
+    return placed
+
+
+def test_a_stream_of_new_conversations_alternates_between_equal_replicas():
+    placed = place_new_conversations([])
     assert placed.count("r1") == placed.count("r2") == 4
 
 
@@ -135,18 +141,7 @@ def test_a_short_shared_prefix_earns_no_affinity():
 
 
 def test_conversations_behind_one_system_prompt_spread_over_the_replicas():
-    index = PrefixIndex(recent_ttl_s=5)
-    for rid in ("r1", "r2"):
-        index.update_snapshot(rid, 1, b"", capacity_blocks=100)
-    system = b"s" * 8
-    placed = []
-    for i in range(8):
-        keys = [system, bytes([i + 10]) * 8, bytes([i + 100]) * 8]
-        cached = {rid: index.num_cached_blocks(rid, keys) for rid in ("r1", "r2")}
-        pressures = {rid: index.pressure(rid) for rid in ("r1", "r2")}
-        best = rank_replicas(cached, {"r1": 0, "r2": 0}, 8, random.Random(i), pressures, num_blocks=len(keys))[0]
-        index.record_routed(best, keys)
-        placed.append(best)
+    placed = place_new_conversations([b"s" * 8])  # the first block, shared by all: seen on one replica first
     assert placed.count("r1") == placed.count("r2") == 4
 
 

@@ -177,7 +177,8 @@ def add_throughput_parser(bench_subparsers) -> None:
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="FORMAT",
                    help="kvserve's KV storage, e.g. auto,fp8,int8,int4; one run per value (default: auto)")
     p.add_argument("--profile", action="store_true",
-                   help="also print where each kvserve batched run spends its time (cProfile, top functions)")
+                   help="also print where each kvserve run (batched and single stream) spends its time (cProfile, "
+                        "top functions)")
     p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "llama.cpp", "single", "roofline"],
                    help="leave out a baseline, the single-stream part or the roofline")
     p.add_argument("--model", default=None,
@@ -289,12 +290,13 @@ class _KvserveRuns:
             self._describe(llm.engine)
         for name, workload in self.workloads.items():
             run_kvserve(llm, self.prompts[name][:2], 4)  # warm-up
-            self.batched[name].append(_maybe_profiled(self.args.profile, self.console, run_kvserve, llm,
+            self.batched[name].append(_maybe_profiled(self.args.profile, self.console, name, run_kvserve, llm,
                                                       self.prompts[name], workload.output_len, config.name))
         if "single" not in self.args.skip:
             first = next(iter(self.workloads))
-            self.singles.append(run_kvserve(llm, self.prompts[first][:1], self.workloads[first].output_len,
-                                            config.name))
+            self.singles.append(_maybe_profiled(self.args.profile, self.console, "single stream", run_kvserve, llm,
+                                                self.prompts[first][:1], self.workloads[first].output_len,
+                                                config.name))
         del llm
         gc.collect()
 
@@ -364,7 +366,7 @@ def _llama_cpp_ready(console) -> bool:
     return False
 
 
-def _maybe_profiled(profile: bool, console, fn, *args):
+def _maybe_profiled(profile: bool, console, label: str, fn, *args):
     if not profile:
         return fn(*args)
     import cProfile
@@ -374,7 +376,7 @@ def _maybe_profiled(profile: bool, console, fn, *args):
     result = profiler.runcall(fn, *args)
     stats = pstats.Stats(profiler).sort_stats("tottime")
     total = sum(row[2] for row in stats.stats.values())  # tottime summed over all functions
-    console.print(f"{result.name}: share of time by function (cProfile tottime)")
+    console.print(f"{result.name}, {label}: share of time by function (cProfile tottime)")
     for (file, line, name), row in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:8]:
         console.print(f"  {row[2] / total:6.1%}  {name}  ({file.rsplit('/', 1)[-1]}:{line})")
     return result

@@ -9,10 +9,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvserve import LLM, LLMEngine, EngineConfig, SamplingParams
-from kvserve.server.app import build_app
-from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_chat_model, scrape_metrics
+from kvserve import LLM, SamplingParams
+from tests.conftest import make_tiny_chat_model, scrape_metrics, serve_tiny
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024)
 MAX_TOKENS_GREEDY = 12
@@ -27,8 +25,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
-    with ServerThread(build_app(engine)) as server:
+    with serve_tiny(model_dir, ENGINE_OPTIONS) as server:
         yield server
 
 

@@ -10,10 +10,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
-from kvserve.server.app import build_app
-from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_chat_model, scrape_metrics
+from kvserve import LLM, SamplingParams
+from tests.conftest import make_tiny_chat_model, scrape_metrics, serve_tiny
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=256, max_num_seqs=4)
 NUM_CASES = 250
@@ -103,8 +101,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
-    with ServerThread(build_app(engine)) as server:
+    with serve_tiny(model_dir, ENGINE_OPTIONS) as server:
         yield server
 
 

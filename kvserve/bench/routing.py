@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import socket
 import sys
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ def add_sessions_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-cpus", type=float, default=1.0, help="--routers: CPUs per replica (default %(default)s)")
     g.add_argument("--router-imbalance-threshold", type=int, default=DEFAULT_IMBALANCE_THRESHOLD,
                    dest="imbalance_threshold", help="--routers: the prefix router's (default %(default)s)")
+    g.add_argument("--turns-jsonl", default=None, metavar="PATH",
+                   help="also write every turn (setup, conversation, turn, replica, prompt and cached tokens, TTFT) "
+                        "to PATH as JSON lines: which replica each turn of a conversation went to")
     add_engine_args(parser, exclude=("model", "seed"))
 
 
@@ -77,6 +81,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             print(f"kvserve bench serve: {exc}", file=sys.stderr)
             return 1
     print_runs(runs)
+    if args.turns_jsonl:
+        write_turns(args.turns_jsonl, runs)
     return 0 if all(len(r.report.succeeded) == len(r.report.turns) for r in runs) else 1
 
 
@@ -91,6 +97,14 @@ def compare_routers(sessions: SessionsConfig, scale, routers: list[str]) -> list
         print(f"{name}: cached share {report.cached_share:.1%}, {len(report.succeeded)}/{len(report.turns)} turns "
               f"ok in {report.duration_s:.1f} s", file=sys.stderr, flush=True)
     return runs
+
+
+def write_turns(path: str, runs: list[RouterRun]) -> None:
+    """One JSON object per line for each turn of each run, in the order the conversations ran them."""
+    with open(path, "w") as out:
+        for run in runs:
+            for turn in run.report.turns:
+                out.write(json.dumps({"setup": run.name, **dataclasses.asdict(turn)}) + "\n")
 
 
 def big_replica(scale):

@@ -8,7 +8,7 @@ the route (kvserve/model/int8_kernels.py) is only a question of speed.
 Both sides are rotated first (x W^T = (x R)(W R)^T for an orthonormal R, kvserve/rotation.py): a decoder's
 activations have a few channels far larger than the rest, which set the per-token scale and leave the others a
 handful of levels. Rotated, the outliers are spread over every channel: on SmolLM2 this took W8A8's perplexity
-cost from +5.7% to +0.6% (docs/quality.md). R is a Kronecker product of two small Hadamard-type matrices, so the
+cost from +4.61% to +0.75% (docs/quality.md). R is a Kronecker product of two small Hadamard-type matrices, so the
 rotation of x costs two small matmuls; W R is computed once at load."""
 from __future__ import annotations
 

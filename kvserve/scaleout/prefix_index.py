@@ -108,7 +108,8 @@ def rank_replicas(cached_blocks: dict[str, int], loads: dict[str, int], imbalanc
     `imbalance_threshold` more requests than the idlest, the longest cached prefix wins, then the lower cache
     pressure, then the lighter load; past it, the lighter load wins. A cached run shorter than MIN_AFFINITY_SHARE
     of the request earns no affinity (a shared system prompt must not pull every new conversation to the replica
-    that saw it first); a request without a full block goes by load alone. Exact ties are broken at random so idle replicas share new conversations."""
+    that saw it first); a request without a full block goes by load alone. Exact ties are broken at random so
+    idle replicas share new conversations."""
     replicas = list(cached_blocks)
     (rng or random).shuffle(replicas)
     pressure = pressures or {}

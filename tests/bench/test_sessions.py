@@ -1,11 +1,12 @@
 """`kvserve bench serve --conversations`: every conversation runs to its last turn, each turn sending the whole
 history, and on a single server (one cache for everyone) every turn after the first finds its history cached."""
 import asyncio
+import json
 
 import pytest
 
 from kvserve import EngineConfig, LLMEngine
-from kvserve.bench.routing import RouterRun, big_replica, cached_share_ratios
+from kvserve.bench.routing import RouterRun, big_replica, cached_share_ratios, write_turns
 from kvserve.bench.sessions import SessionsConfig, SessionsReport, TurnResult, run_sessions
 from kvserve.scaleout.config import ScaleOutConfig
 from kvserve.server.app import build_app
@@ -62,3 +63,12 @@ def test_prefix_routing_is_compared_with_one_big_replica_and_the_baselines():
             RouterRun("round-robin", 2, report_with_share(19))]
     assert cached_share_ratios(runs) == ["prefix routing's cached share is 0.95x one big replica's",
                              "prefix routing's cached share is 4.00x round-robin's"]
+
+
+def test_turns_are_written_as_json_lines_with_their_replica(tmp_path):
+    report = SessionsReport(SessionsConfig(), 1.0, [TurnResult(0, 1, True, 100, 16, replica="r1"),
+                                                   TurnResult(0, 2, True, 150, 96, replica="r2")])
+    write_turns(str(tmp_path / "turns.jsonl"), [RouterRun("prefix", 2, report)])
+    rows = [json.loads(line) for line in (tmp_path / "turns.jsonl").read_text().splitlines()]
+    assert [(r["setup"], r["turn"], r["replica"], r["cached_tokens"]) for r in rows] == \
+        [("prefix", 1, "r1", 16), ("prefix", 2, "r2", 96)]

@@ -101,3 +101,21 @@ def test_a_chunk_that_completes_a_block_and_starts_the_next_needs_no_growth():
     step(cache, [2, 3, 4, 10, 11, 12, 13, 14, 15, 20], k, v)  # A completes 0, starts 1; B fills 2 and 3, starts 5
     assert len(cache.staging_k) == 4
     assert torch.equal(cache.gather_residual(0, torch.tensor([1, 5]))[0][:, 0], k[[2, 9]])
+
+
+def test_a_read_with_the_own_block_is_blocks_then_staged_then_new_tokens():
+    cache = make()
+    k, v = vectors(BS + 2), vectors(BS + 2, seed=1)
+    step(cache, [4, 5, 6, 7, 8, 9], k, v)  # block 1 full (quantized), block 2 with two staged tokens
+    new_k, new_v = vectors(1, seed=2)[None], vectors(1, seed=3)[None]
+    keys, values = cache.gather_with_own_block(0, torch.tensor([[1]]), torch.tensor([2]), new_k, new_v)
+    blocks_k, blocks_v = cache.gather(0, torch.tensor([[1]]))
+    staged_k, staged_v = cache.gather_residual(0, torch.tensor([2]))
+    assert torch.equal(keys, torch.cat([blocks_k, staged_k, new_k], dim=1))
+    assert torch.equal(values, torch.cat([blocks_v, staged_v, new_v], dim=1))
+    assert torch.equal(keys[0, BS:BS + 2], k[BS:])  # the staged tokens are exact
+
+
+def test_unpack_reads_every_byte_as_its_two_nibbles():
+    packed = torch.arange(256, dtype=torch.uint8).view(-1, 2)
+    assert torch.equal(unpack(packed), torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2))

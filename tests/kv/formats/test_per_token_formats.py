@@ -91,3 +91,14 @@ def test_a_token_reads_the_same_whatever_else_was_written(fmt):
 def test_storage_is_one_byte_per_element_plus_an_fp16_scale_per_vector(fmt, stored_bytes):
     vectors = 2 * LAYERS * BLOCKS * BS * HEADS
     assert make(fmt).nbytes == vectors * (DIM * stored_bytes + 2)
+
+
+@pytest.mark.parametrize("fmt, fp8_dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_reads_every_code_as_pytorchs_own_cast_does(fmt, fp8_dtype):
+    cache = make(fmt)
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(fp8_dtype).float())  # the NaN/inf codes are never written (values saturate)
+    codes = codes[finite].view(-1, 1, 1).expand(-1, HEADS, DIM).contiguous()  # signs, subnormals, extremes
+    scale = torch.full(codes.shape[:-1], 0.75, dtype=torch.bfloat16)
+    expected = codes.view(fp8_dtype).float() * 0.75
+    assert torch.equal(cache.dequantize(codes, scale), expected)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -176,6 +177,10 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="kvserve's weights, e.g. none int8 (or none,int8); one run per value (default: none)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="FORMAT",
                    help="kvserve's KV storage, e.g. auto,fp8,int8,int4; one run per value (default: auto)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the kvserve configurations N times, interleaved (round by round), and show each one's "
+                        "median run and its ratio to the first configuration in every round, so that a slow spell "
+                        "on a noisy machine weighs on every configuration alike")
     p.add_argument("--profile", action="store_true",
                    help="also print where each kvserve run (batched and single stream) spends its time (cProfile, "
                         "top functions)")
@@ -214,6 +219,8 @@ def run_throughput(args: argparse.Namespace) -> int:
             check_plot_path(args.plot)
         except ValueError as exc:
             raise SystemExit(f"kvserve bench throughput: {exc}") from exc
+    if args.repeat < 1:
+        raise SystemExit(f"kvserve bench throughput: --repeat must be at least 1, got {args.repeat}")
     unknown = [w for w in _names(args.workloads) if w not in WORKLOADS]
     if unknown:
         raise SystemExit(f"kvserve bench throughput: unknown workload {unknown[0]!r}; choose from "
@@ -232,8 +239,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     kv_memory = args.kv_cache_memory or (LONG_CONTEXT_KV_MEMORY if "long-context" in workloads else None)
     console.print(f"torch threads: {torch.get_num_threads()}; greedy, EOS ignored; CPU: {_cpu_name()}")
     runs = _KvserveRuns(args, workloads, kv_memory, console)
-    for config in configs:
-        runs.run(config)
+    for _ in range(args.repeat):
+        for config in configs:
+            runs.run(config)
+    rounds = runs.keep_medians(len(configs))
     prompts, batched, singles = runs.prompts, runs.batched, runs.singles
     run_llama = "llama.cpp" not in args.skip and _llama_cpp_ready(console)
     hf, pad_id = None, 0
@@ -251,6 +260,7 @@ def run_throughput(args: argparse.Namespace) -> int:
                 rows.append(run_llama_cpp(prompts[name], workload.output_len, n_ctx, "llama.cpp (serial)"))
                 rows.append(run_llama_cpp(prompts[name], workload.output_len, n_ctx, "llama.cpp (batched)", True))
         _report_workload(console, args, workload, rows, len(configs), runs.model_config, hf is not None)
+        _print_rounds(console, rounds[name])
     if singles:
         single = prompts[next(iter(prompts))][:1]
         output_len = next(iter(workloads.values())).output_len
@@ -262,6 +272,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             singles.append(run_llama_cpp(single, output_len, len(single[0]) + output_len, "llama.cpp"))
         _print_table(console, f"Single stream ({len(single[0])}-token prompt, {output_len} new tokens; tokens/s "
                               "incl. prefill)", singles)
+        _print_rounds(console, rounds["single stream"])
     if args.plot:
         plot_throughput(args.plot, _speeds(batched[next(iter(workloads))]), _speeds(singles))
         console.print(f"plot written to {args.plot}")
@@ -300,6 +311,17 @@ class _KvserveRuns:
         del llm
         gc.collect()
 
+    def keep_medians(self, num_configs: int) -> dict[str, list[list[RunResult]]]:
+        """After several rounds (each config in turn, round after round): keep each config's median run (by tokens/s)
+        as its row, and return every workload's runs per config, round by round (for _print_rounds)."""
+        rounds = {}
+        for name, rows in [*self.batched.items(), ("single stream", self.singles)]:
+            per_config = [rows[i::num_configs] for i in range(num_configs)]
+            rounds[name] = per_config
+            rows[:] = [sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2] if runs else runs
+                       for runs in per_config if runs]
+        return rounds
+
     def _describe(self, engine) -> None:
         self.model_path, self.model_config = engine.model_path, engine.model_config
         tokenizer = engine.tokenizer
@@ -307,6 +329,18 @@ class _KvserveRuns:
         for name, workload in self.workloads.items():
             self.prompts[name] = workload.prompts(engine.model_config.vocab_size)
             self.console.print(workload.describe(self.prompts[name]))
+
+
+def _print_rounds(console, per_config: list[list[RunResult]]) -> None:
+    """With --repeat: each configuration's tokens/s over the first one's, round by round, and the median."""
+    if not per_config or len(per_config[0]) < 2:
+        return
+    console.print(f"kvserve rows: median of {len(per_config[0])} interleaved runs; tokens/s ÷ {per_config[0][0].name} "
+                  "in each round (median):")
+    for runs in per_config[1:]:
+        ratios = [r.tokens_per_s / first.tokens_per_s for r, first in zip(runs, per_config[0])]
+        console.print(f"  {runs[0].name}: {', '.join(f'{x:.2f}x' for x in ratios)} "
+                      f"({statistics.median(ratios):.2f}x)")
 
 
 def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, model_config, with_hf: bool) -> None:
@@ -377,7 +411,7 @@ def _maybe_profiled(profile: bool, console, label: str, fn, *args):
     stats = pstats.Stats(profiler).sort_stats("tottime")
     total = sum(row[2] for row in stats.stats.values())  # tottime summed over all functions
     console.print(f"{result.name}, {label}: share of time by function (cProfile tottime)")
-    for (file, line, name), row in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:8]:
+    for (file, line, name), row in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]:
         console.print(f"  {row[2] / total:6.1%}  {name}  ({file.rsplit('/', 1)[-1]}:{line})")
     return result
 

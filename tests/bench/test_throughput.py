@@ -35,7 +35,21 @@ def test_one_row_per_configuration_and_a_roofline(capsys):
     assert "÷ kvserve (float32)" in out and "decode tokens/s" in out
 
 
+@pytest.mark.slow
+def test_repeated_runs_interleave_and_report_each_rounds_ratio(capsys):
+    argv = [*TINY_RUN, "llama.cpp", "roofline", "--kv-cache-dtype", "auto,int4", "--repeat", "3"]
+
+    assert main(argv) == 0
+
+    out = capsys.readouterr().out
+    assert out.count("│ kvserve (float32) ") == 1 and out.count("│ kvserve (float32, KV int4) ") == 1  # medians
+    line = next(x for x in out.splitlines() if x.strip().startswith("kvserve (float32, KV int4):"))
+    assert line.count("x") == 4  # three rounds' ratios and their median
+    assert "median of 3 interleaved runs" in out
+
+
 @pytest.mark.parametrize("option, value, message", [
+    ("--repeat", "0", "--repeat must be at least 1, got 0"),
     ("--quantization", "int4", "quantization='int4' is not supported; choose one of none, int8"),
     ("--kv-cache-dtype", "int3", "kv_cache_dtype='int3' is not supported"),
     ("--workloads", "chat", "unknown workload 'chat'; choose from decode, prefill, long-context"),

@@ -95,7 +95,8 @@ def test_plan_matches_the_storage_the_engine_allocates(kv_format, model):
     cache = make_kv_cache(kv_format, kv_layout(spec), plan.num_blocks, plan.block_size, spec.num_kv_heads,
                           spec.head_dim, torch.float32)
     assert cache.nbytes == plan.kv_cache_bytes == plan.num_blocks * plan.block_bytes
-    assert cache.k.shape[1] == plan.num_blocks * plan.block_size
+    tokens_per_row = 2 if kv_format == "int4" else 1  # int4 packs two tokens of a block per byte
+    assert cache.k.shape[1] * tokens_per_row == plan.num_blocks * plan.block_size
     if model == "smollm2-135m":  # one group of every layer: a block is 16 tokens of the whole model
         assert cache.nbytes == plan.kv_bytes_per_token * plan.kv_cache_tokens
     else:  # 52 sliding and 10 full layers: groups of gcd(52, 10) = 2 layers

@@ -1,5 +1,5 @@
 """INT4 KV cache in the manner of KIVI: keys quantized per channel, values per token, both asymmetric (float16
-scale and zero point), two 4-bit codes per byte.
+scale and zero point), two 4-bit codes per byte: a block's token t and token t + block_size/2, same channel.
 
 Per-channel key statistics need a group of tokens; here the group is the block. A block is quantized when it
 fills, and until then its tokens stay in full precision in a small staging area (the "residual": at most
@@ -10,7 +10,6 @@ runner adds the own block's exact keys to attention (`exact_own_block`)."""
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,17 +45,17 @@ class Int4KVCache(PagedKVCache):
 
     def __init__(self, *args, max_num_seqs: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.head_dim % 2:
-            raise ValueError(f"int4 KV cache packs two values per byte; head_dim {self.head_dim} is odd")
+        if self.block_size % 2:
+            raise ValueError(f"int4 KV cache packs two tokens of a block per byte; block_size {self.block_size} is odd")
         L, N, bs, H, D = self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
-        self.k = torch.zeros(L, N * bs, H, D // 2, dtype=torch.uint8, device=self.device)
-        self.v = torch.zeros(L, N * bs, H, D // 2, dtype=torch.uint8, device=self.device)
+        self.k = torch.zeros(L, N * bs // 2, H, D, dtype=torch.uint8, device=self.device)  # see pack
+        self.v = torch.zeros(L, N * bs // 2, H, D, dtype=torch.uint8, device=self.device)
         self.k_scale = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)  # per block and channel
         self.k_zero = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)
         self.v_scale = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)  # per token
         self.v_zero = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)
-        self.staging_k = torch.zeros(0, L, bs, H, D, dtype=self.dtype, device=self.device)
-        self.staging_v = torch.zeros(0, L, bs, H, D, dtype=self.dtype, device=self.device)
+        self.staging_k = torch.zeros(L, 0, bs, H, D, dtype=self.dtype, device=self.device)  # [layers, rows, ...]
+        self.staging_v = torch.zeros(L, 0, bs, H, D, dtype=self.dtype, device=self.device)
         self._free_rows: list[int] = []
         # A sequence holds one staging row for its filling block, and a second during a step in which a prefill
         # chunk completes that block and starts the next (the completed block's row is read by every layer's
@@ -65,10 +64,15 @@ class Int4KVCache(PagedKVCache):
         self.row_of_block = torch.full((N,), -1, dtype=torch.long)  # staging row of each partly filled block
         self._filled_last_step: list[int] = []
         self._plans: list[_StepPlan] = []
+        self._own_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's groups: own blocks, rows
 
     def describe(self) -> str:
         return (f"int4, keys per channel per block, values per token; {self.block_size - 1}-token full-precision "
                 f"residual per sequence")
+
+    @property
+    def staging_rows(self) -> int:
+        return self.staging_k.shape[1]
 
     @property
     def extra_nbytes(self) -> int:
@@ -81,6 +85,7 @@ class Int4KVCache(PagedKVCache):
         super().begin_step(freed_blocks, copies, slot_mappings)
         self._plans = [self._plan(slot_mapping.cpu().long()) for slot_mapping in slot_mappings]
         self._filled_last_step = [b for plan in self._plans for b in plan.fill_blocks.tolist()]
+        self._own_rows = {}
 
     def _plan(self, slots: torch.Tensor) -> _StepPlan:
         """Which new tokens are staged and which complete a block (then quantized with the staged ones before)."""
@@ -116,14 +121,14 @@ class Int4KVCache(PagedKVCache):
             src_row = int(self.row_of_block[src])
             if src_row >= 0:
                 dst_row = self._row(dst)
-                self.staging_k[dst_row] = self.staging_k[src_row]
-                self.staging_v[dst_row] = self.staging_v[src_row]
+                self.staging_k[:, dst_row] = self.staging_k[:, src_row]
+                self.staging_v[:, dst_row] = self.staging_v[:, src_row]
 
     # ---- per layer -----------------------------------------------------------------------------------------
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         plan = self._plans[group]
         for staging, x in ((self.staging_k, k), (self.staging_v, v)):
-            staging[plan.stage_rows, row, plan.stage_offsets] = x[plan.stage_tokens].to(self.dtype)
+            staging[row, plan.stage_rows, plan.stage_offsets] = x[plan.stage_tokens].to(self.dtype)
         if not len(plan.fill_blocks):
             return
         shape = (len(plan.fill_blocks), self.block_size, self.num_kv_heads, self.head_dim)
@@ -165,10 +170,11 @@ class Int4KVCache(PagedKVCache):
 
     def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""
-        rows = self.row_of_block[blocks.cpu().clamp(min=0)].to(self.device)
-        rows = torch.where((blocks >= 0) & (rows >= 0), rows, 0)
-        row = self.layout.row_of[layer]
-        return self.staging_k[rows, row], self.staging_v[rows, row]
+        if id(blocks) not in self._own_rows:  # every layer of a step asks again for the same blocks
+            rows = self.row_of_block[blocks.cpu().clamp(min=0)].to(self.device)
+            self._own_rows[id(blocks)] = blocks, torch.where((blocks >= 0) & (rows >= 0), rows, 0)
+        rows, row = self._own_rows[id(blocks)][1], self.layout.row_of[layer]
+        return self.staging_k[row].index_select(0, rows), self.staging_v[row].index_select(0, rows)
 
     def _dequantize_into(self, row: int, block_tables: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """codes * scale + zero of the [S, B] blocks into k_out and v_out ([S, B * block_size, heads, dim], views of
@@ -178,13 +184,15 @@ class Int4KVCache(PagedKVCache):
         flat = block_tables.reshape(-1)
         blocks = (S, B, self.block_size, H, D)
         k = k_out.unflatten(1, (B, self.block_size))
-        k.copy_(unpack(self._blocks_view(self.k, row).index_select(0, flat)).view(blocks))
-        k.mul_(self.k_scale[row, flat].to(self.dtype).view(S, B, 1, H, D))  # keys: per block and channel
-        k.add_(self.k_zero[row, flat].to(self.dtype).view(S, B, 1, H, D))
+        unpack_into(k, self._blocks_view(self.k, row).index_select(0, flat).view(S, B, -1, H, D))
+        per_channel = (S, B, 1, H, D)  # keys: per block and channel
+        torch.addcmul(self.k_zero[row].index_select(0, flat).to(self.dtype).view(per_channel), k,
+                      self.k_scale[row].index_select(0, flat).to(self.dtype).view(per_channel), out=k)
         v = v_out.unflatten(1, (B, self.block_size))
-        v.copy_(unpack(self._blocks_view(self.v, row).index_select(0, flat)).view(blocks))
-        v.mul_(self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype).view(*blocks[:-1], 1))
-        v.add_(self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype).view(*blocks[:-1], 1))
+        unpack_into(v, self._blocks_view(self.v, row).index_select(0, flat).view(S, B, -1, H, D))
+        per_token = (*blocks[:-1], 1)  # values: per token (addcmul is 2x slower than two passes with this broadcast)
+        v.mul_(self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype).view(per_token))
+        v.add_(self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype).view(per_token))
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _assemble(self, plan: _StepPlan, row: int, new: torch.Tensor, staging: torch.Tensor,
@@ -192,14 +200,14 @@ class Int4KVCache(PagedKVCache):
         """The full blocks of this step: earlier tokens from staging, new ones from `new`."""
         scratch = torch.empty(shape[0] * shape[1], *shape[2:], dtype=self.dtype, device=self.device)
         scratch[plan.fill_positions] = new[plan.fill_tokens].to(self.dtype)
-        scratch[plan.residual_positions] = staging[plan.residual_rows, row, plan.residual_offsets]
+        scratch[plan.residual_positions] = staging[row, plan.residual_rows, plan.residual_offsets]
         return scratch.view(shape)
 
     def _row(self, block: int) -> int:
         row = int(self.row_of_block[block])
         if row < 0:
             if not self._free_rows:
-                self._grow_staging(2 * len(self.staging_k))
+                self._grow_staging(2 * self.staging_rows)
             row = self._free_rows.pop()
             self.row_of_block[block] = row
         return row
@@ -212,12 +220,14 @@ class Int4KVCache(PagedKVCache):
                 self.row_of_block[block] = -1
 
     def _grow_staging(self, rows: int) -> None:
-        old = len(self.staging_k)
+        old = self.staging_rows
         if old:
             logger.warning(f"int4 KV cache: more partly filled blocks than expected; staging grows to {rows} rows")
-        shape = (rows - old, *self.staging_k.shape[1:])
-        self.staging_k = torch.cat([self.staging_k, torch.zeros(shape, dtype=self.dtype, device=self.device)])
-        self.staging_v = torch.cat([self.staging_v, torch.zeros(shape, dtype=self.dtype, device=self.device)])
+        shape = list(self.staging_k.shape)
+        shape[1] = rows - old
+        zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.staging_k = torch.cat([self.staging_k, zeros], dim=1)
+        self.staging_v = torch.cat([self.staging_v, zeros], dim=1)
         self._free_rows += range(rows - 1, old - 1, -1)
 
     def _block_tensors(self) -> list[torch.Tensor]:
@@ -235,17 +245,21 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """[..., D] codes 0..15 -> [..., D/2] bytes, even channel in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    """[..., block_size, heads, dim] codes 0..15 -> [..., block_size / 2, heads, dim] bytes: token t of a block in
+    the low nibble, token t + block_size/2 in the high one. Each nibble of a read then fills a contiguous half of
+    the block (see unpack_into): 25% faster on a CPU than pairing neighbouring channels."""
+    half = codes.shape[-3] // 2
+    return codes[..., :half, :, :] | (codes[..., half:, :, :] << 4)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """[..., D/2] bytes -> [..., D] codes. Widened to int16, a byte's two nibbles move into the int16's two bytes
-    (low nibble in the low byte) in three element-wise passes, 2.5x faster on a CPU than stacking the halves."""
-    if sys.byteorder != "little":  # the int16's low byte would come second
-        return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-    wide = packed.to(torch.int16)
-    spread = wide << 4
-    spread |= wide
-    spread &= 0x0F0F
-    return spread.view(torch.uint8)
+    """pack's inverse: [..., block_size / 2, heads, dim] bytes -> [..., block_size, heads, dim] codes (uint8)."""
+    return torch.cat((packed & 0x0F, packed >> 4), dim=-3)
+
+
+def unpack_into(out: torch.Tensor, packed: torch.Tensor) -> None:
+    """The codes of `packed` [..., block_size / 2, heads, dim] widened straight into `out` [..., block_size, heads,
+    dim] (any float dtype; views allowed): per half of the block, one byte-sized pass and one widening copy."""
+    half = packed.shape[-3]
+    out[..., :half, :, :].copy_(packed & 0x0F)
+    out[..., half:, :, :].copy_(packed >> 4)

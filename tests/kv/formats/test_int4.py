@@ -3,7 +3,7 @@ quantization step; a partly filled block stays in full precision in staging unti
 copy-on-write and is released when its block is freed."""
 import torch
 
-from kvserve.kv.formats.int4 import Int4KVCache, pack, unpack
+from kvserve.kv.formats.int4 import Int4KVCache, pack, unpack, unpack_into
 from kvserve.kv.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 6, 4, 2, 8
@@ -28,8 +28,8 @@ def vectors(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_pack_and_unpack_are_inverse():
-    codes = torch.randint(0, 16, (3, 5, DIM), dtype=torch.uint8)
-    assert pack(codes).shape == (3, 5, DIM // 2)
+    codes = torch.randint(0, 16, (3, BS, HEADS, DIM), dtype=torch.uint8)
+    assert pack(codes).shape == (3, BS // 2, HEADS, DIM)
     assert torch.equal(unpack(pack(codes)), codes)
 
 
@@ -62,7 +62,7 @@ def test_a_partly_filled_block_stays_exact_in_staging_until_it_fills():
 
 def test_copy_on_write_copies_staging_and_freeing_releases_it():
     cache = make(max_num_seqs=1)
-    assert len(cache.staging_k) == 2  # two rows per sequence
+    assert cache.staging_rows == 2  # two rows per sequence
     k, v = vectors(3), vectors(3, seed=1)
     step(cache, [0, 1], k[:2], v[:2])  # block 0 partly filled
     step(cache, [22], k[2:], v[2:], copies=[(0, 5)])  # the fork's copy of block 0 gets its own token at offset 2
@@ -71,7 +71,7 @@ def test_copy_on_write_copies_staging_and_freeing_releases_it():
     original_k, _ = cache.gather_residual(0, torch.tensor([0]))
     assert not original_k[0, 2].any()  # the original block is untouched
     step(cache, [16], k[:1], v[:1])  # a third partly filled block: staging grows
-    assert len(cache.staging_k) == 4
+    assert cache.staging_rows == 4
     step(cache, [], k[:0], v[:0], freed=[0, 5, 4])
     assert int(cache.row_of_block[0]) == int(cache.row_of_block[5]) == int(cache.row_of_block[4]) == -1
     assert sorted(cache._free_rows) == [0, 1, 2, 3]
@@ -99,7 +99,7 @@ def test_a_chunk_that_completes_a_block_and_starts_the_next_needs_no_growth():
     step(cache, [0, 1], k[:2], v[:2])  # sequence A: block 0 partly filled
     step(cache, [8, 9], k[:2], v[:2])  # sequence B: block 2 partly filled
     step(cache, [2, 3, 4, 10, 11, 12, 13, 14, 15, 20], k, v)  # A completes 0, starts 1; B fills 2 and 3, starts 5
-    assert len(cache.staging_k) == 4
+    assert cache.staging_rows == 4
     assert torch.equal(cache.gather_residual(0, torch.tensor([1, 5]))[0][:, 0], k[[2, 9]])
 
 
@@ -117,5 +117,9 @@ def test_a_read_with_the_own_block_is_blocks_then_staged_then_new_tokens():
 
 
 def test_unpack_reads_every_byte_as_its_two_nibbles():
-    packed = torch.arange(256, dtype=torch.uint8).view(-1, 2)
-    assert torch.equal(unpack(packed), torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2))
+    packed = torch.arange(256, dtype=torch.uint8).view(4, 2, 2, 16)  # [blocks, block_size / 2, heads, dim]
+    codes = unpack(packed)
+    assert torch.equal(codes[:, :2], packed & 0x0F) and torch.equal(codes[:, 2:], packed >> 4)
+    widened = torch.empty(4, 4, 2, 16)
+    unpack_into(widened, packed)
+    assert torch.equal(widened, codes.float())

@@ -190,7 +190,7 @@ class Int4KVCache(PagedKVCache):
                       self.k_scale[row].index_select(0, flat).to(self.dtype).view(per_channel), out=k)
         v = v_out.unflatten(1, (B, self.block_size))
         unpack_into(v, self._blocks_view(self.v, row).index_select(0, flat).view(S, B, -1, H, D))
-        per_token = (*blocks[:-1], 1)  # values: per token (addcmul is 2x slower than two passes with this broadcast)
+        per_token = (*blocks[:-1], 1)  # values: per token (with this broadcast addcmul is slower than two passes)
         v.mul_(self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype).view(per_token))
         v.add_(self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype).view(per_token))
 
@@ -247,7 +247,7 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """[..., block_size, heads, dim] codes 0..15 -> [..., block_size / 2, heads, dim] bytes: token t of a block in
     the low nibble, token t + block_size/2 in the high one. Each nibble of a read then fills a contiguous half of
-    the block (see unpack_into): 25% faster on a CPU than pairing neighbouring channels."""
+    the block (see unpack_into), faster on a CPU than pairing neighbouring channels."""
     half = codes.shape[-3] // 2
     return codes[..., :half, :, :] | (codes[..., half:, :, :] << 4)
 

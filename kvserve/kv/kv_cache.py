@@ -94,6 +94,12 @@ class PagedKVCache:
     def _blocks_view(self, tensor: torch.Tensor, row: int) -> torch.Tensor:
         return tensor[row].view(self.num_blocks, -1, *tensor.shape[2:])
 
+    def _select_blocks(self, tensor: torch.Tensor, row: int, blocks: torch.Tensor) -> torch.Tensor:
+        """The contents of `blocks` ([n] ids) in one storage row of `tensor`, one flat row per block: [n, elements].
+        Rows of this 2-D view are selected faster than those of the [blocks, ...] view when they are small (scales,
+        codes), and as fast when they are large."""
+        return tensor[row].view(self.num_blocks, -1).index_select(0, blocks)
+
 
 class FullPrecisionKVCache(PagedKVCache):
     """K and V as plain floats (float32, bfloat16 or float16): one tensor each, [layers, slots, heads, head_dim]."""
@@ -118,8 +124,8 @@ class FullPrecisionKVCache(PagedKVCache):
         # whole blocks rather than single slots: the same bytes in 16x fewer, larger pieces
         flat = block_tables.reshape(-1)
         shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, *self.k.shape[2:])
-        k = self._blocks_view(self.k, row).index_select(0, flat)
-        v = self._blocks_view(self.v, row).index_select(0, flat)
+        k = self._select_blocks(self.k, row, flat)
+        v = self._select_blocks(self.v, row, flat)
         return k.view(shape).to(self.dtype), v.view(shape).to(self.dtype)
 
     def _block_tensors(self) -> list[torch.Tensor]:

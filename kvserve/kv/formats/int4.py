@@ -184,15 +184,15 @@ class Int4KVCache(PagedKVCache):
         flat = block_tables.reshape(-1)
         blocks = (S, B, self.block_size, H, D)
         k = k_out.unflatten(1, (B, self.block_size))
-        unpack_into(k, self._blocks_view(self.k, row).index_select(0, flat).view(S, B, -1, H, D))
+        unpack_into(k, self._select_blocks(self.k, row, flat).view(S, B, -1, H, D))
         per_channel = (S, B, 1, H, D)  # keys: per block and channel
-        torch.addcmul(self.k_zero[row].index_select(0, flat).to(self.dtype).view(per_channel), k,
-                      self.k_scale[row].index_select(0, flat).to(self.dtype).view(per_channel), out=k)
+        torch.addcmul(self._select_blocks(self.k_zero, row, flat).to(self.dtype).view(per_channel), k,
+                      self._select_blocks(self.k_scale, row, flat).to(self.dtype).view(per_channel), out=k)
         v = v_out.unflatten(1, (B, self.block_size))
-        unpack_into(v, self._blocks_view(self.v, row).index_select(0, flat).view(S, B, -1, H, D))
+        unpack_into(v, self._select_blocks(self.v, row, flat).view(S, B, -1, H, D))
         per_token = (*blocks[:-1], 1)  # values: per token (with this broadcast addcmul is slower than two passes)
-        v.mul_(self._blocks_view(self.v_scale, row).index_select(0, flat).to(self.dtype).view(per_token))
-        v.add_(self._blocks_view(self.v_zero, row).index_select(0, flat).to(self.dtype).view(per_token))
+        v.mul_(self._select_blocks(self.v_scale, row, flat).to(self.dtype).view(per_token))
+        v.add_(self._select_blocks(self.v_zero, row, flat).to(self.dtype).view(per_token))
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _assemble(self, plan: _StepPlan, row: int, new: torch.Tensor, staging: torch.Tensor,

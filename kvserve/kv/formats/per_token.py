@@ -46,9 +46,9 @@ class PerTokenQuantizedKVCache(PagedKVCache):
         lead = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size)
         out = []
         for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            q = self._blocks_view(data, row).index_select(0, flat)
-            scale = self._blocks_view(scales, row).index_select(0, flat)
-            out.append(self.dequantize(q, scale).view(*lead, self.num_kv_heads, self.head_dim))
+            q = self._select_blocks(data, row, flat).view(*lead, self.num_kv_heads, self.head_dim)
+            scale = self._select_blocks(scales, row, flat).view(*lead, self.num_kv_heads)
+            out.append(self.dequantize(q, scale))
         return out[0], out[1]
 
     def _block_tensors(self) -> list[torch.Tensor]:

@@ -88,6 +88,9 @@ class EngineConfig:
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_format == "int4" and self.block_size % 2:
+            raise ValueError(f"kv_cache_dtype='int4' packs two tokens of a block per byte: block_size must be even, "
+                             f"got {self.block_size}")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
         self._check_eviction()

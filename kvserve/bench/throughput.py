@@ -318,8 +318,7 @@ class _KvserveRuns:
         for name, rows in [*self.batched.items(), ("single stream", self.singles)]:
             per_config = [rows[i::num_configs] for i in range(num_configs)]
             rounds[name] = per_config
-            rows[:] = [sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2] if runs else runs
-                       for runs in per_config if runs]
+            rows[:] = [sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2] for runs in per_config if runs]
         return rounds
 
     def _describe(self, engine) -> None:

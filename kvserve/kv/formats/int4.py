@@ -247,14 +247,9 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """[..., block_size, heads, dim] codes 0..15 -> [..., block_size / 2, heads, dim] bytes: token t of a block in
     the low nibble, token t + block_size/2 in the high one. Each nibble of a read then fills a contiguous half of
-    the block (see unpack_into), faster on a CPU than pairing neighbouring channels."""
+    the block (see unpack_into, its inverse), faster on a CPU than pairing neighbouring channels."""
     half = codes.shape[-3] // 2
     return codes[..., :half, :, :] | (codes[..., half:, :, :] << 4)
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """pack's inverse: [..., block_size / 2, heads, dim] bytes -> [..., block_size, heads, dim] codes (uint8)."""
-    return torch.cat((packed & 0x0F, packed >> 4), dim=-3)
 
 
 def unpack_into(out: torch.Tensor, packed: torch.Tensor) -> None:

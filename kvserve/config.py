@@ -73,6 +73,7 @@ class EngineConfig:
     kv_budget_tokens: int = 2048  # h2o: tokens kept in all (sinks + heavy hitters + recent)
     seed: int = 0
     device: str = "cpu"
+    enforce_eager: bool = False  # never torch.compile (today: the int4 KV read, kvserve/kv/formats/compiled.py)
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)
@@ -88,6 +89,8 @@ class EngineConfig:
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.kv_cache_format == "int4" and self.block_size % 2:
             raise ValueError(f"kv_cache_dtype='int4' packs two tokens of a block per byte: block_size must be even, "
                              f"got {self.block_size}")

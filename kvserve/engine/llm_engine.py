@@ -81,8 +81,15 @@ class LLMEngine:
             raise ValueError(f"{self.model_name}: the model's sliding-window layers {model_windows} disagree with "
                              "the KV layout the planner derived from its config")
         self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
-                                   mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs)
+                                   mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs,
+                                   compile=not config.enforce_eager)
+        started = time.perf_counter()
+        self.cache.warm_up(mc.num_heads)
+        self.warm_up_seconds = time.perf_counter() - started
         logger.info(self.capacity_line())
+        if self.warm_up_seconds >= 0.1:
+            logger.info(f"{self.cache.format_name} decode attention compiled in {self.warm_up_seconds:.1f} s "
+                        "(torch.compile; --enforce-eager skips it)")
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
                                  hash_namespace=config.kv_cache_format, eviction=self.eviction,
                                  windows=self.layout.windows)

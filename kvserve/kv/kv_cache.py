@@ -49,6 +49,10 @@ class PagedKVCache:
         """The format as the start-up line names it."""
         return self.format_name
 
+    def warm_up(self, num_query_heads: int) -> None:
+        """Prepare attention before the first step, for a model with `num_query_heads` query heads (a format that
+        compiles its decode attention compiles it here)."""
+
     def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]],
                    slot_mappings: Sequence[torch.Tensor]) -> None:
         """Once per step, before the layers run: blocks freed since the last step (their contents are gone),
@@ -70,6 +74,13 @@ class PagedKVCache:
         """Formats with `exact_own_block`: gather's blocks, then each request's own block's staged full-precision
         tokens ([S] block ids, -1: none), then the chunk's new tokens `new_k`/`new_v` ([S, Q, kv_heads, head_dim])."""
         raise NotImplementedError(f"{self.format_name} KV cache reads every block quantized (exact_own_block=False)")
+
+    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor, own_blocks: torch.Tensor,
+                         new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Formats with `exact_own_block` may attend over their stored form directly, for one query per request:
+        queries [S, kv_heads, heads per kv head, head_dim], the other arguments as gather_with_own_block's, mask
+        [S, 1, 1, keys]. Returns [S, kv_heads, heads per kv head, head_dim], or None: gather, then attend."""
+        return None
 
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError
@@ -115,6 +126,13 @@ class FullPrecisionKVCache(PagedKVCache):
         # uninitialised memory may hold NaN, which 0 * NaN would spread into real outputs
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
+
+    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor, own_blocks: torch.Tensor,
+                         new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Formats with `exact_own_block` may attend over their stored form directly, for one query per request:
+        queries [S, kv_heads, heads per kv head, head_dim], the other arguments as gather_with_own_block's, mask
+        [S, 1, 1, keys]. Returns [S, kv_heads, heads per kv head, head_dim], or None: gather, then attend."""
+        return None
 
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[row].index_copy_(0, slot_mapping, k.to(self.storage_dtype))

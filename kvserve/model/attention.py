@@ -72,6 +72,14 @@ def _group_attention(
     group: AttentionGroup, scale: float,
 ) -> torch.Tensor:
     queries = q[group.query_index]  # [S, Q, H, D]
+    S, Q, H, D = queries.shape
+    if Q == 1 and group.residual_blocks is not None and meta.scores is None and group.sink_rotation is None:
+        kv_heads = k.shape[1]  # decode over a format that may attend over its stored form (int4)
+        out = cache.decode_attention(layer, queries.view(S, kv_heads, H // kv_heads, D), group.block_tables,
+                                     group.residual_blocks, k[group.query_index], v[group.query_index], group.mask,
+                                     scale)
+        if out is not None:
+            return out.view(S, Q, H, D)
     if group.fresh:
         # Prompts computed from their first token: the keys are the new tokens themselves, and plain causal
         # masking is exact even with padding (a real query never sees a later, padded key) and skips half the work.
@@ -89,7 +97,6 @@ def _group_attention(
         return out if rotation is None else out @ rotation.T
     if rotation is not None:
         queries = queries @ rotation
-    S, Q, H, D = queries.shape
     kv_heads = keys.shape[2]
     if Q == 1 and mask is not None:
         # Decode: the query heads that share a KV head become that head's query rows (one mask row fits all), so

@@ -1,10 +1,12 @@
 """`kvserve generate` streams the completion to stdout as it is produced: the same text the offline API gives."""
+import argparse
 import sys
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.cli import main
+from kvserve.engine.cli import add_engine_args, engine_config_from_args
 from tests.conftest import make_tiny_model
 from tests.conftest import save_char_tokenizer
 
@@ -60,3 +62,10 @@ def test_generate_refuses_bad_engine_options_with_a_message(model_dir, capsys, o
     assert main(["generate", "hi", "--model", str(model_dir), *ENGINE_ARGS, *option]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kvserve generate: ") and message in err and "Traceback" not in err
+
+
+def test_enforce_eager_reaches_the_engine_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert engine_config_from_args(parser.parse_args([])).enforce_eager is False

@@ -37,6 +37,13 @@ def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def test_int4_decode_attention_compiled_or_eager_gives_the_same_tokens(model_dir, prompts):
+    compiled, eager = make(model_dir, "int4"), make(model_dir, "int4", enforce_eager=True)
+    assert "compiled decode attention" in compiled.engine.capacity_line()
+    assert "eager decode attention" in eager.engine.capacity_line()
+    assert tokens(compiled, prompts) == tokens(eager, prompts)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_outputs_do_not_depend_on_batching_chunking_preemption_or_prefix_hits(model_dir, prompts, fmt):
     single = make(model_dir, fmt, enable_prefix_caching=False)

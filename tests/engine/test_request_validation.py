@@ -229,6 +229,7 @@ def test_max_model_len_above_the_models_positions_is_refused(model_dir):
     ("kv_cache_memory", "2XB", "cannot read '2XB' as a size"),
     ("kv_cache_memory", "-1GiB", "cannot read '-1GiB' as a size"),
     ("kv_cache_memory", 0, "size must be positive"),
+    ("enforce_eager", "yes", "enforce_eager must be True or False, got 'yes'"),
 ])
 def test_bad_engine_config_is_refused(option, value, message):
     with pytest.raises(ValueError, match=message):

@@ -17,10 +17,10 @@ FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                  max_num_seqs: int = 1) -> PagedKVCache:
+                  max_num_seqs: int = 1, compile: bool = True) -> PagedKVCache:
     """The storage for `format_name`; `dtype` is the model's compute dtype, which reads return. int4 keeps one
     full-precision staging row per partly filled block (two per sequence at most), sized for `max_num_seqs`
-    sequences per layer group."""
+    sequences per layer group, and compiles its read unless `compile` is False (formats.compiled)."""
     args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
     if format_name in FLOAT_FORMATS:
         return FullPrecisionKVCache(*args, dtype=dtype, device=device, storage_dtype=FLOAT_FORMATS[format_name])
@@ -29,5 +29,6 @@ def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_siz
     if format_name == "int8":
         return Int8KVCache(*args, dtype=dtype, device=device)
     if format_name == "int4":
-        return Int4KVCache(*args, dtype=dtype, device=device, max_num_seqs=max_num_seqs * layout.num_groups)
+        return Int4KVCache(*args, dtype=dtype, device=device, max_num_seqs=max_num_seqs * layout.num_groups,
+                           compile=compile)
     raise ValueError(f"unknown KV cache format {format_name!r}")

@@ -37,8 +37,9 @@ def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def test_int4_decode_attention_compiled_or_eager_gives_the_same_tokens(model_dir, prompts):
-    compiled, eager = make(model_dir, "int4"), make(model_dir, "int4", enforce_eager=True)
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8", "int4"])
+def test_decode_attention_compiled_or_eager_gives_the_same_tokens(model_dir, prompts, fmt):
+    compiled, eager = make(model_dir, fmt), make(model_dir, fmt, enforce_eager=True)
     assert "compiled decode attention" in compiled.engine.capacity_line()
     assert "eager decode attention" in eager.engine.capacity_line()
     assert tokens(compiled, prompts) == tokens(eager, prompts)

@@ -20,14 +20,15 @@ def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_siz
                   max_num_seqs: int = 1, compile: bool = True) -> PagedKVCache:
     """The storage for `format_name`; `dtype` is the model's compute dtype, which reads return. int4 keeps one
     full-precision staging row per partly filled block (two per sequence at most), sized for `max_num_seqs`
-    sequences per layer group, and compiles its read unless `compile` is False (formats.compiled)."""
+    sequences per layer group. Quantized formats compile their decode attention unless `compile` is False
+    (formats.compiled)."""
     args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
     if format_name in FLOAT_FORMATS:
         return FullPrecisionKVCache(*args, dtype=dtype, device=device, storage_dtype=FLOAT_FORMATS[format_name])
     if format_name in FP8_FORMATS:
-        return Fp8KVCache(*args, dtype=dtype, device=device, fp8_dtype=FP8_FORMATS[format_name])
+        return Fp8KVCache(*args, dtype=dtype, device=device, fp8_dtype=FP8_FORMATS[format_name], compile=compile)
     if format_name == "int8":
-        return Int8KVCache(*args, dtype=dtype, device=device)
+        return Int8KVCache(*args, dtype=dtype, device=device, compile=compile)
     if format_name == "int4":
         return Int4KVCache(*args, dtype=dtype, device=device, max_num_seqs=max_num_seqs * layout.num_groups,
                            compile=compile)

@@ -1,18 +1,20 @@
-"""Reads compiled into one loop by `torch.compile` (PyTorch's CPU inductor: C++ generated, and built with the
-machine's C++ compiler, on first use), with the eager read as the fallback.
+"""Decode attention compiled by `torch.compile` (PyTorch's CPU inductor: C++ generated, and built with the
+machine's C++ compiler, on first use), with the eager path as the fallback.
 
-A quantized read in plain PyTorch ops is several passes over the whole context: select the codes, split the
-nibbles, widen to float, scale, shift, copy into the attention buffer. Compiled, it is one loop that reads the
-codes once and writes each float once. Nothing is built at install time: the first read in a process compiles
-(seconds; the engine does it at start-up, see `warm_up`), later processes reuse inductor's on-disk cache.
-A format's `warm_up` compiles at engine start with its batch dimensions marked dynamic and sizes of 1 not
-specialised, so one graph serves every batch shape; the rest (block size, heads, head size) stay constants the
-loop is specialised for. If compiling fails (no C++ compiler, an unsupported platform), the format logs why once and reads
-eagerly; `enforce_eager` (EngineConfig, `--enforce-eager`) skips compiling altogether."""
+A quantized format read with plain PyTorch ops is several passes over the whole context (select the codes,
+widen, scale, copy into the attention buffer) before attention reads it again. Written as plain tensor ops — the
+dequantization, then attention as broadcast products and sums (`attend`) — and compiled, it becomes a few
+generated loops. Nothing is built at install time: the engine compiles at start-up (`warm_up_decode`: seconds),
+later processes reuse inductor's on-disk cache. The warm-up marks the batch dimensions dynamic and does not
+specialise sizes of 1, so one graph serves every batch shape (a single request gets a second one); block size,
+heads and head size stay constants the loops are specialised for. If compiling fails (no C++ compiler, an
+unsupported platform), the format logs why once and attends eagerly; `enforce_eager` (EngineConfig,
+`--enforce-eager`) skips compiling altogether."""
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -21,31 +23,68 @@ logger = logging.getLogger("kvserve")
 
 
 class CompiledFunction:
-    """`fn` compiled on first call; `None` from a call means "not available: read eagerly"."""
+    """`fn` compiled on first call; `None` from a call means "not available: use the eager path"."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         self.fn = fn
         self.compiled = torch.compile(fn)
         self.failed: str | None = None
+        self.warming = False
 
-    def warm_up(self, args: tuple, dynamic: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
-        """Compile for `args` with the given (tensor, dim) sizes dynamic, and sizes of 1 not specialised, so one
-        graph serves every batch shape (a decode step's single query included). The graph matches later calls
-        only if `args` are made as theirs are (in or outside inference mode: guards compare dispatch keys)."""
-        for tensor, dim in dynamic:
-            torch._dynamo.mark_dynamic(tensor, dim)
-        # Each model shape (heads, head size, block size, dtype) adds graphs to the same function: more than
-        # dynamo's default limit of 8 when one process (a test run) builds many models.
-        with fx_config.patch(backed_size_oblivious=True), torch._dynamo.config.patch(recompile_limit=64):
-            return self(*args)
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Calls made inside compile with their `dynamic` dimensions marked (see __call__)."""
+        self.warming = True
+        try:
+            yield
+        finally:
+            self.warming = False
 
-    def __call__(self, *args) -> torch.Tensor | None:
+    def __call__(self, args: tuple, dynamic: list[tuple[torch.Tensor, int]] = ()) -> torch.Tensor | None:
+        """fn(*args), compiled. While warming up, the (tensor, dim) sizes in `dynamic` are made dynamic and sizes
+        of 1 are not specialised, so the graph serves every batch shape. A graph matches a later call only if its
+        arguments are made alike (in or outside inference mode: guards compare dispatch keys)."""
         if self.failed is not None:
             return None
         try:
-            return self.compiled(*args)
+            if not self.warming:
+                return self.compiled(*args)
+            for tensor, dim in dynamic:
+                torch._dynamo.mark_dynamic(tensor, dim)
+            # Each model shape (heads, head size, block size, dtype) adds graphs to the same function: more than
+            # dynamo's default limit of 8 when one process (a test run) builds many models.
+            with fx_config.patch(backed_size_oblivious=True), torch._dynamo.config.patch(recompile_limit=64):
+                return self.compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compile failure means: fall back, and say why once
             first_line = (str(exc).strip().splitlines() or [""])[0]
             self.failed = f"{type(exc).__name__}: {first_line}"
-            logger.warning(f"KV cache: compiling {self.fn.__name__} failed ({self.failed}); reading eagerly (slower)")
+            logger.warning(f"KV cache: compiling {self.fn.__name__} failed ({self.failed}); attending eagerly "
+                           "(slower)")
             return None
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per request, in float32: q [S, kv_heads, heads per kv head, head_dim], already multiplied by the
+    softmax scale; keys and values [S, K, kv_heads, head_dim]; mask [S, 1, 1, K]. Returns [S, kv_heads, heads per
+    kv head, head_dim] in q's dtype. Scores and weighted sum are broadcast products and sums, not matmuls, so
+    inductor fuses them with the dequantization that produced the keys and values."""
+    S, K = keys.shape[:2]
+    scores = (q[:, None].float() * keys[:, :, :, None, :]).sum(-1)  # [S, K, kv_heads, heads per kv head]
+    scores = scores.masked_fill(~mask.view(S, K, 1, 1), float("-inf"))
+    probs = scores.softmax(dim=1)
+    return (probs[..., None] * values[:, :, :, None, :]).sum(dim=1).to(q.dtype)
+
+
+def warm_up_decode(cache, compiled: CompiledFunction, num_query_heads: int, extra_keys: int) -> None:
+    """Compile `cache.decode_attention` (which calls `compiled`) on typical decode batches, made as the runner
+    (outside inference mode) and the model (inside) make them, so the engine's calls match the graphs; inductor
+    picks its loop order and threading from these sizes. `extra_keys`: keys per request beyond its blocks'."""
+    H, D, G = cache.num_kv_heads, cache.head_dim, num_query_heads // cache.num_kv_heads
+    for S, B in ((8, 32), (1, 32)):  # one request alone gets a graph of its own (S * B == B)
+        tables = torch.arange(S * B, device=cache.device).view(S, B) % cache.num_blocks
+        own_blocks = torch.full((S,), -1, device=cache.device)
+        mask = torch.ones(S, 1, 1, B * cache.block_size + extra_keys, dtype=torch.bool, device=cache.device)
+        with torch.inference_mode(), compiled.warming_up():
+            queries = torch.zeros(S, 1, H, G, D, dtype=cache.dtype, device=cache.device).view(S, H, G, D)
+            new_k, new_v = (torch.zeros(S, 1, H, D, dtype=cache.dtype, device=cache.device) for _ in range(2))
+            cache.decode_attention(0, queries, tables, own_blocks, new_k, new_v, mask, 1.0)

@@ -20,14 +20,14 @@ class Fp8KVCache(PerTokenQuantizedKVCache):
     storage_dtype = torch.uint8
 
     def __init__(self, *args, fp8_dtype: torch.dtype = torch.float8_e4m3fn, **kwargs):
-        self.fp8_dtype = fp8_dtype
+        self.fp8_dtype = self.element_dtype = fp8_dtype
         self.fp8_max = torch.finfo(fp8_dtype).max
         self.format_name = "fp8_e4m3" if fp8_dtype == torch.float8_e4m3fn else "fp8_e5m2"
         super().__init__(*args, **kwargs)
         self.rotation = hadamard(self.head_dim).to(dtype=self.dtype, device=self.device)
 
     def describe(self) -> str:
-        return f"{self.format_name}, per-token-head scales, Hadamard-rotated"
+        return f"{self.format_name}, per-token-head scales, Hadamard-rotated; {self._decode_kind()} decode attention"
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.to(self.dtype) @ self.rotation

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.formats.compiled import CompiledFunction
+from kvserve.kv.formats.compiled import CompiledFunction, attend, warm_up_decode
 from kvserve.kv.kv_cache import PagedKVCache
 
 logger = logging.getLogger("kvserve")
@@ -48,7 +48,6 @@ class Int4KVCache(PagedKVCache):
     def __init__(self, *args, max_num_seqs: int = 1, compile: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.fused_decode = fused_decode_attention(self.block_size) if compile else None
-        self._warm = False
         if self.block_size % 2:
             raise ValueError(f"int4 KV cache packs two tokens of a block per byte; block_size {self.block_size} is odd")
         L, N, bs, H, D = self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
@@ -76,25 +75,9 @@ class Int4KVCache(PagedKVCache):
                 f"residual per sequence; {decode} decode attention")
 
     def warm_up(self, num_query_heads: int) -> None:
-        """Compile the fused decode attention now rather than in the first steps, on typical sizes (inductor picks
-        its loop order and threading from them) with the batch's sizes dynamic, from tensors made as the runner
-        (outside inference mode) and the model (inside) make them, so the engine's calls match the graph."""
-        if self.fused_decode is None:
-            return
-        H, D, G = self.num_kv_heads, self.head_dim, num_query_heads // self.num_kv_heads
-        for S, B in ((8, 32), (1, 32)):  # one request alone gets a graph of its own (S * B == B)
-            tables = torch.arange(S * B, device=self.device).view(S, B) % self.num_blocks
-            own_blocks = torch.full((S,), -1, device=self.device)
-            mask = torch.ones(S, 1, 1, (B + 1) * self.block_size + 1, dtype=torch.bool, device=self.device)
-            with torch.inference_mode():
-                queries = torch.zeros(S, 1, H, G, D, dtype=self.dtype, device=self.device).view(S, H, G, D)
-                new = torch.zeros(S, 1, H, D, dtype=self.dtype, device=self.device)
-                self._warm = True
-                try:
-                    self.decode_attention(0, queries, tables, own_blocks, new, new.clone(), mask, 1.0)
-                finally:
-                    self._warm = False
-                    self._own_rows = {}
+        if self.fused_decode is not None:
+            warm_up_decode(self, self.fused_decode, num_query_heads, extra_keys=self.block_size + 1)
+            self._own_rows = {}
 
     @property
     def staging_rows(self) -> int:
@@ -203,11 +186,8 @@ class Int4KVCache(PagedKVCache):
         args = (queries * scale, self.k[row].view(N, -1), self.k_scale[row].view(N, -1), self.k_zero[row].view(N, -1),
                 self.v[row].view(N, -1), self.v_scale[row].view(N, -1), self.v_zero[row].view(N, -1),
                 block_tables, staged_k, staged_v, new_k, new_v, mask)
-        if self._warm:  # requests, blocks (per request and in the pool) and keys vary between calls
-            pool = [(t, 0) for t in args[1:7]]
-            per_request = [(t, 0) for t in (args[0], block_tables, staged_k, staged_v, new_k, new_v, mask)]
-            return self.fused_decode.warm_up(args, pool + per_request + [(block_tables, 1), (mask, 3)])
-        return self.fused_decode(*args)
+        per_request = [(t, 0) for t in (args[0], block_tables, staged_k, staged_v, new_k, new_v, mask)]
+        return self.fused_decode(args, [(t, 0) for t in args[1:7]] + per_request + [(block_tables, 1), (mask, 3)])
 
     def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""
@@ -287,10 +267,9 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 @functools.cache
 def fused_decode_attention(block_size: int) -> CompiledFunction:
-    """Decode attention over the stored codes, written as plain tensor ops for inductor to fuse (see
-    formats.compiled): the selection, unpacking and scaling of the codes, the concatenation with the staged and new
-    tokens, and the attention (scores and weighted sum as broadcast products and sums, so no matmul kernel needs
-    the keys laid out for it) become a few generated loops. One per block size, a constant of the loops."""
+    """Decode attention over the stored codes (see formats.compiled): selecting, unpacking and scaling the codes,
+    appending the staged and new tokens, and attending become a few generated loops. One per block size, a
+    constant of the loops."""
     def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block_tables: torch.Tensor,
                    per_channel: bool, heads: int, dim: int) -> torch.Tensor:
         """[S, B * block_size, heads, dim]: the blocks of `block_tables` [S, B], dequantized."""
@@ -308,15 +287,12 @@ def fused_decode_attention(block_size: int) -> CompiledFunction:
                               block_tables: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                               mask: torch.Tensor) -> torch.Tensor:
         """q [S, kv_heads, heads per kv head, head_dim], already multiplied by the softmax scale."""
-        S, H, G, D = q.shape  # in float32 throughout, whatever the compute dtype
+        H, D = q.shape[1], q.shape[3]
         keys = torch.cat([dequantize(k_codes, k_scale, k_zero, block_tables, True, H, D),
                           staged_k.float(), new_k.float()], dim=1)  # [S, K, H, D]
         values = torch.cat([dequantize(v_codes, v_scale, v_zero, block_tables, False, H, D),
                             staged_v.float(), new_v.float()], dim=1)
-        scores = (q[:, None].float() * keys[:, :, :, None, :]).sum(-1)  # [S, K, H, G]
-        scores = scores.masked_fill(~mask.view(S, keys.shape[1], 1, 1), float("-inf"))
-        probs = scores.softmax(dim=1)
-        return (probs[..., None] * values[:, :, :, None, :]).sum(dim=1).to(q.dtype)  # [S, H, G, D]
+        return attend(q, keys, values, mask)
 
     return CompiledFunction(int4_decode_attention)
 

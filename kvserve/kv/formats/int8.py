@@ -10,7 +10,7 @@ INT8_MAX = 127
 
 class Int8KVCache(PerTokenQuantizedKVCache):
     format_name = "int8"
-    storage_dtype = torch.int8
+    storage_dtype = element_dtype = torch.int8
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = absmax_scale(x, INT8_MAX)

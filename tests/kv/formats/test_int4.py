@@ -1,15 +1,8 @@
 """INT4 (KIVI) KV storage: keys quantized per channel over a full block, values per token, both within half a
 quantization step; a partly filled block stays in full precision in staging until it fills; staging follows
-copy-on-write and is released when its block is freed. Decode attention compiled over the codes equals attention
-over the eager read, for any batch shape after one warm-up, and falls back when it cannot compile."""
-import logging
-
-import pytest
+copy-on-write and is released when its block is freed."""
 import torch
-import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
-from kvserve.kv.formats.compiled import CompiledFunction
 from kvserve.kv.formats.int4 import Int4KVCache, pack, unpack_into
 from kvserve.kv.layout import KVLayout
 
@@ -132,83 +125,3 @@ def test_unpack_reads_every_byte_as_its_two_nibbles():
     assert torch.equal(widened[:, :2], (packed & 0x0F).float())  # low nibbles: the block's first half
     assert torch.equal(widened[:, 2:], (packed >> 4).float())
 
-
-def filled_cache(blocks: int, heads: int = HEADS, dim: int = DIM, dtype=torch.float32, compile: bool = True,
-                 seed: int = 0) -> Int4KVCache:
-    """A one-layer cache with `blocks` full blocks and one partly filled block per request slot after them."""
-    cache = Int4KVCache(KVLayout.uniform(1), blocks + 8, BS, heads, dim, dtype=dtype, max_num_seqs=8, compile=compile)
-    g = torch.Generator().manual_seed(seed)
-    n = blocks * BS + 2
-    cache.begin_step([], [], [torch.arange(n)])
-    cache.write(0, (torch.randn(n, heads, dim, generator=g) * 3 + 1).to(dtype), torch.randn(n, heads, dim, generator=g).to(dtype))
-    cache.begin_step([], [], [torch.tensor([n])])
-    return cache
-
-
-def eager_decode(cache, queries, tables, own, new_k, new_v, mask, scale):
-    keys, values = cache.gather_with_own_block(0, tables, own, new_k, new_v)
-    return F.scaled_dot_product_attention(queries.float(), keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
-                                          attn_mask=mask, scale=scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_decode_attention_equals_attention_over_the_eager_read(dtype):
-    cache = filled_cache(blocks=12, heads=2, dim=16, dtype=dtype)
-    cache.warm_up(num_query_heads=6)
-    g = torch.Generator().manual_seed(1)
-    last = 12 * BS // BS  # the partly filled block (2 staged tokens)
-    for S, B in [(1, 1), (3, 5), (1, 12), (4, 2)]:
-        tables = torch.randint(0, 12, (S, B), generator=g)
-        own = torch.where(torch.arange(S) % 2 == 0, last, -1)
-        mask = torch.rand(S, 1, 1, (B + 1) * BS + 1, generator=g) > 0.3
-        mask[..., -1] = True  # the query's own key
-        with torch.inference_mode():
-            queries = torch.randn(S, 2, 3, 16, generator=g).to(dtype)
-            new_k, new_v = (torch.randn(S, 1, 2, 16, generator=g).to(dtype) for _ in range(2))
-            fused = cache.decode_attention(0, queries, tables, own, new_k, new_v, mask, 0.25)
-            reference = eager_decode(cache, queries, tables, own, new_k, new_v, mask, 0.25)
-        assert fused is not None and fused.dtype == dtype and fused.shape == (S, 2, 3, 16)
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the eager read rounds K/V to bfloat16
-        torch.testing.assert_close(fused.float(), reference, atol=tolerance, rtol=tolerance)
-
-
-def test_after_warm_up_no_batch_shape_compiles_again():
-    cache = filled_cache(blocks=40, heads=3, dim=32)
-    cache.warm_up(num_query_heads=6)
-    compiled = counters["stats"]["unique_graphs"]
-    g = torch.Generator().manual_seed(2)
-    for S, B in [(1, 1), (2, 1), (1, 7), (9, 4), (5, 40)]:
-        # as the engine makes them: the batch's tensors outside inference mode, the model's inside
-        mask = torch.ones(S, 1, 1, (B + 1) * BS + 1, dtype=torch.bool)
-        tables = torch.randint(0, 40, (S, B), generator=g)
-        with torch.inference_mode():
-            new_k, new_v = (torch.randn(S, 1, 3, 32, generator=g) for _ in range(2))
-            out = cache.decode_attention(0, torch.randn(S, 3, 2, 32, generator=g), tables, torch.full((S,), -1), new_k,
-                                         new_v, mask, 0.2)
-        assert out is not None and out.shape == (S, 3, 2, 32)
-    assert counters["stats"]["unique_graphs"] == compiled
-
-
-def test_without_compiling_decode_attention_is_left_to_the_eager_read():
-    cache = filled_cache(blocks=2, compile=False)
-    cache.warm_up(num_query_heads=HEADS)  # nothing to compile
-    assert cache.fused_decode is None and "eager decode attention" in cache.describe()
-    new = torch.zeros(1, 1, HEADS, DIM)
-    assert cache.decode_attention(0, torch.zeros(1, HEADS, 1, DIM), torch.tensor([[0]]), torch.tensor([-1]), new, new,
-                                  torch.ones(1, 1, 1, 2 * BS + 1, dtype=torch.bool), 1.0) is None
-
-
-def test_a_failed_compile_is_logged_once_and_falls_back(monkeypatch, caplog):
-    def no_compiler(fn):
-        def fails(*args):
-            raise RuntimeError("no working C++ compiler found\nmore detail")
-        return fails
-
-    monkeypatch.setattr(torch, "compile", no_compiler)
-    compiled = CompiledFunction(lambda x: x + 1)
-    with caplog.at_level(logging.WARNING, logger="kvserve"):
-        assert compiled(torch.zeros(2)) is None
-        assert compiled(torch.zeros(2)) is None
-    assert compiled.failed == "RuntimeError: no working C++ compiler found"
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "reading eagerly" in warnings[0] and "no working C++ compiler" in warnings[0]

@@ -73,7 +73,7 @@ class EngineConfig:
     kv_budget_tokens: int = 2048  # h2o: tokens kept in all (sinks + heavy hitters + recent)
     seed: int = 0
     device: str = "cpu"
-    enforce_eager: bool = False  # never torch.compile (quantized KV decode attention, kv/formats/compiled.py)
+    enforce_eager: bool = False  # never torch.compile (int8/int4 KV decode attention, kv/formats/compiled.py)
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)

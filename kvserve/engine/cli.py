@@ -46,8 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--seed", type=int, default=defaults.seed)
     g.add_argument("--device", default=defaults.device)
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never compile with torch.compile (decode attention over a quantized KV cache then runs as "
-                        "plain PyTorch ops, slower)")
+                   help="never compile with torch.compile (decode attention over an int8 or int4 KV cache then runs "
+                        "as plain PyTorch ops, slower)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -20,7 +20,7 @@ def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_siz
                   max_num_seqs: int = 1, compile: bool = True) -> PagedKVCache:
     """The storage for `format_name`; `dtype` is the model's compute dtype, which reads return. int4 keeps one
     full-precision staging row per partly filled block (two per sequence at most), sized for `max_num_seqs`
-    sequences per layer group. Quantized formats compile their decode attention unless `compile` is False
+    sequences per layer group. int8 and int4 compile their decode attention unless `compile` is False
     (formats.compiled)."""
     args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
     if format_name in FLOAT_FORMATS:

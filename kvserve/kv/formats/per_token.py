@@ -18,11 +18,13 @@ class PerTokenQuantizedKVCache(PagedKVCache):
 
     storage_dtype: torch.dtype
     element_dtype: torch.dtype  # what the stored bytes are (storage_dtype, or float8 kept as uint8)
+    compiled_decode_pays = True  # whether compiling decode attention (formats.compiled) measured faster
     exact = False
 
     def __init__(self, *args, compile: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fused_decode = fused_decode_attention(self.block_size, self.element_dtype) if compile else None
+        self.fused_decode = (fused_decode_attention(self.block_size, self.element_dtype)
+                             if compile and self.compiled_decode_pays else None)
         shape = (self.num_layers, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
@@ -30,10 +32,10 @@ class PerTokenQuantizedKVCache(PagedKVCache):
         self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
 
     def describe(self) -> str:
-        return f"{self.format_name}, per-token-head scales; {self._decode_kind()} decode attention"
-
-    def _decode_kind(self) -> str:
-        return "eager" if self.fused_decode is None or self.fused_decode.failed else "compiled"
+        if not self.compiled_decode_pays:
+            return f"{self.format_name}, per-token-head scales"
+        decode = "eager" if self.fused_decode is None or self.fused_decode.failed else "compiled"
+        return f"{self.format_name}, per-token-head scales; {decode} decode attention"
 
     def warm_up(self, num_query_heads: int) -> None:
         if self.fused_decode is not None:
@@ -89,8 +91,7 @@ def absmax_scale(x: torch.Tensor, max_code: float) -> torch.Tensor:
 @functools.cache
 def fused_decode_attention(block_size: int, element_dtype: torch.dtype) -> CompiledFunction:
     """Decode attention over the stored elements (see formats.compiled): selecting, widening and scaling them and
-    attending become a few generated loops (there a float8 → float32 cast is vectorised, unlike PyTorch's eager
-    one). One per block size and element type."""
+    attending become a few generated loops. One per block size and element type."""
     def dequantize(data: torch.Tensor, scale: torch.Tensor, block_tables: torch.Tensor, heads: int,
                    dim: int) -> torch.Tensor:
         S, B = block_tables.shape

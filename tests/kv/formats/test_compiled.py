@@ -13,7 +13,7 @@ from kvserve.kv.formats.compiled import CompiledFunction
 from kvserve.kv.layout import KVLayout
 
 BS = 4
-FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+FORMATS = ["int8", "int4"]  # fp8 attends eagerly: compiled, its float8 widening is not vectorised (formats.fp8)
 
 
 def filled_cache(fmt: str, blocks: int, heads: int, dim: int, dtype=torch.float32, compile: bool = True):
@@ -61,7 +61,7 @@ def test_compiled_decode_attention_equals_attention_over_the_eager_read(fmt, dty
         torch.testing.assert_close(fused.float(), reference, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_after_warm_up_no_batch_shape_compiles_again(fmt):
     cache = filled_cache(fmt, blocks=40, heads=3, dim=32)
     cache.warm_up(num_query_heads=6)
@@ -90,8 +90,10 @@ def test_without_compiling_decode_attention_is_left_to_the_eager_path(fmt):
                                   torch.ones(1, 1, 1, 2 * BS + 1, dtype=torch.bool), 1.0) is None
 
 
-def test_full_precision_has_no_decode_attention_of_its_own():
-    cache = filled_cache("float32", blocks=2, heads=2, dim=16)
+@pytest.mark.parametrize("fmt", ["float32", "fp8_e4m3", "fp8_e5m2"])
+def test_full_precision_and_fp8_have_no_decode_attention_of_their_own(fmt):
+    cache = filled_cache(fmt, blocks=2, heads=2, dim=16)
+    cache.warm_up(num_query_heads=2)
     new = torch.zeros(1, 1, 2, 16)
     assert cache.decode_attention(0, torch.zeros(1, 2, 1, 16), torch.tensor([[0]]), torch.tensor([-1]), new, new,
                                   torch.ones(1, 1, 1, BS, dtype=torch.bool), 1.0) is None

@@ -18,9 +18,8 @@ from kvserve.rotation import hadamard
 
 class Fp8KVCache(PerTokenQuantizedKVCache):
     storage_dtype = torch.uint8
-    # Compiled, float8 -> float32 (a plain cast, or the float16 bit patterns below) is not vectorised on a CPU: one
-    # layer's decode attention over 32 x 400 tokens took 33 ms against 3.1 ms eager, and the decode-heavy bench
-    # fell from about 0.8x to 0.53x of `auto`. So fp8 attends eagerly.
+    # Compiled (formats.compiled), the float8 -> float32 widening came out scalar: the decode-heavy bench fell from
+    # about 0.8x to 0.53x of `auto` (docs/benchmarks.md). So fp8 attends eagerly.
     compiled_decode_pays = False
 
     def __init__(self, *args, fp8_dtype: torch.dtype = torch.float8_e4m3fn, **kwargs):

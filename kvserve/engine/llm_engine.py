@@ -87,7 +87,7 @@ class LLMEngine:
         self.cache.warm_up(mc.num_heads)
         self.warm_up_seconds = time.perf_counter() - started
         logger.info(self.capacity_line())
-        if self.warm_up_seconds >= 0.1:
+        if "compiled decode attention" in self.cache.describe():
             logger.info(f"{self.cache.format_name} decode attention compiled in {self.warm_up_seconds:.1f} s "
                         "(torch.compile; --enforce-eager skips it)")
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,

@@ -75,10 +75,11 @@ class PagedKVCache:
         tokens ([S] block ids, -1: none), then the chunk's new tokens `new_k`/`new_v` ([S, Q, kv_heads, head_dim])."""
         raise NotImplementedError(f"{self.format_name} KV cache reads every block quantized (exact_own_block=False)")
 
-    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor, own_blocks: torch.Tensor,
-                         new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """Formats with `exact_own_block` may attend over their stored form directly, for one query per request:
-        queries [S, kv_heads, heads per kv head, head_dim], the other arguments as gather_with_own_block's, mask
+    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
+                         own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor | None:
+        """A format may attend over its stored form itself, for one query per request: queries [S, kv_heads, heads
+        per kv head, head_dim]; block_tables, own_blocks (int4), new_k and new_v as gather_with_own_block's; mask
         [S, 1, 1, keys]. Returns [S, kv_heads, heads per kv head, head_dim], or None: gather, then attend."""
         return None
 
@@ -126,13 +127,6 @@ class FullPrecisionKVCache(PagedKVCache):
         # uninitialised memory may hold NaN, which 0 * NaN would spread into real outputs
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
-
-    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor, own_blocks: torch.Tensor,
-                         new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """Formats with `exact_own_block` may attend over their stored form directly, for one query per request:
-        queries [S, kv_heads, heads per kv head, head_dim], the other arguments as gather_with_own_block's, mask
-        [S, 1, 1, keys]. Returns [S, kv_heads, heads per kv head, head_dim], or None: gather, then attend."""
-        return None
 
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[row].index_copy_(0, slot_mapping, k.to(self.storage_dtype))

@@ -177,8 +177,9 @@ class Int4KVCache(PagedKVCache):
         k[:, context + bs:], v[:, context + bs:] = new_k, new_v
         return k, v
 
-    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor, own_blocks: torch.Tensor,
-                         new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
+                         own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor | None:
         if self.fused_decode is None:
             return None
         row, N = self.layout.row_of[layer], self.num_blocks
@@ -284,8 +285,8 @@ def fused_decode_attention(block_size: int) -> CompiledFunction:
 
     def int4_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                               v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-                              block_tables: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-                              mask: torch.Tensor) -> torch.Tensor:
+                              block_tables: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
+                              new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [S, kv_heads, heads per kv head, head_dim], already multiplied by the softmax scale."""
         H, D = q.shape[1], q.shape[3]
         keys = torch.cat([dequantize(k_codes, k_scale, k_zero, block_tables, True, H, D),

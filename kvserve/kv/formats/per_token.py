@@ -41,8 +41,9 @@ class PerTokenQuantizedKVCache(PagedKVCache):
         if self.fused_decode is not None:
             warm_up_decode(self, self.fused_decode, num_query_heads, extra_keys=0)
 
-    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor, own_blocks: torch.Tensor,
-                         new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
+                         own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor | None:
         """Over the stored blocks alone: the new token was written, and is read back, like every other."""
         if self.fused_decode is None:
             return None
@@ -104,7 +105,7 @@ def fused_decode_attention(block_size: int, element_dtype: torch.dtype) -> Compi
                                    v_data: torch.Tensor, v_scale: torch.Tensor, block_tables: torch.Tensor,
                                    mask: torch.Tensor) -> torch.Tensor:
         H, D = q.shape[1], q.shape[3]
-        return attend(q, dequantize(k_data, k_scale, block_tables, H, D), dequantize(v_data, v_scale, block_tables, H, D),
-                      mask)
+        keys = dequantize(k_data, k_scale, block_tables, H, D)
+        return attend(q, keys, dequantize(v_data, v_scale, block_tables, H, D), mask)
 
     return CompiledFunction(per_token_decode_attention)

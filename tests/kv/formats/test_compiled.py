@@ -22,7 +22,8 @@ def filled_cache(fmt: str, blocks: int, heads: int, dim: int, dtype=torch.float3
     g = torch.Generator().manual_seed(0)
     n = blocks * BS + 2
     cache.begin_step([], [], [torch.arange(n)])
-    cache.write(0, (torch.randn(n, heads, dim, generator=g) * 3 + 1).to(dtype), torch.randn(n, heads, dim, generator=g).to(dtype))
+    k = torch.randn(n, heads, dim, generator=g) * 3 + 1
+    cache.write(0, k.to(dtype), torch.randn(n, heads, dim, generator=g).to(dtype))
     cache.begin_step([], [], [torch.tensor([n])])
     return cache
 

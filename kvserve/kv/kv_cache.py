@@ -23,6 +23,7 @@ class PagedKVCache:
     # When set ([head_dim, head_dim], orthonormal), gather returns K and V as stored: multiplied by it on the right.
     # Attention then multiplies queries by it too and its output by its transpose (formats.fp8 explains why).
     rotation: torch.Tensor | None = None
+    fused_decode = None  # a formats.compiled.CompiledFunction: see decode_attention
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -78,10 +79,21 @@ class PagedKVCache:
     def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
                          own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor | None:
-        """A format may attend over its stored form itself, for one query per request: queries [S, kv_heads, heads
-        per kv head, head_dim]; block_tables, own_blocks (int4), new_k and new_v as gather_with_own_block's; mask
-        [S, 1, 1, keys]. Returns [S, kv_heads, heads per kv head, head_dim], or None: gather, then attend."""
-        return None
+        """A format with a compiled decode attention (`fused_decode`, kv/formats/compiled.py) attends over its
+        stored form itself, for one query per request: queries [S, kv_heads, heads per kv head, head_dim];
+        block_tables, own_blocks (int4), new_k and new_v as gather_with_own_block's; mask [S, 1, 1, keys]. Returns
+        [S, kv_heads, heads per kv head, head_dim], or None (no such attention, or it failed to compile): gather,
+        then attend."""
+        if self.fused_decode is None:
+            return None
+        return self._decode_attention(self.layout.row_of[layer], queries * scale, block_tables, own_blocks, new_k,
+                                      new_v, mask)
+
+    def _decode_attention(self, row: int, queries: torch.Tensor, block_tables: torch.Tensor,
+                          own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor | None:
+        """decode_attention for storage row `row`, queries already multiplied by the softmax scale."""
+        raise NotImplementedError
 
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError

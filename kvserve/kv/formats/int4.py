@@ -177,14 +177,12 @@ class Int4KVCache(PagedKVCache):
         k[:, context + bs:], v[:, context + bs:] = new_k, new_v
         return k, v
 
-    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
-                         own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor | None:
-        if self.fused_decode is None:
-            return None
-        row, N = self.layout.row_of[layer], self.num_blocks
-        staged_k, staged_v = self.gather_residual(layer, own_blocks)
-        args = (queries * scale, self.k[row].view(N, -1), self.k_scale[row].view(N, -1), self.k_zero[row].view(N, -1),
+    def _decode_attention(self, row: int, queries: torch.Tensor, block_tables: torch.Tensor,
+                          own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor | None:
+        N = self.num_blocks
+        staged_k, staged_v = self._staged(row, own_blocks)
+        args = (queries, self.k[row].view(N, -1), self.k_scale[row].view(N, -1), self.k_zero[row].view(N, -1),
                 self.v[row].view(N, -1), self.v_scale[row].view(N, -1), self.v_zero[row].view(N, -1),
                 block_tables, staged_k, staged_v, new_k, new_v, mask)
         per_request = [(t, 0) for t in (args[0], block_tables, staged_k, staged_v, new_k, new_v, mask)]
@@ -192,10 +190,13 @@ class Int4KVCache(PagedKVCache):
 
     def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""
+        return self._staged(self.layout.row_of[layer], blocks)
+
+    def _staged(self, row: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if id(blocks) not in self._own_rows:  # every layer of a step asks again for the same blocks
             rows = self.row_of_block[blocks.cpu().clamp(min=0)].to(self.device)
             self._own_rows[id(blocks)] = blocks, torch.where((blocks >= 0) & (rows >= 0), rows, 0)
-        rows, row = self._own_rows[id(blocks)][1], self.layout.row_of[layer]
+        rows = self._own_rows[id(blocks)][1]
         return self.staging_k[row].index_select(0, rows), self.staging_v[row].index_select(0, rows)
 
     def _dequantize_into(self, row: int, block_tables: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:

@@ -41,14 +41,12 @@ class PerTokenQuantizedKVCache(PagedKVCache):
         if self.fused_decode is not None:
             warm_up_decode(self, self.fused_decode, num_query_heads, extra_keys=0)
 
-    def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
-                         own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor | None:
+    def _decode_attention(self, row: int, queries: torch.Tensor, block_tables: torch.Tensor,
+                          own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor | None:
         """Over the stored blocks alone: the new token was written, and is read back, like every other."""
-        if self.fused_decode is None:
-            return None
-        row, N = self.layout.row_of[layer], self.num_blocks
-        q = queries * scale if self.rotation is None else (queries @ self.rotation) * scale
+        N = self.num_blocks
+        q = queries if self.rotation is None else queries @ self.rotation
         args = (q, self.k[row].view(N, -1), self.k_scale[row].view(N, -1), self.v[row].view(N, -1),
                 self.v_scale[row].view(N, -1), block_tables, mask)
         dynamic = [(t, 0) for t in args] + [(block_tables, 1), (mask, 3)]

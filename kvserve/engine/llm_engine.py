@@ -85,10 +85,10 @@ class LLMEngine:
                                    compile=not config.enforce_eager)
         started = time.perf_counter()
         self.cache.warm_up(mc.num_heads)
-        self.warm_up_seconds = time.perf_counter() - started
+        compile_seconds = time.perf_counter() - started
         logger.info(self.capacity_line())
         if "compiled decode attention" in self.cache.describe():
-            logger.info(f"{self.cache.format_name} decode attention compiled in {self.warm_up_seconds:.1f} s "
+            logger.info(f"{self.cache.format_name} decode attention compiled in {compile_seconds:.1f} s "
                         "(torch.compile; --enforce-eager skips it)")
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
                                  hash_namespace=config.kv_cache_format, eviction=self.eviction,

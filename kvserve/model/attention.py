@@ -73,7 +73,8 @@ def _group_attention(
 ) -> torch.Tensor:
     queries = q[group.query_index]  # [S, Q, H, D]
     S, Q, H, D = queries.shape
-    if Q == 1 and not group.fresh and meta.scores is None and group.sink_rotation is None:
+    if Q == 1 and cache.fused_decode is not None and not group.fresh and meta.scores is None and \
+            group.sink_rotation is None:
         kv_heads = k.shape[1]  # decode: a quantized format may attend over its stored form (compiled)
         out = cache.decode_attention(layer, queries.view(S, kv_heads, H // kv_heads, D), group.block_tables,
                                      group.residual_blocks, k[group.query_index], v[group.query_index], group.mask,

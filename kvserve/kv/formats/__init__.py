@@ -26,7 +26,7 @@ def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_siz
     if format_name in FLOAT_FORMATS:
         return FullPrecisionKVCache(*args, dtype=dtype, device=device, storage_dtype=FLOAT_FORMATS[format_name])
     if format_name in FP8_FORMATS:
-        return Fp8KVCache(*args, dtype=dtype, device=device, fp8_dtype=FP8_FORMATS[format_name], compile=compile)
+        return Fp8KVCache(*args, dtype=dtype, device=device, fp8_dtype=FP8_FORMATS[format_name])
     if format_name == "int8":
         return Int8KVCache(*args, dtype=dtype, device=device, compile=compile)
     if format_name == "int4":

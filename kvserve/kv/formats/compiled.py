@@ -6,9 +6,9 @@ widen, scale, copy into the attention buffer) before attention reads it again. W
 dequantization, then attention as broadcast products and sums (`attend`) — and compiled, it becomes a few
 generated loops. int8 and int4 do this; fp8 measured slower compiled (formats.fp8). Nothing is built at install
 time: the engine compiles at start-up (`warm_up_decode`: seconds), later processes reuse inductor's on-disk
-cache. The warm-up marks the batch dimensions dynamic and does not
-specialise sizes of 1, so one graph serves every batch shape (a single request gets a second one); block size,
-heads and head size stay constants the loops are specialised for. If compiling fails (no C++ compiler, an
+cache. The warm-up marks the batch dimensions dynamic and does not specialise sizes of 1, so one graph serves
+every batch shape (a single request gets a second one); block size, heads and head size stay constants the loops
+are specialised for. If compiling fails (no C++ compiler, an
 unsupported platform), the format logs why once and attends eagerly; `enforce_eager` (EngineConfig,
 `--enforce-eager`) skips compiling altogether."""
 from __future__ import annotations
@@ -62,6 +62,11 @@ class CompiledFunction:
             logger.warning(f"KV cache: compiling {self.fn.__name__} failed ({self.failed}); attending eagerly "
                            "(slower)")
             return None
+
+
+def decode_kind(compiled: CompiledFunction | None) -> str:
+    """How a format's decode attention runs, for its start-up line."""
+    return "eager" if compiled is None or compiled.failed else "compiled"
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

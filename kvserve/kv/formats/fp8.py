@@ -7,7 +7,11 @@ becomes inf or NaN. The elements are kept as raw bytes (uint8): CPU indexing ker
 K and V are stored rotated by a normalized Hadamard matrix (`rotation`): it spreads each vector's energy over
 all its channels, which halved E4M3's perplexity cost on SmolLM2 (docs/quality.md). Nothing is rotated back on
 the read: attention rotates its queries the same way (q·k is unchanged by an orthogonal rotation) and its output
-back (the attention-weighted sum of rotated values is the rotated sum), a cost per query, not per cached token."""
+back (the attention-weighted sum of rotated values is the rotated sum), a cost per query, not per cached token.
+
+Unlike int8 and int4, fp8 attends eagerly: compiled the same way (formats.compiled), its float8 -> float32
+widening came out scalar and the decode-heavy bench fell from about 0.8x to 0.53x of `auto`
+(docs/benchmarks.md)."""
 from __future__ import annotations
 
 import torch
@@ -18,12 +22,9 @@ from kvserve.rotation import hadamard
 
 class Fp8KVCache(PerTokenQuantizedKVCache):
     storage_dtype = torch.uint8
-    # Compiled (formats.compiled), the float8 -> float32 widening came out scalar: the decode-heavy bench fell from
-    # about 0.8x to 0.53x of `auto` (docs/benchmarks.md). So fp8 attends eagerly.
-    compiled_decode_pays = False
 
     def __init__(self, *args, fp8_dtype: torch.dtype = torch.float8_e4m3fn, **kwargs):
-        self.fp8_dtype = self.element_dtype = fp8_dtype
+        self.fp8_dtype = fp8_dtype
         self.fp8_max = torch.finfo(fp8_dtype).max
         self.format_name = "fp8_e4m3" if fp8_dtype == torch.float8_e4m3fn else "fp8_e5m2"
         super().__init__(*args, **kwargs)

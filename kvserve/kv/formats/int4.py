@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.formats.compiled import CompiledFunction, attend, warm_up_decode
+from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind, warm_up_decode
 from kvserve.kv.kv_cache import PagedKVCache
 
 logger = logging.getLogger("kvserve")
@@ -70,9 +70,8 @@ class Int4KVCache(PagedKVCache):
         self._own_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's groups: own blocks, rows
 
     def describe(self) -> str:
-        decode = "eager" if self.fused_decode is None or self.fused_decode.failed else "compiled"
         return (f"int4, keys per channel per block, values per token; {self.block_size - 1}-token full-precision "
-                f"residual per sequence; {decode} decode attention")
+                f"residual per sequence; {decode_kind(self.fused_decode)} decode attention")
 
     def warm_up(self, num_query_heads: int) -> None:
         if self.fused_decode is not None:
@@ -185,8 +184,9 @@ class Int4KVCache(PagedKVCache):
         args = (queries, self.k[row].view(N, -1), self.k_scale[row].view(N, -1), self.k_zero[row].view(N, -1),
                 self.v[row].view(N, -1), self.v_scale[row].view(N, -1), self.v_zero[row].view(N, -1),
                 block_tables, staged_k, staged_v, new_k, new_v, mask)
-        per_request = [(t, 0) for t in (args[0], block_tables, staged_k, staged_v, new_k, new_v, mask)]
-        return self.fused_decode(args, [(t, 0) for t in args[1:7]] + per_request + [(block_tables, 1), (mask, 3)])
+        dynamic = ([(t, 0) for t in args] + [(block_tables, 1), (mask, 3)]
+                   if self.fused_decode.warming else ())  # requests, blocks (in the pool, per request), keys
+        return self.fused_decode(args, dynamic)
 
     def gather_residual(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""

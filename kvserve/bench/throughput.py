@@ -67,6 +67,7 @@ class RunResult:
     decode_tokens: int = 0  # tokens sampled in steps that prefilled nothing ...
     decode_seconds: float = 0.0  # ... and the time of those steps (kvserve only)
     steps: Counter = field(default_factory=Counter)  # (tokens, sampled rows) -> steps of that shape (kvserve)
+    prefill_tokens: int = 0  # prompt tokens computed, not found in the prefix cache (kvserve)
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,6 +89,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     outputs: dict[str, list[int]] = {}
     steps: Counter = Counter()
     decode_tokens, decode_seconds = 0, 0.0
+    prefill_start = engine.num_prefill_tokens
     start = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
@@ -110,7 +112,8 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
             decode_seconds += step_seconds
     seconds = time.perf_counter() - start
     tokens = [outputs[i] for i in ids]
-    return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps)
+    return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
+                     engine.num_prefill_tokens - prefill_start)
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
@@ -301,10 +304,12 @@ class _KvserveRuns:
             self._describe(llm.engine)
         for name, workload in self.workloads.items():
             run_kvserve(llm, self.prompts[name][:2], 4)  # warm-up
+            llm.reset_prefix_cache()  # every timed run prefills its prompts in full, as the other engines do
             self.batched[name].append(_maybe_profiled(self.args.profile, self.console, name, run_kvserve, llm,
                                                       self.prompts[name], workload.output_len, config.name))
         if "single" not in self.args.skip:
             first = next(iter(self.workloads))
+            llm.reset_prefix_cache()
             self.singles.append(_maybe_profiled(self.args.profile, self.console, "single stream", run_kvserve, llm,
                                                 self.prompts[first][:1], self.workloads[first].output_len,
                                                 config.name))

@@ -83,6 +83,9 @@ class LLM:
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt (see kvserve.engine.beam_search for what it matches); beams share KV blocks."""
         return beam_search(self.engine, prompts, params)

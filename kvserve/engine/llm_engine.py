@@ -407,6 +407,11 @@ class LLMEngine:
                 "block_size": str(self.kv.block_size), "layout": self.layout.describe() or "one group of every layer",
                 "kv_eviction": config.kv_eviction}
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next requests compute their prompts in full (benchmarks: each timed
+        run starts cold). False, and nothing changes, while requests hold blocks."""
+        return self.kv.pool.reset_prefix_cache()
+
     def stats(self) -> dict[str, float | int]:
         pool = self.kv.pool
         live = self.scheduler.running

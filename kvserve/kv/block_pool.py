@@ -104,6 +104,15 @@ class BlockPool:
             if self._hash_events is not None:
                 self._hash_events.append((True, block_hash))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (a benchmark's next run starts cold). Only when no request holds a block:
+        returns False and changes nothing otherwise, as vLLM's reset_prefix_cache does."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

@@ -2,7 +2,7 @@
 row per kvserve configuration (dtype x weights x KV format), a roofline line, and bad values named."""
 import pytest
 
-from kvserve.bench import llama_cpp_baseline
+from kvserve.bench import llama_cpp_baseline, throughput
 from kvserve.cli import main
 
 TINY_RUN = ["bench", "throughput", "--num-requests", "2", "--min-prompt-len", "8", "--max-prompt-len", "8",
@@ -46,6 +46,23 @@ def test_repeated_runs_interleave_and_report_each_rounds_ratio(capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("kvserve (float32, KV int4):"))
     assert line.count("x") == 4  # three rounds' ratios and their median
     assert "median of 3 interleaved runs" in out
+
+
+@pytest.mark.slow
+def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
+    # the warm-up run and the batched run leave prompts in the prefix cache; the other engines get no such head
+    # start, so each timed kvserve run must start with it empty
+    runs = []
+    run_kvserve = throughput.run_kvserve
+    monkeypatch.setattr(throughput, "run_kvserve", lambda llm, prompts, *a: runs.append(
+        (sum(map(len, prompts)), run_kvserve(llm, prompts, *a))) or runs[-1][1])
+    argv = [*TINY_RUN, "llama.cpp", "roofline", "--min-prompt-len", "40", "--max-prompt-len", "40"]
+    argv.remove("single")
+
+    assert main(argv) == 0
+
+    assert len(runs) == 3  # warm-up, batched, single stream
+    assert [result.prefill_tokens for _, result in runs] == [prompt_tokens for prompt_tokens, _ in runs]
 
 
 @pytest.mark.parametrize("option, value, message", [

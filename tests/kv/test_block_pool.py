@@ -64,6 +64,23 @@ def test_freed_block_stays_findable_by_hash_until_reallocated():
     assert block.block_hash is None and pool.num_cached_blocks == 0
 
 
+def test_reset_forgets_cached_prefixes_only_when_no_block_is_held():
+    pool = BlockPool(3)
+    events = pool.subscribe_hash_events()
+    cached, held = pool.allocate(2)
+    keys = [hash_block(None, [1]), hash_block(None, [2])]
+    pool.register(cached, keys[0])
+    pool.register(held, keys[1])
+    pool.free([cached])
+    assert not pool.reset_prefix_cache()  # `held` is still in use: nothing changes
+    assert pool.lookup(keys[0]) is cached and pool.lookup(keys[1]) is held
+    pool.free([held])
+    assert pool.reset_prefix_cache()
+    assert pool.lookup(keys[0]) is None and pool.lookup(keys[1]) is None and pool.num_cached_blocks == 0
+    assert pool.num_free_blocks == 3 and cached.block_hash is None
+    assert sorted(e for e in events if not e[0]) == sorted((False, k) for k in keys)  # subscribers hear of it
+
+
 def test_touching_a_cached_free_block_takes_it_off_the_free_list():
     pool = BlockPool(3)
     block = pool.allocate(1)[0]

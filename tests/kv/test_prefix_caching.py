@@ -97,6 +97,17 @@ def test_changed_first_token_gets_no_hits(model_dir):
     assert cached_tokens(llm, prompt) == 96  # 6 full blocks; the last prompt token is always computed
 
 
+def test_reset_prefix_cache_makes_the_next_run_compute_its_prompt(model_dir):
+    llm = tiny_llm(model_dir)
+    prompt = tokens(100, 7)
+    first = llm.generate(prompt, greedy(4))[0]
+    assert cached_tokens(llm, prompt) == 96
+    assert llm.reset_prefix_cache()
+    again = llm.generate(prompt, greedy(4))[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
 def test_cache_salt_separates_users(model_dir):
     llm = tiny_llm(model_dir)
     prompt = tokens(100, 2)

@@ -107,8 +107,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row: codes [M, K] and float32 scales [M] (a zero row gets a tiny scale and codes 0).
 
     Few ops on purpose (a decode step calls this 120 times): |x| / (amax / 127) <= 127 rounds to at most 127,
-    so no clamp is needed. amax as abs then amax: the same numbers as torch.linalg.vector_norm(x, inf), which
-    was 10x slower for 32 rows and 13x for 256 on this CPU (10% of int8's decode-heavy time, `--profile`)."""
+    so no clamp is needed. amax as abs then amax: the same numbers as torch.linalg.vector_norm(x, inf), whose
+    CPU kernel is many times slower on rows in batches (it was 10% of int8's decode-heavy time, `--profile`)."""
     amax = x.abs().amax(dim=-1).float()
     scale = amax.clamp_(min=MIN_AMAX).div_(INT8_MAX)
     return x.float().div(scale[:, None]).round_().to(torch.int8), scale

@@ -20,6 +20,7 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.eviction import AttentionScores, make_policy
 from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.formats.compiled import decode_kind
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_weights, resolve_model
@@ -87,7 +88,7 @@ class LLMEngine:
         self.cache.warm_up(mc.num_heads)
         compile_seconds = time.perf_counter() - started
         logger.info(self.capacity_line())
-        if "compiled decode attention" in self.cache.describe():
+        if decode_kind(self.cache.fused_decode) == "compiled":
             logger.info(f"{self.cache.format_name} decode attention compiled in {compile_seconds:.1f} s "
                         "(torch.compile; --enforce-eager skips it)")
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,

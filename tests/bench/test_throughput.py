@@ -52,10 +52,14 @@ def test_repeated_runs_interleave_and_report_each_rounds_ratio(capsys):
 def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     # the warm-up run and the batched run leave prompts in the prefix cache; the other engines get no such head
     # start, so each timed kvserve run must start with it empty
-    runs = []
+    runs = []  # (prompt tokens given, the run's result)
     run_kvserve = throughput.run_kvserve
-    monkeypatch.setattr(throughput, "run_kvserve", lambda llm, prompts, *a: runs.append(
-        (sum(map(len, prompts)), run_kvserve(llm, prompts, *a))) or runs[-1][1])
+
+    def recorded(llm, prompts, *args):
+        runs.append((sum(map(len, prompts)), run_kvserve(llm, prompts, *args)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(throughput, "run_kvserve", recorded)
     argv = [*TINY_RUN, "llama.cpp", "roofline", "--min-prompt-len", "40", "--max-prompt-len", "40"]
     argv.remove("single")
 

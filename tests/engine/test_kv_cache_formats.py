@@ -2,6 +2,8 @@
 preemption or prefix-cache hits (each query reads what decode would read); n>1 samples and beams read their
 copy-on-write copies of quantized blocks correctly; next-token distributions stay within a stated distance of
 the full-precision cache; no block is left held."""
+import logging
+
 import pytest
 import torch
 
@@ -38,8 +40,13 @@ def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_decode_attention_compiled_or_eager_gives_the_same_tokens(model_dir, prompts, fmt):
-    compiled, eager = make(model_dir, fmt), make(model_dir, fmt, enforce_eager=True)
+def test_decode_attention_compiled_or_eager_gives_the_same_tokens(model_dir, prompts, fmt, caplog):
+    caplog.set_level(logging.INFO, logger="kvserve")
+    compiled = make(model_dir, fmt)
+    assert any(r.getMessage().startswith(f"{fmt} decode attention compiled in ") for r in caplog.records)
+    caplog.clear()
+    eager = make(model_dir, fmt, enforce_eager=True)
+    assert not any("decode attention compiled" in r.getMessage() for r in caplog.records)  # nothing compiled
     assert "compiled decode attention" in compiled.engine.capacity_line()
     assert "eager decode attention" in eager.engine.capacity_line()
     assert tokens(compiled, prompts) == tokens(eager, prompts)

@@ -124,4 +124,3 @@ def test_unpack_reads_every_byte_as_its_two_nibbles():
     unpack_into(widened, packed)
     assert torch.equal(widened[:, :2], (packed & 0x0F).float())  # low nibbles: the block's first half
     assert torch.equal(widened[:, 2:], (packed >> 4).float())
-

@@ -409,12 +409,17 @@ def _maybe_profiled(profile: bool, console, label: str, fn, *args):
         return fn(*args)
     import cProfile
     import pstats
+    import resource
 
     profiler = cProfile.Profile()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     result = profiler.runcall(fn, *args)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     stats = pstats.Stats(profiler).sort_stats("tottime")
     total = sum(row[2] for row in stats.stats.values())  # tottime summed over all functions
-    console.print(f"{result.name}, {label}: share of time by function (cProfile tottime)")
+    # each minor fault is a page the OS had to map and zero (freed memory handed back and taken again)
+    console.print(f"{result.name}, {label}: {faults:,} minor page faults; share of time by function (cProfile "
+                  "tottime)")
     for (file, line, name), row in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]:
         console.print(f"  {row[2] / total:6.1%}  {name}  ({file.rsplit('/', 1)[-1]}:{line})")
     return result

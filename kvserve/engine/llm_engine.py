@@ -12,6 +12,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import Detokenizer
+from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.prompts import PromptType, parse_prompt
 from kvserve.engine.request import Request
@@ -72,6 +73,8 @@ class LLMEngine:
                                  else self.max_model_len * self.longest_token_chars)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | _generation_eos(source.path)
         mc, plan = self.model_config, self.cache_plan
+        if torch.device(config.device).type == "cpu":
+            logger.info(keep_freed_heap())  # each step's temporaries live on the C heap
         weights = load_weights(source.path, config.torch_dtype)
         self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device,
                                  config.quantization)

@@ -1,0 +1,55 @@
+"""The engine's C-heap settings: applied once on glibc, and not at all where the environment configures malloc."""
+import platform
+
+import pytest
+
+from kvserve.engine import heap
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """keep_freed_heap as if no engine had started in this process, with no malloc variables set."""
+    for name in list(heap.os.environ):
+        if name == "GLIBC_TUNABLES" or name.startswith("MALLOC_"):
+            monkeypatch.delenv(name)
+    calls = []
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda _: _FakeLibc(calls))
+    heap.keep_freed_heap.cache_clear()
+    yield calls
+    heap.keep_freed_heap.cache_clear()
+
+
+class _FakeLibc:
+    def __init__(self, calls, accept=True):
+        self.calls, self.accept = calls, accept
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return int(self.accept)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+def test_glibc_keeps_large_blocks_on_the_heap_once_per_process(fresh):
+    line = heap.keep_freed_heap()
+    assert line.startswith("C heap: freed memory kept for the next step")
+    assert fresh == [(heap.M_MMAP_THRESHOLD, 32 * 2**20), (heap.M_TRIM_THRESHOLD, 2**30)]
+    assert heap.keep_freed_heap() == line and len(fresh) == 2  # a second engine changes nothing
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+@pytest.mark.parametrize("variable", ["GLIBC_TUNABLES", "MALLOC_ARENA_MAX"])
+def test_malloc_set_by_the_environment_is_left_alone(fresh, monkeypatch, variable):
+    monkeypatch.setenv(variable, "glibc.malloc.arena_max=2" if variable == "GLIBC_TUNABLES" else "2")
+    assert heap.keep_freed_heap() == f"C heap: left as the environment sets it ({variable})"
+    assert fresh == []
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+def test_a_refused_setting_is_reported(fresh, monkeypatch):
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda _: _FakeLibc(fresh, accept=False))
+    assert heap.keep_freed_heap() == "C heap: glibc refused mallopt, left as it is"
+
+
+def test_other_c_libraries_are_left_alone(fresh, monkeypatch):
+    monkeypatch.setattr(heap.platform, "libc_ver", lambda: ("", ""))
+    assert heap.keep_freed_heap() == "C heap: not glibc, left as it is" and fresh == []

@@ -3,9 +3,10 @@
 On a CPU every step allocates large temporaries again (the K/V gathered for attention, the activations of up
 to max_num_batched_tokens tokens) and frees them at its end. By default glibc serves a block above a moving
 threshold with a fresh mmap and hands back freed memory at the top of its heap, so a step can page-fault its
-temporaries in anew, one zeroed 4 KiB page at a time: in a decode-heavy run that was up to 1.8 million minor
-faults and about a seventh of the time (docs/benchmarks.md). Two mallopt settings stop it: blocks up to
-glibc's 32 MiB limit come from the heap, and up to 1 GiB freed at its top is kept for reuse. The heap then stays
+temporaries in anew, one zeroed 4 KiB page at a time: 1.5 million minor faults in one int8 decode-heavy
+bench run, where int8 ran 1.07-1.26x faster with the heap kept (docs/benchmarks.md). Two mallopt settings stop it:
+blocks up to 32 MiB (as high as glibc's own moving threshold goes) come from the heap, and up to 1 GiB freed at
+its top is kept for reuse. The heap then stays
 at its peak size, which is the step's own working set. A process whose environment sets glibc's malloc
 (GLIBC_TUNABLES or a MALLOC_* variable) is left as it asked."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ import platform
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 * 2**20  # the largest that glibc accepts on 64-bit
+MMAP_THRESHOLD_BYTES = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 TRIM_THRESHOLD_BYTES = 2**30
 
 

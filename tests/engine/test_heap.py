@@ -1,9 +1,11 @@
 """The engine's C-heap settings: applied once on glibc, and not at all where the environment configures malloc."""
+import logging
 import platform
 
 import pytest
 
 from kvserve.engine import heap
+from tests.conftest import make_tiny_model, save_char_tokenizer
 
 
 @pytest.fixture
@@ -48,6 +50,28 @@ def test_malloc_set_by_the_environment_is_left_alone(fresh, monkeypatch, variabl
 def test_a_refused_setting_is_reported(fresh, monkeypatch):
     monkeypatch.setattr(heap.ctypes, "CDLL", lambda _: _FakeLibc(fresh, accept=False))
     assert heap.keep_freed_heap() == "C heap: glibc refused mallopt, left as it is"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+def test_this_glibc_accepts_both_settings(monkeypatch):
+    """The real mallopt, not a stand-in, takes both values (it returns 0 for a setting it refuses)."""
+    for name in list(heap.os.environ):
+        if name == "GLIBC_TUNABLES" or name.startswith("MALLOC_"):
+            monkeypatch.delenv(name)
+    heap.keep_freed_heap.cache_clear()
+    try:
+        assert heap.keep_freed_heap().startswith("C heap: freed memory kept for the next step")
+    finally:
+        heap.keep_freed_heap.cache_clear()
+
+
+def test_engine_start_up_says_what_it_did_with_the_heap(tmp_path, caplog):
+    from kvserve import LLM
+
+    model_dir = save_char_tokenizer(make_tiny_model(tmp_path))
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        LLM(str(model_dir), max_model_len=64, kv_cache_memory="1MiB")
+    assert any(r.getMessage().startswith("C heap: ") for r in caplog.records)
 
 
 def test_other_c_libraries_are_left_alone(fresh, monkeypatch):

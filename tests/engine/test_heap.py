@@ -9,16 +9,22 @@ from tests.conftest import make_tiny_model, save_char_tokenizer
 
 
 @pytest.fixture
-def fresh(monkeypatch):
+def unset(monkeypatch):
     """keep_freed_heap as if no engine had started in this process, with no malloc variables set."""
     for name in list(heap.os.environ):
         if name == "GLIBC_TUNABLES" or name.startswith("MALLOC_"):
             monkeypatch.delenv(name)
+    heap.keep_freed_heap.cache_clear()
+    yield
+    heap.keep_freed_heap.cache_clear()
+
+
+@pytest.fixture
+def fresh(unset, monkeypatch):
+    """As `unset`, with a stand-in libc that records each mallopt call (returned)."""
     calls = []
     monkeypatch.setattr(heap.ctypes, "CDLL", lambda _: _FakeLibc(calls))
-    heap.keep_freed_heap.cache_clear()
-    yield calls
-    heap.keep_freed_heap.cache_clear()
+    return calls
 
 
 class _FakeLibc:
@@ -53,16 +59,9 @@ def test_a_refused_setting_is_reported(fresh, monkeypatch):
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
-def test_this_glibc_accepts_both_settings(monkeypatch):
+def test_this_glibc_accepts_both_settings(unset):
     """The real mallopt, not a stand-in, takes both values (it returns 0 for a setting it refuses)."""
-    for name in list(heap.os.environ):
-        if name == "GLIBC_TUNABLES" or name.startswith("MALLOC_"):
-            monkeypatch.delenv(name)
-    heap.keep_freed_heap.cache_clear()
-    try:
-        assert heap.keep_freed_heap().startswith("C heap: freed memory kept for the next step")
-    finally:
-        heap.keep_freed_heap.cache_clear()
+    assert heap.keep_freed_heap().startswith("C heap: freed memory kept for the next step")
 
 
 def test_engine_start_up_says_what_it_did_with_the_heap(tmp_path, caplog):

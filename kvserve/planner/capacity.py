@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.planner.kv_size import (
+    PER_TOKEN_HEAD_SCALES,
     KVDtype,
     fixed_state_bytes,
     kv_bytes_per_token,
@@ -179,15 +180,17 @@ def plan_kv_cache(
     max_model_len: int | None = None,
     eviction: str = "none",
     max_blocks_per_request: int | None = None,
+    kv_scales: str = PER_TOKEN_HEAD_SCALES,
 ) -> KVCachePlan:
     """Blocks that fit in kv_budget_bytes for this model and dtype; max_model_len defaults to the model's.
-    With a KV eviction policy, `max_blocks_per_request` bounds what one request holds at any length."""
+    With a KV eviction policy, `max_blocks_per_request` bounds what one request holds at any length;
+    `kv_scales` "per-tensor" plans a scaled format with one scale per layer (vLLM's FP8 cache), not the engine's."""
     if kv_budget_bytes < 0:
         raise ValueError(f"KV cache budget must not be negative, got {kv_budget_bytes} bytes")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     max_model_len = resolve_max_model_len(spec, max_model_len)
-    kv_dtype = resolve_kv_dtype(kv_cache_dtype, spec)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype, spec, kv_scales)
     per_token = kv_bytes_per_token(spec, kv_dtype, block_size)
     if per_token == 0:
         raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")

@@ -17,7 +17,15 @@ from kvserve.planner.capacity import (
 )
 from kvserve.planner.conversation import plan_conversation
 from kvserve.planner.gpus import GPU_MEMORY_GIB, gpu_memory_bytes
-from kvserve.planner.kv_size import KV_DTYPE_CHOICES, eviction_max_blocks, resolve_kv_dtype
+from kvserve.planner.kv_size import (
+    KV_DTYPE_CHOICES,
+    KV_DTYPES,
+    KV_SCALES_CHOICES,
+    PER_TOKEN_HEAD_SCALES,
+    eviction_max_blocks,
+    resolve_kv_dtype,
+    takes_kv_scales,
+)
 from kvserve.planner.loaders import load_model_spec, preset_names
 from kvserve.planner.model_spec import ModelSpec
 from kvserve.planner.report import PlanReport, render_report, report_to_json
@@ -56,6 +64,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPE_CHOICES, metavar="DTYPE",
                         help=f"KV element type: {', '.join(KV_DTYPE_CHOICES)}; auto follows the model's "
                              "torch_dtype (default %(default)s)")
+    parser.add_argument("--kv-scales", default=PER_TOKEN_HEAD_SCALES, choices=KV_SCALES_CHOICES,
+                        help="where fp8, fp8_e5m2 and int8 keep their scales: per-token-head, one fp16 scale per token "
+                             "and head vector (kvserve's storage, default), or per-tensor, one per layer and no bytes "
+                             "per token (vLLM's FP8 KV cache: exactly half of bf16)")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
                         help="tokens per KV block (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, metavar="N",
@@ -106,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         render_report(report, Console(width=None if sys.stdout.isatty() else 120))
     if args.plot:
         try:
-            print(f"plot written to {_write_plot(report, args.plot)}", file=sys.stderr)
+            print(f"plot written to {_write_plot(report, args.plot, args.kv_scales)}", file=sys.stderr)
         except ValueError as exc:
             print(f"kvserve plan: error: {exc}", file=sys.stderr)
             return 2
@@ -121,8 +133,9 @@ def _check_plot_args(args: argparse.Namespace) -> None:
         raise ValueError("--plot draws the GPU memory split and what fits in it: give --gpu or --gpu-memory")
 
 
-def _write_plot(report: PlanReport, path: str):
-    """The memory split and, per KV dtype, requests that fit against context length."""
+def _write_plot(report: PlanReport, path: str, kv_scales: str):
+    """The memory split and, per KV dtype, requests that fit against context length; `kv_scales` applies to the
+    formats it can (fp8, int8)."""
     from kvserve.plots import plot_plan
 
     budget, spec = report.budget, report.spec
@@ -132,10 +145,13 @@ def _write_plot(report: PlanReport, path: str):
     curves, drawn = {}, set()
     dtypes = () if budget.error else (report.kv_dtype.name, *PLOT_KV_DTYPES)  # no KV memory: nothing fits
     for dtype in dtypes:
-        plan = plan_kv_cache(spec, budget.kv_budget_bytes, report.block_size, dtype, report.max_model_len)
+        scales = kv_scales if takes_kv_scales(KV_DTYPES[dtype]) else PER_TOKEN_HEAD_SCALES
+        plan = plan_kv_cache(spec, budget.kv_budget_bytes, report.block_size, dtype, report.max_model_len,
+                             kv_scales=scales)
         if plan.kv_dtype.name not in drawn:  # the planned dtype is one of PLOT_KV_DTYPES, or an alias of one
             drawn.add(plan.kv_dtype.name)
-            curves[f"{plan.kv_dtype.name}, {format_bytes(plan.kv_bytes_per_token)}/token"] = [
+            name = plan.kv_dtype.name + (f" {scales}" if scales != PER_TOKEN_HEAD_SCALES else "")
+            curves[f"{name}, {format_bytes(plan.kv_bytes_per_token)}/token"] = [
                 (tokens, plan.concurrency(tokens)) for tokens in contexts]
     title = (f"{spec.name} on {report.gpu_name} ({format_bytes(budget.gpu_memory_bytes)}, "
              f"{budget.gpu_memory_utilization:.0%} usable)")
@@ -154,7 +170,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     if args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     spec = load_model_spec(args.model)
-    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, spec)
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, spec, args.kv_scales)
     max_model_len = resolve_max_model_len(spec, args.max_model_len)
     if min(args.kv_sink_tokens, args.kv_recent_tokens, args.kv_budget_tokens) < 0:
         raise ValueError("--kv-sink-tokens, --kv-recent-tokens and --kv-budget-tokens must not be negative")
@@ -168,7 +184,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
             raise ValueError(f"--overhead-gib must not be negative, got {args.overhead_gib}")
         budget = MemoryBudget(gpu_bytes, args.gpu_memory_utilization, weights, round(args.overhead_gib * GiB))
         kv_plan = plan_kv_cache(spec, budget.kv_budget_bytes, args.block_size, kv_dtype.name, max_model_len,
-                                args.kv_eviction, max_blocks)
+                                args.kv_eviction, max_blocks, args.kv_scales)
     conversation = None
     if args.conversation:
         conversation = plan_conversation(spec, kv_dtype, args.first, args.question, args.answer,

@@ -9,10 +9,13 @@ storage formats in kvserve/kv/ allocate exactly this, and a test holds them to i
 - int4 (KIVI): 2 elements per byte; values carry an fp16 scale and an fp16 zero point per token and head
   vector; keys carry them per channel per block (one pair for each of head_dim channels, shared by the
   block's tokens): head_dim x 4 / block_size bytes per token and head. For MLA the latent is treated as a value.
+
+`--kv-scales per-tensor` plans fp8, fp8_e5m2 or int8 as an engine that keeps one scale per layer for K and one
+for V instead (vLLM's FP8 KV cache): no scale bytes per token, exactly half of bf16.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.kv.layout import KVLayout
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
@@ -20,6 +23,9 @@ from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
 NO_SCALE = "none"
 PER_VECTOR = "vector"  # one scale (and zero point) per token, layer and head vector
 PER_CHANNEL = "channel"  # one scale (and zero point) per element position per block, shared by the block's tokens
+PER_TENSOR = "tensor"  # one scale per layer for K and one for V, outside the blocks: nothing per token
+PER_TOKEN_HEAD_SCALES, PER_TENSOR_SCALES = "per-token-head", "per-tensor"
+KV_SCALES_CHOICES = (PER_TOKEN_HEAD_SCALES, PER_TENSOR_SCALES)  # --kv-scales; the first is kvserve's storage
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -33,6 +39,13 @@ class KVDtype:
     scale_bytes: int = 0
     zero_point_bytes: int = 0
     key_scale_scope: str | None = None  # keys scaled differently from values (KIVI: PER_CHANNEL)
+
+    @property
+    def scales(self) -> str:
+        """Where this format keeps its scales, in --kv-scales words ("none" for plain elements)."""
+        if self.key_scale_scope == PER_CHANNEL:
+            return "per-channel keys, per-token-head values"
+        return {NO_SCALE: "none", PER_VECTOR: PER_TOKEN_HEAD_SCALES, PER_TENSOR: PER_TENSOR_SCALES}[self.scale_scope]
 
     def scope(self, key: bool) -> str:
         return self.key_scale_scope if key and self.key_scale_scope else self.scale_scope
@@ -49,7 +62,7 @@ class KVDtype:
                 raise ValueError(f"{self.name} keeps {per_scale} bytes per channel per block: block_size "
                                  f"{block_size} must divide {elements * per_scale} ({elements} channels)")
             return data + elements * per_scale // block_size
-        return data
+        return data  # NO_SCALE, PER_TENSOR
 
 
 BF16 = KVDtype("bf16", 16)
@@ -72,13 +85,30 @@ KV_DTYPES = {
 KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
 
 
-def resolve_kv_dtype(name: str, spec: ModelSpec) -> KVDtype:
-    """The KVDtype for a --kv-cache-dtype value; "auto" follows the model's torch_dtype."""
+def resolve_kv_dtype(name: str, spec: ModelSpec, kv_scales: str = PER_TOKEN_HEAD_SCALES) -> KVDtype:
+    """The KVDtype for a --kv-cache-dtype value and --kv-scales; "auto" follows the model's torch_dtype."""
     if name == "auto":
-        return KV_DTYPES.get(spec.torch_dtype, BF16)
+        return with_kv_scales(KV_DTYPES.get(spec.torch_dtype, BF16), kv_scales)
     if name not in KV_DTYPES:
         raise ValueError(f"unknown kv cache dtype {name!r}; choose one of: {', '.join(KV_DTYPE_CHOICES)}")
-    return KV_DTYPES[name]
+    return with_kv_scales(KV_DTYPES[name], kv_scales)
+
+
+def takes_kv_scales(dtype: KVDtype) -> bool:
+    """Whether --kv-scales applies: a format with one scale per token and head vector (fp8, fp8_e5m2, int8)."""
+    return dtype.scale_scope == PER_VECTOR and dtype.key_scale_scope is None
+
+
+def with_kv_scales(dtype: KVDtype, kv_scales: str) -> KVDtype:
+    """`dtype` with its scales per token and head vector (kvserve's storage, as defined above) or per tensor."""
+    if kv_scales not in KV_SCALES_CHOICES:
+        raise ValueError(f"unknown kv scales {kv_scales!r}; choose one of: {', '.join(KV_SCALES_CHOICES)}")
+    if kv_scales == PER_TOKEN_HEAD_SCALES:
+        return dtype
+    if not takes_kv_scales(dtype):
+        kept = "keeps no scales" if dtype.scale_scope == NO_SCALE else f"keeps {dtype.scales} scales"
+        raise ValueError(f"--kv-scales {kv_scales} applies to fp8, fp8_e5m2 and int8; {dtype.name} {kept}")
+    return replace(dtype, scale_scope=PER_TENSOR, scale_bytes=0)
 
 
 def kv_bytes_per_token_per_layer(spec: ModelSpec, dtype: KVDtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

@@ -10,6 +10,7 @@ from kvserve.planner.capacity import KVCachePlan, MemoryBudget
 from kvserve.planner.conversation import ConversationPlan
 from kvserve.planner.kv_size import (
     PER_CHANNEL,
+    PER_TENSOR,
     PER_VECTOR,
     KVDtype,
     fixed_state_bytes,
@@ -106,8 +107,21 @@ def kv_notes(spec: ModelSpec, dtype: KVDtype, block_size: int) -> list[str]:
                      "precision outside the pool.")
     elif dtype.scale_scope == PER_VECTOR:
         kind = "symmetric" if not dtype.zero_point_bytes else "asymmetric"
-        notes.append(f"{dtype.name}: one fp16 scale per token, layer and head vector ({kind}, dynamic).")
+        notes.append(f"{dtype.name}, per-token-head scales (kvserve's own storage): one fp16 scale per token, layer "
+                     f"and head vector ({kind}, dynamic). --kv-scales per-tensor plans one scale per layer instead, "
+                     "as vLLM's FP8 KV cache keeps them.")
+    elif dtype.scale_scope == PER_TENSOR:
+        notes.append(f"{dtype.name}, per-tensor scales: one scale per layer for K and one for V, no bytes per token "
+                     f"(as vLLM's FP8 KV cache keeps them); kvserve's own {dtype.name} stores one per token and head "
+                     "vector (--kv-scales per-token-head).")
     return notes
+
+
+def kv_format_label(dtype: KVDtype) -> str | None:
+    """What the capacity line names: a scaled format and where its scales are; None for plain elements and int4."""
+    if dtype.scale_scope in (PER_VECTOR, PER_TENSOR) and dtype.key_scale_scope is None:
+        return f"{dtype.name}, {dtype.scales} scales"
+    return None
 
 
 def report_to_json(report: PlanReport) -> dict:
@@ -118,6 +132,7 @@ def report_to_json(report: PlanReport) -> dict:
         "model_type": spec.model_type,
         "attention": spec.attention_kind,
         "kv_cache_dtype": report.kv_dtype.name,
+        "kv_scales": report.kv_dtype.scales,
         "max_blocks_per_request": report.max_blocks_per_request,
         "block_size": report.block_size,
         "kv_bytes_per_token": report.kv_bytes_per_token,
@@ -177,7 +192,8 @@ def render_report(report: PlanReport, console: Console) -> None:
     if report.budget is not None:
         console.print(_budget_table(report))
         if report.kv_plan is not None and report.budget.error is None:
-            console.print(report.kv_plan.summary_line(), highlight=False, soft_wrap=True)
+            console.print(report.kv_plan.summary_line(kv_format_label(report.kv_dtype)), highlight=False,
+                          soft_wrap=True)
     if report.error:
         console.print(f"[bold red]error:[/bold red] {report.error}", highlight=False, soft_wrap=True)
 

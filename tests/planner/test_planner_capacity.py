@@ -12,10 +12,11 @@ from kvserve.planner.units import GiB
 from kvserve.planner.weights import weights_bytes
 
 
-def rtx_4090_plan(model: str = "llama-3.1-8b", kv_cache_dtype: str = "bf16", max_model_len: int | None = None):
+def rtx_4090_plan(model: str = "llama-3.1-8b", kv_cache_dtype: str = "bf16", max_model_len: int | None = None,
+                  kv_scales: str = "per-token-head", overhead_bytes: int = DEFAULT_OVERHEAD_BYTES):
     spec = load_model_spec(model)
-    budget = MemoryBudget(gpu_memory_bytes("rtx-4090"), 0.9, weights_bytes(spec, "bf16"), DEFAULT_OVERHEAD_BYTES)
-    return plan_kv_cache(spec, budget.kv_budget_bytes, 16, kv_cache_dtype, max_model_len)
+    budget = MemoryBudget(gpu_memory_bytes("rtx-4090"), 0.9, weights_bytes(spec, "bf16"), overhead_bytes)
+    return plan_kv_cache(spec, budget.kv_budget_bytes, 16, kv_cache_dtype, max_model_len, kv_scales=kv_scales)
 
 
 def test_weights_of_llama_3_1_in_bf16():
@@ -59,6 +60,25 @@ def test_fp8_kv_on_a_4090_about_doubles_tokens_and_concurrency():
     assert plan.kv_bytes_per_token == 64 * 1024 + 1024  # plus an fp16 scale per head vector
     assert 76_000 <= plan.kv_cache_tokens <= 92_000
     assert 9 <= plan.max_concurrency <= 11
+
+
+@pytest.mark.parametrize("overhead_gib", [1, 1.5, 2])
+def test_per_tensor_fp8_on_a_4090_gives_the_seeds_76k_to_92k_tokens_and_9_to_11_requests(overhead_gib):
+    """The seed's ranges are bf16's 38K-46K doubled: overheads of 1-2 GiB span them; the default is in the middle."""
+    overhead = round(overhead_gib * GiB)
+    bf16 = rtx_4090_plan(max_model_len=8_192, overhead_bytes=overhead)
+    fp8 = rtx_4090_plan(kv_cache_dtype="fp8", max_model_len=8_192, kv_scales="per-tensor", overhead_bytes=overhead)
+    assert fp8.kv_bytes_per_token == 64 * 1024
+    assert 38_000 <= bf16.kv_cache_tokens <= 46_500 and 76_000 <= fp8.kv_cache_tokens <= 92_500  # 92,432 is "92K"
+    assert 2 * bf16.kv_cache_tokens <= fp8.kv_cache_tokens < 2 * bf16.kv_cache_tokens + 2 * 16  # whole blocks
+    assert 9 <= int(fp8.max_concurrency) <= 11
+    assert fp8.summary_line("fp8, per-tensor scales").startswith("KV cache (fp8, per-tensor scales): ")
+
+
+def test_per_token_head_fp8_holds_fewer_tokens_than_per_tensor():
+    per_tensor = rtx_4090_plan(kv_cache_dtype="fp8", kv_scales="per-tensor")
+    per_token_head = rtx_4090_plan(kv_cache_dtype="fp8")
+    assert (per_tensor.kv_cache_tokens, per_token_head.kv_cache_tokens) == (84_240, 82_944)  # docs/planner.md
 
 
 def test_concurrency_rounds_each_request_up_to_whole_blocks():

@@ -51,6 +51,33 @@ def test_fp8_flag_about_doubles_the_tokens(capsys):
     assert 9 <= data["max_concurrency"] <= 11
 
 
+def test_per_tensor_scales_reproduce_the_seeds_fp8_row_and_say_so(capsys):
+    status = main(["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--kv-cache-dtype", "fp8", "--kv-scales",
+                   "per-tensor", "--max-model-len", "8192"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "2 (K, V) × 32 layers × 8 KV heads × 128 head_dim × 1 B (fp8) = 65,536 B = 64 KiB" in out
+    assert "fp8, per-tensor scales: one scale per layer for K and one for V, no bytes per token" in out
+    assert ("KV cache (fp8, per-tensor scales): 5,265 blocks × 16 tokens = 84,240 tokens, 5.14 GiB (64.0 KiB/token); "
+            "maximum concurrency for 8,192 tokens per request: 10.28x") in out
+
+
+def test_default_scales_are_kvserves_own_and_say_so(capsys):
+    status = main(["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--kv-cache-dtype", "fp8", "--max-model-len", "8192"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "(128 head_dim × 1 B (fp8) + 2 B scale) = 66,560 B = 65 KiB" in out
+    assert "fp8, per-token-head scales (kvserve's own storage)" in out and "--kv-scales per-tensor" in out
+    assert "KV cache (fp8, per-token-head scales): 5,184 blocks × 16 tokens = 82,944 tokens" in out
+
+
+@pytest.mark.parametrize("scales, per_token", [("per-token-head", 65 * 1024), ("per-tensor", 64 * 1024)])
+def test_json_names_the_scales_it_computed(capsys, scales, per_token):
+    _, data = plan_json(capsys, "llama-3.1-8b", "--kv-cache-dtype", "int8", "--kv-scales", scales)
+    assert (data["kv_scales"], data["kv_bytes_per_token"]) == (scales, per_token)
+    assert plan_json(capsys, "llama-3.1-8b")[1]["kv_scales"] == "none"  # bf16
+
+
 def test_weights_and_overhead_overrides_move_the_budget(capsys):
     _, data = plan_json(capsys, "llama-3.1-8b", "--gpu-memory", "24GiB", "--gpu-memory-utilization", "1",
                         "--weights-gib", "10", "--overhead-gib", "2")
@@ -112,6 +139,9 @@ def test_hybrid_json_reports_its_fixed_state(capsys):
         (["llama-3.1-8b", "--gpu", "h100", "--weights-gib", "-1"], "--weights-gib must not be negative"),
         (["llama-3.1-8b", "--block-size", "0"], "--block-size must be at least 1"),
         (["llama-3.1-8b", "--conversation", "--turns", "0"], "--turns must be at least 1"),
+        (["llama-3.1-8b", "--kv-scales", "per-tensor"], "--kv-scales per-tensor applies to fp8, fp8_e5m2 and int8; "
+                                                        "bf16 keeps no scales"),
+        (["llama-3.1-8b", "--kv-cache-dtype", "int4", "--kv-scales", "per-tensor"], "int4 keeps per-channel keys"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, argv, message):
@@ -152,6 +182,17 @@ def test_plot_draws_the_plan_and_a_bad_plot_fails_before_planning(capsys, tmp_pa
     assert main(["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--plot", str(tmp_path / "no" / "plan.png")]) == 2
     assert f"the directory {tmp_path / 'no'} does not exist" in capsys.readouterr().err
     assert not (tmp_path / "plan.png").exists()
+
+
+def test_plot_with_per_tensor_scales_draws_fp8_and_int8_at_64_kib(capsys, tmp_path):
+    out = tmp_path / "plan.svg"
+    status = main(["plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--max-model-len", "8192", "--kv-cache-dtype", "fp8",
+                   "--kv-scales", "per-tensor", "--plot", str(out)])
+    assert status == 0
+    drawn = out.read_text()
+    for words in ("bf16, 128 KiB/token", "fp8 per-tensor, 64 KiB/token", "int8 per-tensor, 64 KiB/token", "int4, "):
+        assert words in drawn
+    assert "fp8, 65 KiB/token" not in drawn
 
 
 def test_streaming_eviction_makes_concurrency_independent_of_length(capsys):

@@ -47,6 +47,35 @@ def test_fp8_pays_one_fp16_scale_per_head_vector():
     assert per_token("llama-3.1-8b", "fp8_e5m2") == 64 * KiB + 2 * 32 * 8 * 2
 
 
+def test_per_tensor_scales_halve_bf16_exactly():
+    # the seed's 4090 example: one scale per layer (vLLM's FP8 cache) adds nothing per token, 128 KiB -> 64 KiB
+    spec = load_model_spec("llama-3.1-8b")
+    for name in ("fp8", "fp8_e5m2", "int8"):
+        dtype = resolve_kv_dtype(name, spec, "per-tensor")
+        assert dtype.scales == "per-tensor"
+        assert kv_bytes_per_token(spec, dtype) == 64 * KiB == per_token("llama-3.1-8b", "bf16") // 2
+
+
+def test_per_token_head_scales_are_the_default_and_the_engines_storage():
+    spec = load_model_spec("llama-3.1-8b")
+    default = resolve_kv_dtype("fp8", spec)
+    assert default == resolve_kv_dtype("fp8", spec, "per-token-head")
+    assert default.scales == "per-token-head"
+    assert kv_bytes_per_token(spec, default) == 65 * KiB
+
+
+@pytest.mark.parametrize("dtype, message", [("bf16", "bf16 keeps no scales"), ("auto", "bf16 keeps no scales"),
+                                            ("int4", "int4 keeps per-channel keys, per-token-head values scales")])
+def test_per_tensor_scales_are_refused_where_they_do_not_apply(dtype, message):
+    with pytest.raises(ValueError, match="--kv-scales per-tensor applies to fp8, fp8_e5m2 and int8; " + message):
+        resolve_kv_dtype(dtype, load_model_spec("llama-3.1-8b"), "per-tensor")
+
+
+def test_unknown_kv_scales_are_refused():
+    with pytest.raises(ValueError, match="unknown kv scales 'per-block'"):
+        resolve_kv_dtype("fp8", load_model_spec("llama-3.1-8b"), "per-block")
+
+
 def test_fp32_doubles_bf16():
     assert per_token("llama-3.1-8b", "fp32") == 256 * KiB
 

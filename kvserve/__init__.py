@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import importlib
 
+# The one place the version is written: pyproject.toml reads it from here (setuptools' attr:), and `kvserve
+# --version`, the server's /version and its start-up log line print it. CHANGELOG.md says what each one added.
+__version__ = "0.3.0.dev0"
+
 # Public name -> module defining it. Loaded on first use, so that `kvserve --help` and `kvserve plan` never
 # pay for importing torch.
 _EXPORTS = {

@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from kvserve import __version__
+
 # subcommand name -> module that defines add_parser(subparsers); imported lazily so `kvserve plan` stays light
 SUBCOMMANDS = {
     "generate": "kvserve.engine.cli",
@@ -18,6 +20,7 @@ SUBCOMMANDS = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM serving built around its KV cache")
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     wanted = [a for a in argv if a in SUBCOMMANDS][:1] or list(SUBCOMMANDS)
     for module_name in dict.fromkeys(SUBCOMMANDS[name] for name in wanted):

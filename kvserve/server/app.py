@@ -1,6 +1,7 @@
-"""The FastAPI app: OpenAI-compatible routes over one background engine, plus /health and /metrics."""
+"""The FastAPI app: OpenAI-compatible routes over one background engine, plus /health, /metrics and /version."""
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve import __version__
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.api_models import ChatCompletionRequest, CompletionRequest, parse_request
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING, AsyncEngine
@@ -23,12 +25,14 @@ from kvserve.server.errors import APIError, engine_unavailable, unauthorized
 from kvserve.server.generation import ServingContext
 from kvserve.server.metrics import ServerMetrics
 
+logger = logging.getLogger("kvserve")
+
 
 def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An app serving `engine` as `served_model_name`; the engine thread (app.state.engine) runs while the app's
-    lifespan does. With `api_key`, every route but /health and /metrics needs `Authorization: Bearer <api_key>`.
-    A request that finds `max_waiting` requests already queued for the engine gets 503; a body over
+    lifespan does. With `api_key`, every route but /health, /metrics and /version needs `Authorization: Bearer
+    <api_key>`. A request that finds `max_waiting` requests already queued for the engine gets 503; a body over
     `max_body_bytes` gets 413."""
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
@@ -46,6 +50,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logger.info(f"kvserve {__version__} serving {model_name}")
         async_engine.start()
         history.start()
         yield
@@ -76,6 +81,10 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMet
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})  # vLLM's /version
 
 
 def _add_docs_routes(app: FastAPI, auth) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.heap import keep_freed_heap
@@ -84,26 +85,29 @@ class LLMEngine:
         if model_windows != [self.layout.windows[g] for g in self.layout.group_of]:
             raise ValueError(f"{self.model_name}: the model's sliding-window layers {model_windows} disagree with "
                              "the KV layout the planner derived from its config")
+        tiles = RowTiles(TILE_ROWS if config.batch_invariant else None)
+        # batch-invariant attention reads every format the same way for every query (no compiled decode)
         self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
                                    mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs,
-                                   compile=not config.enforce_eager)
+                                   compile=not (config.enforce_eager or config.batch_invariant), tiles=tiles)
         started = time.perf_counter()
         self.cache.warm_up(mc.num_heads)
         compile_seconds = time.perf_counter() - started
         logger.info(self.capacity_line())
+        logger.info(self.batch_invariance_line())
         if decode_kind(self.cache.fused_decode) == "compiled":
             logger.info(f"{self.cache.format_name} decode attention compiled in {compile_seconds:.1f} s "
                         "(torch.compile; --enforce-eager skips it)")
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
                                  hash_namespace=config.kv_cache_format, eviction=self.eviction,
-                                 windows=self.layout.windows)
+                                 windows=self.layout.windows, tile_windows=config.batch_invariant)
         self.scores = (AttentionScores(plan.num_blocks * plan.block_size, plan.block_size, config.device)
                        if self.eviction.needs_attention_scores else None)
         windows = self.layout.windows
         self._full_group = windows.index(None) if None in windows else 0  # whose tokens "num_tokens_stored" counts
         self._sliding_group = next((g for g, w in enumerate(windows) if w is not None), None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores)
+        self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores, tiles)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
@@ -130,6 +134,15 @@ class LLMEngine:
             line += (f"; plus {self.cache.extra_nbytes / 2**20:.1f} MiB of full-precision staging for partly "
                      f"filled blocks (2 blocks for each of {self.config.max_num_seqs} sequences)")
         return line
+
+    def batch_invariance_line(self) -> str:
+        """The start-up line saying which guarantee holds (docs/architecture.md, "Batch invariance")."""
+        if self.config.batch_invariant:
+            return (f"batch invariance: bitwise (--batch-invariant: every per-token op on tiles of {TILE_ROWS} "
+                    f"tokens, attention per {self.config.block_size}-token query tile); a request's logits do not "
+                    "depend on its batch, chunking, prefix hits or preemption")
+        return ("batch invariance: same greedy tokens batched or alone up to float rounding (a lossy KV format "
+                "may flip a near-tie); --batch-invariant makes logits bitwise independent of the batch")
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -238,7 +251,7 @@ class LLMEngine:
                 seq.finish("abort")
             self.scheduler.finish(seq)
         request.metrics.finished_time = time.time()
-        output = request.to_output()
+        output = self._built_output(request)
         output.finished = True
         return output
 
@@ -287,21 +300,23 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once over the whole batch, sample, and return outputs of requests that moved.
-        A failure in one request's own work (forking its n samples, sampling, detokenizing, stop checks) fails
-        that request alone (finish_reason "error"); only a failure of the shared schedule or forward pass raises."""
+        A failure in one request's own work (its prompt logprobs, forking its n samples, sampling, detokenizing,
+        stop checks, building its output) fails that request alone (finish_reason "error"); only a failure of
+        the shared schedule or forward pass raises."""
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
         self._count_tokens(out)
         step = self.runner.run(out)
-        for seq, prompt_logits in step.prompt_logits:
-            seq.record_prompt_logprobs(torch.log_softmax(prompt_logits, dim=-1))
         logits, seqs = step.logits, step.seqs
         self.scheduler.advance(out)
+        touched: dict[str, Request] = {}
+        for seq, prompt_logits in step.prompt_logits:
+            self._guarded(self.requests[_request_id(seq)], touched, seq.record_prompt_logprobs,
+                          torch.log_softmax(prompt_logits, dim=-1))
         if self.eviction.evicts or self.layout.windows != (None,):
             for seq in self.scheduler.running:
                 self.kv.drop_unneeded(seq, self.scores)
-        touched: dict[str, Request] = {}
         logits, seqs = self._fork_for_n(logits, seqs, touched)
         samples = self._sample(logits, seqs)
         now = time.time()
@@ -311,6 +326,16 @@ class LLMEngine:
             if request.error is None:
                 self._append(request, seq, sampled, now)
         return [self._output(request, now) for request in touched.values()]
+
+    def _guarded(self, request: Request, touched: dict[str, Request], work, *args) -> None:
+        """Run `work(*args)`, one request's own work; if it raises, that request alone fails (and is output)."""
+        if request.error is not None:
+            return
+        try:
+            work(*args)
+        except Exception as exc:
+            self._fail_request(request, exc)
+            touched[request.request_id] = request
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple | Exception]:
         """(token id, logprob, top logprobs) per row, or the exception that row's request raised."""
@@ -329,6 +354,8 @@ class LLMEngine:
         return result.token_ids[0], result.logprobs[0], result.top_logprobs[0]
 
     def _append(self, request: Request, seq: Sequence, sampled: tuple | Exception, now: float) -> None:
+        # Before the token is taken: a request that fails on its first token still had one sampled for it.
+        request.metrics.first_token_time = request.metrics.first_token_time or now
         try:
             if isinstance(sampled, Exception):
                 raise sampled
@@ -336,7 +363,6 @@ class LLMEngine:
         except Exception as exc:
             self._fail_request(request, exc)
             return
-        request.metrics.first_token_time = request.metrics.first_token_time or now
         if seq.is_finished:
             self.scheduler.finish(seq)
 
@@ -370,8 +396,10 @@ class LLMEngine:
         rows, expanded = [], []
         for row, seq in enumerate(seqs):
             siblings = []
+            request = self.requests[_request_id(seq)]
+            if request.error is not None:  # failed earlier in this step: it samples nothing
+                continue
             if seq.params.n > 1 and not seq.forked:
-                request = self.requests[seq.request_id]
                 try:
                     siblings = self._fork_samples(request, seq)
                 except Exception as exc:
@@ -384,24 +412,39 @@ class LLMEngine:
         return (logits if rows == list(range(len(seqs))) else logits[rows]), expanded
 
     def _fork_samples(self, request: Request, seq: Sequence) -> list[Sequence]:
-        """After its prompt is computed once, sample 0 of an n>1 request gets n-1 siblings sharing its blocks."""
+        """After its prompt is computed once, sample 0 of an n>1 request gets n-1 siblings: as many as there are
+        free sequence slots share its blocks and sample now; the rest wait for a slot like any sequence (and find
+        the prompt's full blocks in the prefix cache)."""
         seq.forked = True
         siblings = []
+        num_forked = min(seq.params.n - 1, self.scheduler.free_slots)
         for index in range(1, seq.params.n):
             child = self._new_sequence(request, index, list(seq.token_ids), seq.max_tokens, seq.cache_salt)
             child.forked = True
-            child.num_computed_tokens = seq.num_computed_tokens
             request.sequences.append(child)  # first: if what follows fails, failing the request frees the child
+            if index > num_forked:
+                self.scheduler.add_sibling(child, of=seq)
+                continue
+            child.num_computed_tokens = seq.num_computed_tokens
             self.kv.fork(seq, child)
             self.scheduler.add_running(child, after=seq)
             siblings.append(child)
         return siblings
 
     def _output(self, request: Request, now: float) -> RequestOutput:
+        output = self._built_output(request)
         if request.finished:
             request.metrics.finished_time = now
             del self.requests[request.request_id]
-        return request.to_output()
+        return output
+
+    def _built_output(self, request: Request) -> RequestOutput:
+        """request.to_output(); if building it raises, the request fails alone and gets an output without text."""
+        try:
+            return request.to_output()
+        except Exception as exc:
+            self._fail_request(request, exc)
+            return request.failed_output()
 
     # ---- what the cache holds ----------------------------------------------------------------------------
     def kv_cache_info(self) -> dict[str, str]:
@@ -434,7 +477,7 @@ class LLMEngine:
             "num_tokens_stored": sum(self.kv.num_stored_tokens(s, self._full_group) for s in live),
             "slot_waste_tokens": sum(self.kv.num_wasted_slots(s) for s in live),
             "num_running": len(live),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self.scheduler.num_waiting_seqs,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_evicted_blocks": self.kv.num_evicted_blocks,
             "num_window_blocks_freed": self.kv.num_window_blocks_freed,

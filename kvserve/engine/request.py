@@ -54,6 +54,15 @@ class Request:
             error=self.error,
         )
 
+    def failed_output(self) -> RequestOutput:
+        """The output of a request whose to_output raised: its tokens and finish reasons, no text or logprobs."""
+        outputs = [CompletionOutput(index=seq.index, text="", token_ids=list(seq.output_token_ids),
+                                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                   for seq in sorted(self.sequences, key=lambda s: s.index)]
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,
+                             metrics=self.metrics, error=self.error)
+
     def _prompt_logprobs(self) -> list[dict[int, float] | None] | torch.Tensor | None:
         if self.params.prompt_logprobs is None or not self.sequences:
             return None

@@ -1,11 +1,15 @@
-"""Continuous batching: which sequences run this step, with how many tokens each, within the token and block budgets.
+"""Continuous batching: which sequences run this step, with how many tokens each, within the token, block and
+sequence budgets.
 
-Running sequences go first (decodes before unfinished prefills, so a long prompt never starves them); when one
-needs a block and none is free, the most recently admitted sequence is preempted: its blocks are freed and it
-waits at the front of the queue to be recomputed. Waiting sequences are admitted only when their blocks fit."""
+Every sequence holds one of `max_num_seqs` slots, each sample of an n>1 request included. Sequences are ranked
+(`Sequence.rank`): every request's first sample before any request's second sample, and so on; among equals, the
+request that came first. Running sequences go first (decodes before unfinished prefills, so a long prompt never
+starves them); when one needs a block and none is free, the lowest-ranked running sequence is preempted: its
+blocks are freed and it waits to be recomputed. Waiting sequences are admitted in rank order while blocks, slots
+and tokens allow, and a request's first sample may take the slot and blocks of a running later sample, so a new
+request never waits behind another request's samples 2..n, however much they churn."""
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence, SequenceStatus
@@ -29,17 +33,38 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.waiting: list[Sequence] = []  # in no particular order: admission sorts it by rank
+        self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self._num_arrivals = 0
 
     def add(self, seq: Sequence) -> None:
+        """A new request's first sequence."""
+        seq.arrival = self._num_arrivals
+        self._num_arrivals += 1
+        self.waiting.append(seq)
+
+    def add_sibling(self, seq: Sequence, of: Sequence) -> None:
+        """A later sample of `of`'s request that found no free slot: it waits, ranked by its own index."""
+        seq.arrival = of.arrival
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
-        """A forked sibling starts out running, right after the sequence it shares blocks with."""
+        """A forked sibling starts out running (in a slot free_slots counted), right after the sequence it shares
+        blocks with."""
         seq.status = SequenceStatus.RUNNING
+        seq.arrival = after.arrival
         self.running.insert(self.running.index(after) + 1, seq)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_num_seqs - len(self.running)
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences not running yet: waiting ones, plus the samples an n>1 request has still to fork."""
+        unforked = sum(s.params.n - 1 for s in self.waiting + self.running if s.params.n > 1 and not s.forked)
+        return len(self.waiting) + unforked
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -47,45 +72,60 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         copies: dict[str, list[BlockCopy]] = {}
-        preempted = False
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+        preempted: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.rank)):
             budget = self.max_num_batched_tokens - out.num_tokens
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             while (result := self.kv.allocate(seq, n)) is None:
-                victim = self.running[-1]
+                victim = max(self.running, key=lambda s: s.rank)
                 self._preempt(victim, out, copies)
-                preempted = True
+                preempted.append(victim)
                 if victim is seq:
                     break
             if result is not None:
                 out.seqs.append(seq)
                 out.num_new_tokens.append(n)
                 copies[seq.request_id] = result
-        if not preempted:
-            self._admit(out, self.max_num_batched_tokens - out.num_tokens)
+        # A sequence preempted for blocks would only push out another if admitted now: admit only those above it.
+        self._admit(out, copies, min((s.rank for s in preempted), default=None))
         out.block_copies = [c for seq in out.seqs for c in copies.get(seq.request_id, ())]
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+    def _admit(self, out: SchedulerOutput, copies: dict[str, list[BlockCopy]], below: tuple[int, int] | None) -> None:
+        for seq in sorted(self.waiting, key=lambda s: s.rank):
+            if below is not None and seq.rank >= below:
+                return
+            if not self.free_slots and not self._preempt_for(seq, out, copies):
+                return
+            budget = self.max_num_batched_tokens - out.num_tokens
+            if budget <= 0:
+                return
             # a prompt whose log-probabilities were asked for is computed whole: cached blocks keep no logits
             cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else None
             num_cached_tokens = cached.num_blocks * self.kv.block_size if cached else 0
-            n = self._allocate_first_chunk(seq, min(len(seq.token_ids) - num_cached_tokens, budget), cached)
-            if n == 0:
-                break
+            num_tokens = min(len(seq.token_ids) - num_cached_tokens, budget)
+            while (n := self._allocate_first_chunk(seq, num_tokens, cached)) == 0:
+                if not self._preempt_for(seq, out, copies):
+                    return
             self.kv.record_lookup(len(seq.token_ids), num_cached_tokens)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.num_computed_tokens = num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             out.admitted.append(seq)
-            budget -= n
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput, copies: dict[str, list[BlockCopy]]) -> bool:
+        """Make room for a request's waiting first sample by preempting the lowest-ranked running later sample;
+        False if there is none, or `seq` is a later sample itself (then it waits for room)."""
+        victim = max(self.running, key=lambda s: s.rank, default=None)
+        if seq.index > 0 or victim is None or victim.index == 0:
+            return False
+        self._preempt(victim, out, copies)
+        return True
 
     def _allocate_first_chunk(self, seq: Sequence, n: int, cached) -> int:
         """Allocate the first chunk of `n` tokens, or 0 if the pool is short. With nothing else running (nothing to
@@ -104,11 +144,13 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.append(victim)
         if victim in out.seqs:  # it was already given tokens this step: take them back
             i = out.seqs.index(victim)
             del out.seqs[i], out.num_new_tokens[i]
             copies.pop(victim.request_id, None)
+            if victim in out.admitted:
+                out.admitted.remove(victim)
 
     def advance(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens now have K/V in the cache."""

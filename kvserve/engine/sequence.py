@@ -39,6 +39,13 @@ class Sequence:
     cumulative_logprob: float = 0.0
     forked: bool = False  # True once the n-1 siblings of sample 0 exist
     num_preemptions: int = 0
+    arrival: int = 0  # when its request reached the scheduler (0, 1, 2, ...); a request's samples share it
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Scheduling order, lowest first: every request's first sample before any request's second, and so on;
+        among equals the request that came first."""
+        return self.index, self.arrival
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -55,9 +55,9 @@ class Request:
         )
 
     def failed_output(self) -> RequestOutput:
-        """The output of a request whose to_output raised: its tokens and finish reasons, no text or logprobs."""
+        """The output of a request whose to_output raised: its tokens, no text or logprobs, every choice "error"."""
         outputs = [CompletionOutput(index=seq.index, text="", token_ids=list(seq.output_token_ids),
-                                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                                    finish_reason="error")
                    for seq in sorted(self.sequences, key=lambda s: s.index)]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,

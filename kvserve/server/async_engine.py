@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("kvserve")
-DEFAULT_MAX_WAITING = 256  # requests queued for the engine before a new one gets 503
+DEFAULT_MAX_WAITING = 256  # sequences queued for the engine before a new request gets 503 (n=4 counts 4)
 
 StepObserver = Callable[[list[RequestOutput], float], None]
 
@@ -35,10 +35,10 @@ class RequestFailedError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the request was not queued."""
+    """The waiting queue is full (counted in sequences); the request was not queued."""
 
     def __init__(self, num_waiting: int):
-        super().__init__(f"{num_waiting} requests are already waiting")
+        super().__init__(f"{num_waiting} sequences are already waiting")
         self.num_waiting = num_waiting
 
 
@@ -109,9 +109,10 @@ class AsyncEngine:
         self._outputs: dict[str, OutputSink] = {}  # touched only on the loop's thread
         self._adds_in_flight: set[asyncio.Future] = set()  # sent to the engine thread, unanswered (loop thread)
         self._calls_in_flight: set[asyncio.Future] = set()  # likewise, for `call`
-        # Admission counting, on the loop's thread: requests let in but not sent yet (their prompts are being
-        # tokenized), and _Add commands sent. The engine thread publishes its stats together with how many
-        # _Add commands it has applied, so a request is counted once: in flight, or in the engine's queue.
+        # Admission counting, in sequences (a request with n samples counts n), on the loop's thread: those let
+        # in but not sent yet (their prompts are being tokenized), and those of _Add commands sent. The engine
+        # thread publishes its stats together with the sequences of the _Add commands it has applied, so each
+        # is counted once: in flight, or in the engine's queue.
         self._num_reserved = 0
         self._num_adds_sent = 0
         self._num_adds_applied = 0  # engine thread
@@ -145,25 +146,28 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests let in and not yet running: reserved, in flight to the engine thread, or in its queue."""
+        """Sequences let in and not yet running: reserved, in flight to the engine thread, or in its queue."""
         stats, num_adds_applied = self._snapshot
         return stats["num_waiting"] + self._num_reserved + (self._num_adds_sent - num_adds_applied)
 
-    def reserve(self, num_requests: int) -> None:
-        """Let `num_requests` requests in, counted as waiting from now on, or raise EngineOverloadedError (a
-        full queue) or EngineDeadError. Each is then either sent by add_request or handed back by release."""
+    def reserve(self, num_requests: int, n: int = 1) -> None:
+        """Let `num_requests` requests of `n` samples each in, counted as waiting sequences from now on, or raise
+        ValueError (more than the queue ever holds), EngineOverloadedError (a full queue) or EngineDeadError.
+        Each is then either sent by add_request or handed back by release."""
         if self.error is not None:
             raise EngineDeadError(self.error)
-        if num_requests > self.max_waiting:
-            raise ValueError(f"prompt is a list of {num_requests} prompts; this server queues at most {self.max_waiting} "
-                             f"requests (--max-waiting)")
-        if self.num_waiting + num_requests > self.max_waiting:
+        num_seqs = num_requests * n
+        if num_seqs > self.max_waiting:
+            asked = f"{num_requests} prompts × n={n} = {num_seqs:,}" if n > 1 else f"{num_requests}"
+            raise ValueError(f"the request needs {asked} sequences; this server queues at most {self.max_waiting} "
+                             f"(--max-waiting)")
+        if self.num_waiting + num_seqs > self.max_waiting:
             raise EngineOverloadedError(self.num_waiting)
-        self._num_reserved += num_requests
+        self._num_reserved += num_seqs
 
-    def release(self, num_requests: int) -> None:
+    def release(self, num_requests: int, n: int = 1) -> None:
         """Hand back reserved requests that will not be sent (bad prompt, client gone)."""
-        self._num_reserved -= num_requests
+        self._num_reserved -= num_requests * n
 
     async def run_in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._loop.run_in_executor(self._tokenizer_thread, fn, *args)
@@ -180,13 +184,13 @@ class AsyncEngine:
                           outputs: OutputSink) -> None:
         """Queue a reserved request whose outputs go to `outputs`; raises ValueError (bad input) before anything
         runs."""
-        self._num_reserved -= 1
+        self._num_reserved -= params.n
         if self.error is not None:
             raise EngineDeadError(self.error)
         accepted = self._loop.create_future()
         self._outputs[request_id] = outputs
         self._adds_in_flight.add(accepted)
-        self._num_adds_sent += 1
+        self._num_adds_sent += params.n
         self._commands.put(_Add(request_id, prompt, params, accepted))
         try:
             await accepted
@@ -249,7 +253,7 @@ class AsyncEngine:
         while True:
             commands = self._take_commands(block=not self.engine.has_unfinished_requests())
             answers = [self._apply(c) for c in commands if not isinstance(c, _Stop)]
-            self._num_adds_applied += sum(isinstance(c, _Add) for c in commands)
+            self._num_adds_applied += sum(c.params.n for c in commands if isinstance(c, _Add))
             self._publish_stats()
             for future, exc in filter(None, answers):
                 self._loop.call_soon_threadsafe(_settle, future, exc)
@@ -278,7 +282,7 @@ class AsyncEngine:
         if isinstance(command, _Abort):
             output = self.engine.abort_request(command.request_id)
             if output is not None:
-                self._observer([output], time.time())
+                self._observe([output])
             return None
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
@@ -296,9 +300,16 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         self._snapshot = (self.engine.stats(), self._num_adds_applied)
 
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        """Feed the metrics; a failure there is logged and costs those outputs' metrics, never the engine thread."""
+        try:
+            self._observer(outputs, time.time())
+        except Exception:
+            logger.exception("the metrics observer failed; serving on")
+
     def _step(self) -> None:
         outputs = self.engine.step()
-        self._observer(outputs, time.time())
+        self._observe(outputs)
         self._publish_stats()
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
@@ -306,7 +317,7 @@ class AsyncEngine:
     def _abort_all(self) -> None:
         aborted = [self.engine.abort_request(request_id) for request_id in list(self.engine.requests)]
         aborted = [output for output in aborted if output is not None]
-        self._observer(aborted, time.time())
+        self._observe(aborted)
         self._publish_stats()
         if aborted:
             self._loop.call_soon_threadsafe(self._deliver, aborted)

@@ -67,7 +67,8 @@ def request_failed(reason: str) -> APIError:
 
 
 def overloaded(num_waiting: int) -> APIError:
-    return APIError(503, f"the server is overloaded: {num_waiting} requests are already waiting; retry later",
+    return APIError(503, f"the server is overloaded: {num_waiting} sequences are already waiting (each of a "
+                         f"request's n samples counts); retry later",
                     code="overloaded", type="server_error", headers={"Retry-After": "1"})
 
 

@@ -20,8 +20,8 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, OutputSink,
                                          RequestFailedError, updates)
-from kvserve.server.errors import (APIError, bad_value, engine_unavailable, model_not_found, overloaded,
-                                   request_failed)
+from kvserve.server.errors import (APIError, bad_request, bad_value, engine_unavailable, model_not_found,
+                                   overloaded, request_failed)
 
 SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
@@ -65,8 +65,10 @@ async def start(ctx: ServingContext, id_: str, prompts: list[str | list[int]], c
     count as waiting from the start (503 when the queue is full), and text is tokenized off the engine thread."""
     generation = Generation(id_, int(time.time()), [], OutputSink())
     try:
-        ctx.engine.reserve(len(prompts))
-    except (EngineOverloadedError, EngineDeadError, ValueError) as exc:
+        ctx.engine.reserve(len(prompts), params.n)  # every sample is a sequence to queue
+    except ValueError as exc:  # more sequences than the queue ever holds
+        raise bad_request(str(exc), "n" if params.n > 1 else prompt_param) from exc
+    except (EngineOverloadedError, EngineDeadError) as exc:
         raise _as_api_error(exc, None, fields, prompt_param) from exc
     index, num_unsent = 0, len(prompts)
     try:
@@ -79,7 +81,7 @@ async def start(ctx: ServingContext, id_: str, prompts: list[str | list[int]], c
             await ctx.engine.add_request(request_id, _engine_prompt(ids, cache_salt), params, generation.outputs)
             generation.request_ids.append(request_id)
     except BaseException as exc:  # cancelled too: the client left while its prompts were being queued
-        ctx.engine.release(num_unsent)
+        ctx.engine.release(num_unsent, params.n)
         abort(ctx, generation)
         error = _as_api_error(exc, index if len(prompts) > 1 else None, fields, prompt_param)
         if error is None:

@@ -4,6 +4,7 @@ Engine state (blocks, queue lengths, prefix-cache counters) is read from the eng
 time; token counters and latency histograms are fed by `observe`, which the engine thread calls after each step."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from kvserve.outputs import RequestOutput
+
+logger = logging.getLogger("kvserve")
 
 # vLLM's buckets, so dashboards built for it read the same
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -92,24 +95,33 @@ class ServerMetrics:
         self._seen: dict[str, _Progress] = {}  # by request id, until it finishes
 
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
-        """Count tokens and time them; called with every step's outputs, aborted requests included."""
+        """Count tokens and time them; called with every step's outputs, aborted requests included. An output
+        that cannot be counted (a bug) is logged and skipped: metrics never stop the engine thread."""
         for output in outputs:
-            longest = max((len(c.token_ids) for c in output.outputs), default=0)
-            total = sum(len(c.token_ids) for c in output.outputs)
-            progress = self._seen.get(output.request_id)
-            if progress is None:
-                progress = self._seen[output.request_id] = _Progress(now)
-                if longest:  # a request aborted before its first token has no time to first token
-                    self._prompt_tokens.inc(len(output.prompt_token_ids))
-                    metrics = output.metrics
+            try:
+                self._observe(output, now)
+            except Exception:
+                logger.exception(f"metrics: could not count the output of request {output.request_id!r}")
+                self._seen.pop(output.request_id, None)
+
+    def _observe(self, output: RequestOutput, now: float) -> None:
+        longest = max((len(c.token_ids) for c in output.outputs), default=0)
+        total = sum(len(c.token_ids) for c in output.outputs)
+        progress = self._seen.get(output.request_id)
+        if progress is None:
+            progress = self._seen[output.request_id] = _Progress(now)
+            if longest:  # a request aborted before its first token has no time to first token
+                self._prompt_tokens.inc(len(output.prompt_token_ids))
+                metrics = output.metrics
+                if metrics is not None and metrics.first_token_time is not None:
                     self._ttft.observe(metrics.first_token_time - metrics.arrival_time)
-            elif longest > progress.num_tokens:
-                gap_s = (now - progress.last_token_s) / (longest - progress.num_tokens)
-                self._itl.observe(gap_s)
-            self._generation_tokens.inc(total - progress.num_tokens_all)
-            progress.last_token_s, progress.num_tokens, progress.num_tokens_all = now, longest, total
-            if output.finished:
-                self._finish(output, now)
+        elif longest > progress.num_tokens:
+            gap_s = (now - progress.last_token_s) / (longest - progress.num_tokens)
+            self._itl.observe(gap_s)
+        self._generation_tokens.inc(total - progress.num_tokens_all)
+        progress.last_token_s, progress.num_tokens, progress.num_tokens_all = now, longest, total
+        if output.finished:
+            self._finish(output, now)
 
     def _finish(self, output: RequestOutput, now: float) -> None:
         del self._seen[output.request_id]

@@ -106,7 +106,7 @@ BAD_REQUESTS = [
      "stop_token_ids", "at most 1024"),
     ("best-of-true", "completions", completion(best_of=True), 400, "best_of", "no-op value 1"),
     ("more-prompts-than-max-waiting", "completions", completion(prompt=[[5]] * 257), 400, "prompt",
-     "at most 256 requests"),
+     "queues at most 256 (--max-waiting)"),
     ("prompt-of-more-characters-than-fit", "completions", completion(prompt="x" * 100_000), 400, "prompt",
      "characters, more than max_model_len=1024 tokens can hold"),
     ("message-of-more-characters-than-fit", "chat/completions",

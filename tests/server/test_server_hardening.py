@@ -200,7 +200,7 @@ def test_max_waiting_requests_are_all_accepted_before_a_503(model_dir):
             thread.join()
         assert [response.status_code for response in waiting] == [200] * 8
         refused = http.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 2})
-        assert refused.status_code == 503 and "8 requests are already waiting" in refused.json()["error"]["message"]
+        assert refused.status_code == 503 and "8 sequences are already waiting" in refused.json()["error"]["message"]
         running.close()
         assert all(sse_events(response.iter_lines())[-1] == "[DONE]" for response in waiting)
 
@@ -316,3 +316,85 @@ def test_a_huge_body_barely_stalls_another_clients_stream(model_dir, record_prop
               f"{worst_s * 1e3:.0f} ms = {ratios[name]:.1f}x its median gap of {normal_gap_s * 1e3:.1f} ms")
         record_property(f"stall ratio: {name}", round(ratios[name], 1))
     assert all(ratio < 100 for ratio in ratios.values()), ratios  # a loose bound: the numbers are the report
+
+
+# ---- issue 31: every sample is a sequence; a failure anywhere in one request's work fails it alone ---------
+def served_engine(server: ServerThread) -> LLMEngine:
+    return server.server.config.app.state.engine.engine
+
+
+def test_every_sample_counts_against_max_num_seqs(model_dir, offline):
+    prompts = ["one", "two", "three", "four"]
+    body = {"prompt": prompts, "n": 4, "temperature": 0.8, "seed": 5, "max_tokens": 20, "ignore_eos": True}
+    with serve(model_dir, engine=dict(max_num_seqs=4)) as server:
+        engine, peaks = served_engine(server), []
+        step = engine.step
+        engine.step = lambda: (step(), peaks.append(len(engine.scheduler.running)))[0]
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    assert max(peaks) == 4  # 16 sequences asked for, never more than 4 at once (there were 56 of 8 x 8)
+    params = SamplingParams(n=4, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    expected = [c.text for output in offline.generate(prompts, params) for c in output.outputs]
+    assert [c["text"] for c in response.json()["choices"]] == expected
+
+
+def test_max_waiting_counts_every_sample(model_dir):
+    hold = {"prompt": "hold the slots", "n": 4, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with ExitStack() as stack:
+        server = stack.enter_context(serve(model_dir, max_waiting=8, engine=dict(max_num_seqs=4)))
+        http = stack.enter_context(httpx.Client(base_url=server.url, timeout=30))
+        never = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+        assert "3 prompts × n=3 = 9 sequences" in never.json()["error"]["message"]
+        running = stack.enter_context(http.stream("POST", "/v1/completions", json=hold))
+        running_lines = running.iter_lines()
+        next(running_lines)
+        waiting = stack.enter_context(http.stream("POST", "/v1/completions", json={
+            "prompt": ["queued 1", "queued 2"], "n": 4, "max_tokens": 2, "stream": True}))
+        assert waiting.status_code == 200  # 2 prompts x n=4: all 8 waiting places
+        refused = http.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 2})
+        assert refused.status_code == 503 and "8 sequences are already waiting" in refused.json()["error"]["message"]
+        running.close()
+        assert sse_events(waiting.iter_lines())[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("position", [1, 2, 3, 4])  # of max_tokens=4: the first token, the last, and between
+def test_a_fault_at_any_token_fails_that_request_alone(server, offline, monkeypatch, position):
+    update = Detokenizer.update
+
+    def failing_update(self, token_ids):
+        if "BOOM" in self.stop and len(token_ids) == position:
+            raise RuntimeError(f"injected fault at token {position}")
+        update(self, token_ids)
+
+    monkeypatch.setattr(Detokenizer, "update", failing_update)
+    bad = {"prompt": "fail me", "stop": ["BOOM"], **GREEDY, "max_tokens": 4}
+    failed = httpx.post(server.url + "/v1/completions", json=bad, timeout=30)
+    with httpx.stream("POST", server.url + "/v1/completions", json={**bad, "stream": True}, timeout=30) as stream:
+        events = sse_events(stream.iter_lines())
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "request_failed"
+    assert f"injected fault at token {position}" in failed.json()["error"]["message"]
+    assert events[-3]["choices"][0]["finish_reason"] == "error"
+    assert events[-2]["error"]["code"] == "request_failed" and events[-1] == "[DONE]"
+    assert httpx.get(server.url + "/health").status_code == 200
+    wait_until_idle(server)
+    monkeypatch.undo()
+    assert_serves_greedy(server, offline)
+
+
+def test_a_fault_in_the_metrics_costs_only_that_requests_metrics(server, offline, monkeypatch):
+    from kvserve.server.metrics import ServerMetrics
+
+    marked = [40, 41, 42, 43]
+    observe = ServerMetrics._observe
+
+    def failing_observe(self, output, now):
+        if output.prompt_token_ids == marked:
+            raise RuntimeError("injected metrics fault")
+        observe(self, output, now)
+
+    monkeypatch.setattr(ServerMetrics, "_observe", failing_observe)
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": marked, **GREEDY}, timeout=30)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert_serves_greedy(server, offline)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -23,17 +23,21 @@ from kvserve.server.completions import create_completion
 from kvserve.server.dashboard import StatsHistory, add_dashboard_routes
 from kvserve.server.errors import APIError, engine_unavailable, unauthorized
 from kvserve.server.generation import ServingContext
+from kvserve.server.hosts import HostCheck
 from kvserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvserve")
 
 
 def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
-              max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              allowed_hosts: Sequence[str] = (), chat_content_special_tokens: bool = False) -> FastAPI:
     """An app serving `engine` as `served_model_name`; the engine thread (app.state.engine) runs while the app's
     lifespan does. With `api_key`, every route but /health, /metrics and /version needs `Authorization: Bearer
-    <api_key>`. A request that finds `max_waiting` requests already queued for the engine gets 503; a body over
-    `max_body_bytes` gets 413."""
+    <api_key>`. A request that finds `max_waiting` sequences already queued for the engine gets 503; a body over
+    `max_body_bytes` gets 413. Without `api_key`, on a loopback address, a Host that is neither local nor in
+    `allowed_hosts` gets 403. `chat_content_special_tokens` parses special-token text in chat messages as the
+    tokens themselves (as before issue 31; it lets a message forge template markers)."""
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
     if api_key is not None and not api_key.strip():  # an empty key would lock everyone out (or, ignored, no one)
@@ -44,7 +48,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     # Each needs the other: the metrics read the engine thread's stats, the engine thread feeds the metrics.
     metrics = ServerMetrics(model_name, lambda: async_engine.stats(), engine.kv_cache_info())
     async_engine = AsyncEngine(engine, max_waiting, metrics.observe)
-    ctx = ServingContext(async_engine, model_name, engine.tokenizer)
+    ctx = ServingContext(async_engine, model_name, engine.tokenizer, chat_content_special_tokens)
     history = StatsHistory(async_engine.stats)
     auth = _api_key_check(api_key)
 
@@ -60,6 +64,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     # The docs routes are added below, behind the key like /v1.
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = async_engine
+    app.add_middleware(HostCheck, api_key=api_key, allowed_hosts=allowed_hosts)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -11,6 +11,7 @@ from kvserve.engine.cli import add_engine_args, engine_config_from_args
 from kvserve.scaleout.cli import add_scale_out_args, run_on_ray, wants_ray
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING
 from kvserve.server.body import DEFAULT_MAX_BODY_BYTES
+from kvserve.server.hosts import parse_allowed_hosts
 
 
 def add_parser(subparsers) -> None:
@@ -30,6 +31,13 @@ def add_parser(subparsers) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0, dest="shutdown_timeout_s",
                    help="seconds running requests get to finish on Ctrl-C / SIGTERM before they are aborted")
     g.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log every request")
+    g.add_argument("--allowed-hosts", type=parse_allowed_hosts, default=[], metavar="NAMES",
+                   help="Host header names served besides localhost, *.localhost and loopback addresses when listening "
+                        "on a loopback address without --api-key (against DNS rebinding): comma-separated, "
+                        "'*.example.com' for a domain's names, '*' for any")
+    g.add_argument("--chat-content-special-tokens", action="store_true",
+                   help="parse special-token text in chat message content as special tokens, as kvserve did before "
+                        "(a message can then forge role markers); by default content is plain text")
     add_engine_args(serve)
     add_scale_out_args(serve)
     serve.set_defaults(func=run)
@@ -55,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 1
-    app = build_app(engine, args.served_model_name, args.api_key, args.max_waiting, args.max_body_bytes)
+    app = build_app(engine, args.served_model_name, args.api_key, args.max_waiting, args.max_body_bytes,
+                    args.allowed_hosts, args.chat_content_special_tokens)
     host, port = sock.getsockname()[:2]
     print(f"Serving {args.served_model_name or engine.model_name} on http://{_url_host(host)}:{port}/v1 "
           f"(OpenAI-compatible; /health, /metrics, KV cache dashboard on /dashboard; Ctrl-C to stop)", file=sys.stderr)

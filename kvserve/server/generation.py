@@ -34,6 +34,7 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     tokenizer: Any  # HF tokenizer or None; used here only to render token text (decode is read-only)
+    content_special_tokens: bool = False  # chat content's special-token text parsed as special tokens (unsafe)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -103,11 +103,22 @@ class CompletionRequest(_GenerationRequest):
             raise bad_request("prompt is empty; give a string, a list of strings or token ids", "prompt")
         return list(p)
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs, nothing generated (what log-likelihood clients
+        such as lm-evaluation-harness ask, as OpenAI's legacy completions and vLLM answer)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1; 0 is allowed only with echo (the prompt and its "
+                              "logprobs, nothing generated)", "max_tokens")
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs too
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        # The engine samples at least one token; for a prompt-only request it is dropped from the answer.
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(_Strict):
@@ -148,9 +159,22 @@ class ChatCompletionRequest(_GenerationRequest):
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise bad_request(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, logprobs)
+
+    def as_sent(self, error: APIError) -> APIError:
+        """`error` naming the field the client sent: the engine's max_tokens is max_completion_tokens when that was
+        given, and its logprobs is always top_logprobs here."""
+        sent = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            sent["max_tokens"] = "max_completion_tokens"
+        if error.param in sent:
+            error.message = re.sub(rf"\b{error.param}\b", sent[error.param], error.message, count=1)
+            error.param = sent[error.param]
+        return error
 
 
 RequestT = TypeVar("RequestT", bound=_GenerationRequest)

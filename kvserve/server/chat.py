@@ -15,7 +15,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import is_text
 from kvserve.server.api_models import ChatCompletionRequest
 from kvserve.server.async_engine import updates
-from kvserve.server.errors import bad_request, bad_value
+from kvserve.server.errors import APIError, bad_request, bad_value
 from kvserve.server.generation import (CLIENT_CLOSED_REQUEST, ChoiceProgress, EventStreamResponse, Generation,
                                        ServingContext, final_outputs, header, new_id, start,
                                        token_text, usage)
@@ -34,9 +34,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         # The rendered prompt holds every message, so this bounds it before the template runs.
         ctx.engine.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
     except ValueError as exc:
-        raise bad_value(exc, FIELDS, "messages") from exc
+        raise req.as_sent(bad_value(exc, FIELDS, "messages")) from exc
     prompt = await ctx.engine.run_in_tokenizer_thread(chat_token_ids, ctx, messages)
-    generation = await start(ctx, new_id("chatcmpl"), [prompt], req.cache_salt, params, FIELDS, "messages")
+    try:
+        generation = await start(ctx, new_id("chatcmpl"), [prompt], req.cache_salt, params, FIELDS, "messages")
+    except APIError as error:
+        req.as_sent(error)
+        raise
     if req.stream:
         return EventStreamResponse(ctx, generation, _chunks(ctx, req, generation))
     outputs = await final_outputs(ctx, generation, request)

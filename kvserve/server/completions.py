@@ -1,6 +1,7 @@
 """POST /v1/completions: one engine request per prompt, `n` choices each (choice i*n+j is sample j of prompt i)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +34,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     outputs = await final_outputs(ctx, generation, request)
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if req.prompt_only:
+        outputs = [_without_generation(output) for output in outputs]
     choices = []
     for i, output in enumerate(outputs):
         for c in output.outputs:
@@ -46,6 +49,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                 choice["prompt_logprobs"] = _prompt_logprobs(ctx, output)
             choices.append(choice)
     return JSONResponse({**header(ctx, generation, "text_completion"), "choices": choices, "usage": usage(outputs)})
+
+
+def _without_generation(output: RequestOutput) -> RequestOutput:
+    """The output of a prompt-only request (echo, max_tokens 0): the token the engine sampled is dropped, and a
+    choice that ended normally ended by its length."""
+    choices = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                   cumulative_logprob=None, stop_reason=None,
+                                   finish_reason=c.finish_reason if c.finish_reason in (None, "error", "abort")
+                                   else "length")
+               for c in output.outputs]
+    return dataclasses.replace(output, outputs=choices)
 
 
 def _prompt_text(ctx: ServingContext, prompt: str | list[int]) -> str:
@@ -109,6 +123,7 @@ async def _chunks(ctx: ServingContext, req: CompletionRequest, generation: Gener
     last: dict[str, RequestOutput] = {}
     async for batch in updates(generation.outputs, generation.request_ids):
         for output in batch:
+            output = _without_generation(output) if req.prompt_only else output
             last[output.request_id] = output
             i = prompt_index[output.request_id]
             for c in output.outputs:

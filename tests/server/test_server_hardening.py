@@ -486,3 +486,53 @@ def test_bad_allowed_hosts_are_refused_at_start(model_dir, text, capsys):
     with pytest.raises(SystemExit):
         kvserve_main(["serve", "--model", str(model_dir / "absent"), "--port", "0", "--allowed-hosts", text])
     assert "--allowed-hosts" in capsys.readouterr().err
+
+
+# ---- issue 31: prompt scoring, as log-likelihood clients ask for it ----------------------------------------
+def harness_loglikelihood(choice: dict, ctxlen: int, end: int | None) -> tuple[float, bool]:
+    """lm-evaluation-harness's local-completions parse_logprobs: the continuation's summed logprob, and whether
+    each of its tokens was the most likely one (`end` -1 drops the one generated token it asks for)."""
+    token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:end]
+    top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:end]
+    return sum(token_logprobs), all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs))
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])  # 0: OpenAI's legacy shape; 1: lm-evaluation-harness's today
+def test_prompt_logprobs_in_the_request_shape_of_lm_evaluation_harness(server, offline, max_tokens):
+    tokenizer = offline.tokenizer
+    pairs = [("The capital of France is", " Paris"), ("One plus one is", " two")]
+    contexts = [tokenizer(context).input_ids for context, _ in pairs]
+    prompts = [c + tokenizer(continuation).input_ids for c, (_, continuation) in zip(contexts, pairs)]
+    body = {"model": "tiny-chat", "prompt": prompts, "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
+            "seed": 1234, "echo": True}  # local-completions' loglikelihood payload
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    scored = offline.generate([{"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    for choice, prompt, context, output in zip(choices, prompts, contexts, scored):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(prompt) + max_tokens
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        expected = [entry[t] for entry, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+        assert logprobs["token_logprobs"][1:len(prompt)] == pytest.approx(expected, abs=1e-5)
+        assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"][1:])  # the top 1 and the token itself
+        total, greedy = harness_loglikelihood(choice, len(context), -1 if max_tokens else None)
+        assert total == pytest.approx(sum(expected[len(context) - 1:]), abs=1e-4)
+        assert greedy == all(max(entry.values()) == entry[t] for entry, t in
+                             zip(output.prompt_logprobs[len(context):], prompt[len(context):]))
+        assert choice["text"].startswith(tokenizer.decode(prompt)) and choice["finish_reason"] == "length"
+    assert response.json()["usage"]["completion_tokens"] == max_tokens * len(prompts)
+
+
+def test_prompt_only_streams_one_chunk_per_choice(server, offline):
+    body = {"prompt": "Score me", "max_tokens": 0, "echo": True, "logprobs": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        events = sse_events(response.iter_lines())
+    chunk, usage, done = events
+    assert done == "[DONE]" and usage["usage"]["completion_tokens"] == 0
+    choice = chunk["choices"][0]
+    assert choice["text"] == "Score me" and choice["finish_reason"] == "length"
+    prompt = offline.tokenizer("Score me").input_ids
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) == usage["usage"]["prompt_tokens"]

@@ -89,8 +89,12 @@ class Int4KVCache(PagedKVCache):
     # ---- per step ------------------------------------------------------------------------------------------
     def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]],
                    slot_mappings: Sequence[torch.Tensor]) -> None:
-        self._release(freed_blocks + self._filled_last_step)
+        # A copy-on-write source freed in this step (its other holders preempted) keeps its staging row until the
+        # copy has read it; every other block freed or completed gives its row back first.
+        stale, sources = freed_blocks + self._filled_last_step, {src for src, _ in copies}
+        self._release([block for block in stale if block not in sources])
         super().begin_step(freed_blocks, copies, slot_mappings)
+        self._release([block for block in stale if block in sources])
         self._plans = [self._plan(slot_mapping.cpu().long()) for slot_mapping in slot_mappings]
         self._filled_last_step = [b for plan in self._plans for b in plan.fill_blocks.tolist()]
         self._own_rows = {}

@@ -74,6 +74,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     enforce_eager: bool = False  # never torch.compile (int8/int4 KV decode attention, kv/formats/compiled.py)
+    batch_invariant: bool = False  # logits bitwise independent of the batch (kvserve/batch_invariant.py)
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)
@@ -89,8 +90,12 @@ class EngineConfig:
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.batch_invariant and self.kv_eviction != "none":
+            raise ValueError(f"batch_invariant=True does not cover kv_eviction={self.kv_eviction!r}: its scored "
+                             "attention and dropped blocks depend on the step; use kv_eviction='none'")
         if self.kv_cache_format == "int4" and self.block_size % 2:
             raise ValueError(f"kv_cache_dtype='int4' packs two tokens of a block per byte: block_size must be even, "
                              f"got {self.block_size}")

@@ -27,9 +27,8 @@ class KroneckerRotation:
     at most 64 and at most half of `size`) and A a rotation across the size/block blocks, so R is dense yet costs
     two small matmuls per row (size x (block + size/block) multiply-adds) instead of size x size.
 
-    x R is computed for a batch [M, size] as two matmuls whose folded row count is M x (size/block) >= 2: each
-    row's result is then the same whatever other rows share the call (a single-row matmul would take a
-    different, differently rounded BLAS path)."""
+    x R is computed for a batch [M, size] as two matmuls over all M rows: a row's last bits may depend on M (the
+    BLAS picks its path by shape), unless the caller fixes M (kvserve/batch_invariant.py's RowTiles)."""
 
     def __init__(self, size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         block = min(size & -size, 64, size // 2)  # the largest power of two dividing size, capped

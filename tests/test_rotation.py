@@ -1,8 +1,9 @@
 """The rotations used before quantizing (fp8 KV, int8 activations): orthonormal, inverted exactly enough, dense,
-and each row's result independent of the rows it is batched with."""
+and, computed in fixed tiles, each row's result independent of the rows it is batched with."""
 import pytest
 import torch
 
+from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.rotation import KroneckerRotation, hadamard
 
 
@@ -22,13 +23,14 @@ def test_kronecker_rotation_is_the_dense_product_and_inverts(size):
 
 
 @pytest.mark.parametrize("size", [4, 64, 576, 1536])
-def test_each_row_is_rotated_the_same_alone_or_batched(size):
-    rotation = KroneckerRotation(size)
+def test_each_row_is_rotated_the_same_alone_or_batched_in_fixed_tiles(size):
+    rotation, tiles = KroneckerRotation(size), RowTiles(TILE_ROWS)
     x = torch.randn(33, size, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 100, 33)[:, None]
-    together = rotation(x)
+    together = tiles.map(rotation, x)
+    assert torch.allclose(together, rotation(x), atol=1e-4)
     for i in (0, 1, 16, 32):
-        assert torch.equal(rotation(x[i : i + 1]), together[i : i + 1])
-        assert torch.equal(rotation(x[: i + 1])[i], together[i])
+        assert torch.equal(tiles.map(rotation, x[i : i + 1]), together[i : i + 1])
+        assert torch.equal(tiles.map(rotation, x[: i + 1])[i], together[i])
 
 
 def test_an_odd_size_is_refused():

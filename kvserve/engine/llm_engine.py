@@ -25,6 +25,7 @@ from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.formats.compiled import decode_kind
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
+from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.loader import load_weights, resolve_model
 from kvserve.model.registry import build_model
 from kvserve.outputs import RequestOutput
@@ -118,6 +119,8 @@ class LLMEngine:
         if self.config.quantization == "int8":
             form = "int8 (per-output-channel scales, activations quantized per token, both rotated; norms in " \
                    f"{self.config.dtype})"
+            if isinstance(self.model.linears.kernel, FloatKernel):
+                form += "; the codes are held as float32 for the fallback kernel (no int8 kernel beats float32 here)"
             copy = self.model.linears.tied_copy_nbytes
             if copy:
                 form += (f"; of which {copy / 1e6:,.1f} MB is the int8 kernel's own copy of the tied embedding table "

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.batch_invariant import RowTiles
+from kvserve.engine.attention_tiles import TileChunk, tile_calls
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.attention_mask import GroupChunk, group_keys
@@ -54,13 +56,14 @@ def _buckets(chunks: list[_Chunk], group: int) -> list[list[_Chunk]]:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu",
-                 scores: AttentionScores | None = None):
+                 scores: AttentionScores | None = None, tiles: RowTiles | None = None):
         self.model = model
         self.cache = cache
         self.kv = kv
         self.block_size = kv.block_size
         self.device = device
         self.scores = scores  # H2O's accumulated attention, when the eviction policy needs it
+        self.tiles = tiles or RowTiles()  # batch-invariant mode: fixed token tiles and per-tile attention
 
     def run(self, out: SchedulerOutput) -> StepLogits:
         """Logits of the sequences whose last known token was computed this step, and of the prompt positions
@@ -77,8 +80,11 @@ class ModelRunner:
         for seq, c in zip(out.seqs, chunks):
             scored = self._prompt_rows(seq, c)
             if scored is not None:
-                prompt_logits.append((seq, self.model.compute_logits(hidden[scored[0] : scored[1]]).cpu()))
-        return StepLogits(self.model.compute_logits(hidden[rows]).cpu(), [seq for seq, _ in sampling], prompt_logits)
+                prompt_logits.append((seq, self._logits(hidden[scored[0] : scored[1]])))
+        return StepLogits(self._logits(hidden[rows]), [seq for seq, _ in sampling], prompt_logits)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tiles.map(self.model.compute_logits, hidden).cpu()
 
     @staticmethod
     def _prompt_rows(seq: Sequence, chunk: _Chunk) -> tuple[int, int] | None:
@@ -105,12 +111,21 @@ class ModelRunner:
         slot_mappings, groups = [], []
         for g in range(num_groups):
             slot_mappings.append(self._tensor([slot for c in chunks for slot in c.slots[g]]))
+            if self.tiles:
+                continue
             buckets = _buckets([c for c in chunks if c.num_tokens == 1], g) + \
                 _buckets([c for c in chunks if c.num_tokens > 1], g)
             groups.append([self._group(bucket, g, whole_batch=len(bucket) == len(chunks)) for bucket in buckets])
         meta = AttentionMetadata(positions=self._tensor(positions), slot_mappings=slot_mappings, groups=groups,
-                                 layer_group=self.cache.layout.group_of, scores=self.scores)
+                                 layer_group=self.cache.layout.group_of, scores=self.scores, tiles=self.tiles,
+                                 tile_calls=self._tile_calls(chunks) if self.tiles else None)
         return self._tensor(tokens), meta, chunks
+
+    def _tile_calls(self, chunks: list[_Chunk]) -> list[list]:
+        """Batch-invariant attention: per layer group, the query tiles of every chunk (engine/attention_tiles.py)."""
+        return [tile_calls([TileChunk(c.offset, c.start, c.context_len, c.tables[g]) for c in chunks],
+                           self.block_size, self.kv.windows[g], self.cache.exact_own_block, self.device)
+                for g in range(self.kv.num_groups)]
 
     def _slots(self, table: BlockTable, start: int, n: int) -> list[int]:
         bs = self.block_size

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.batch_invariant import RowTiles
 from kvserve.kv.layout import KVLayout
 
 
@@ -26,7 +27,7 @@ class PagedKVCache:
     fused_decode = None  # a formats.compiled.CompiledFunction: see decode_attention
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", tiles: RowTiles | None = None):
         self.layout = layout
         self.num_layers = layout.layers_per_block  # storage rows: one per layer of a group
         self.num_blocks = num_blocks
@@ -35,6 +36,7 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype  # what gather returns: the model's compute dtype
         self.device = device
+        self.tiles = tiles or RowTiles()  # how a format cuts per-token work on write (batch-invariant mode: tiles)
 
     @property
     def nbytes(self) -> int:

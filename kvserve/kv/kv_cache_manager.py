@@ -87,13 +87,16 @@ class CachedPrefix:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_namespace: str = "",
-                 eviction: EvictionPolicy | None = None, windows: Sequence[int | None] = (None,)):
+                 eviction: EvictionPolicy | None = None, windows: Sequence[int | None] = (None,),
+                 tile_windows: bool = False):
         self.block_size = block_size
         self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.eviction = eviction or EvictionPolicy()
         self.windows = tuple(windows)  # per layer group: None for full attention, else its sliding window
         # a sliding group drops what no later query's window reaches: StreamingLLM's rule without sinks
         self._window_rules = [StreamingPolicy(recent_tokens=w) if w is not None else None for w in self.windows]
+        # batch-invariant attention reads, for a whole query tile (one block), the window of its first position
+        self.tile_windows = tile_windows
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._tables: dict[str, list[BlockTable]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -209,7 +212,8 @@ class KVCacheManager:
         position = seq.num_computed_tokens  # the next query
         for table, rule in zip(tables, self._window_rules):
             if rule is not None:
-                drop = rule.blocks_to_drop(table.logical, position, self.block_size)
+                first = position - position % self.block_size if self.tile_windows else position
+                drop = rule.blocks_to_drop(table.logical, first, self.block_size)
                 self.pool.free(table.drop(drop))
                 self.num_window_blocks_freed += len(drop)
             elif self.eviction.evicts:

@@ -5,14 +5,19 @@ form a group; each group is one padded attention call per layer, over K/V gather
 blocks. A format that keeps a sequence's newest tokens in full precision (int4) adds them as extra keys after the
 gathered ones; the runner's mask says which query sees which key. Groups are one fused scaled-dot-product call,
 except where the scores themselves are needed: H2O accumulates them, and StreamingLLM scores its sink keys with a
-differently rotated query."""
+differently rotated query.
+
+In batch-invariant mode (kvserve/batch_invariant.py) the runner builds tile calls instead of groups: each query
+tile is the positions of one KV block of one request, attended over exactly the keys those positions reach, and
+tiles with the same number of keys share a call; a query's result then depends on its own context alone."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.batch_invariant import RowTiles
 from kvserve.kv.eviction import AttentionScores
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.rotary import apply_rotary
@@ -36,6 +41,22 @@ class AttentionGroup:
 
 
 @dataclass
+class TileCall:
+    """Batch-invariant attention for S query tiles of one KV block each (block_size positions of one request),
+    over the B blocks their keys live in: the same B for every tile of the call, the tile's own block last."""
+
+    query_index: torch.Tensor  # [S, bs] flat token index of each tile position; positions not in this step: 0
+    block_tables: torch.Tensor  # [S, B] blocks holding the keys, in order
+    own_blocks: torch.Tensor  # [S] each tile's own block (block_tables[:, -1])
+    mask: torch.Tensor  # [S, 1, bs, B * bs] True where that position may attend to that key
+    out_rows: torch.Tensor  # [M] rows of the [S * bs] output that are this step's tokens ...
+    out_tokens: torch.Tensor  # ... and their flat token index
+    # cache.exact_own_block: own-block offsets computed in earlier steps (read from staging; the rest are this
+    # step's new tokens), None for other formats, which read the own block as stored
+    staged: torch.Tensor | None = None  # [S, bs]
+
+
+@dataclass
 class AttentionMetadata:
     """One step's batch layout, built once by the runner and read by every layer."""
 
@@ -44,6 +65,8 @@ class AttentionMetadata:
     groups: list[list[AttentionGroup]]  # per layer group: its attention calls
     layer_group: tuple[int, ...]  # each layer's group (the KV layout)
     scores: AttentionScores | None = None  # H2O: where each layer adds the attention each key received
+    tiles: RowTiles = field(default_factory=RowTiles)  # how per-token work is cut (batch-invariant mode: tiles)
+    tile_calls: list[list[TileCall]] | None = None  # per layer group, batch-invariant mode: replaces `groups`
 
 
 def paged_attention(
@@ -57,6 +80,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
     cache.write(layer, k, v)
+    if meta.tile_calls is not None:
+        return _tile_attention(q, k, v, layer, cache, meta, scale)
     groups = meta.groups[meta.layer_group[layer]]
     if len(groups) == 1 and groups[0].out_rows is None:
         return _group_attention(q, k, v, layer, cache, meta, groups[0], scale).reshape(q.shape)
@@ -118,6 +143,29 @@ def _group_attention(
             enable_gqa=True,
         ).transpose(1, 2)  # [S, Q, H, D]
     return out if rotation is None else out @ rotation.T
+
+
+def _tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Every query tile over its own keys (batch-invariant mode): the call's shape is fixed by the tile's keys, and
+    rows of one call never mix, so a query's result does not depend on the other tiles of its step."""
+    rotation = cache.rotation
+    if rotation is not None:  # stored K/V are rotated (fp8): queries alike, output back, token by token
+        q = meta.tiles.map(lambda x: x @ rotation, q)
+    out = torch.empty_like(q)
+    bs = cache.block_size
+    for call in meta.tile_calls[meta.layer_group[layer]]:
+        keys, values = cache.gather(layer, call.block_tables)  # [S, B * bs, KVH, D]
+        if call.staged is not None:  # the own block in full precision: staged tokens, then this step's
+            staged_k, staged_v = cache.gather_residual(layer, call.own_blocks)
+            earlier = call.staged[:, :, None, None]
+            keys[:, -bs:] = torch.where(earlier, staged_k, k[call.query_index])
+            values[:, -bs:] = torch.where(earlier, staged_v, v[call.query_index])
+        rows = F.scaled_dot_product_attention(q[call.query_index].transpose(1, 2), keys.transpose(1, 2),
+                                              values.transpose(1, 2), attn_mask=call.mask, scale=scale,
+                                              enable_gqa=True)  # [S, H, bs, D]
+        out[call.out_tokens] = rows.transpose(1, 2).reshape(-1, *q.shape[1:])[call.out_rows]
+    return out if rotation is None else meta.tiles.map(lambda x: x @ rotation.T, out)
 
 
 def _scored_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

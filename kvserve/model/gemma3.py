@@ -58,22 +58,27 @@ class Gemma3DecoderLayer:
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.post_attention_norm(self._attention(self.input_norm(h), cos, sin, layer, cache, meta))
-        x = self.pre_feedforward_norm(h)
-        gate, up = self.gate_up(x).split(self.cfg.intermediate_size, dim=-1)
-        mlp = self.down(F.gelu(gate, approximate="tanh") * up)
-        return h + self.post_feedforward_norm(mlp)
+        # per-token work runs as meta.tiles cuts it (batch-invariant mode: fixed tiles); attention sees the batch
+        q, k, v = meta.tiles.map(self._qkv, h, cos, sin)
+        out = paged_attention(q, k, v, layer, cache, meta, self.scale)
+        return meta.tiles.map(self._output_and_mlp, h, out)
 
-    def _attention(self, x, cos, sin, layer, cache, meta) -> torch.Tensor:
+    def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
-        qkv = self.qkv(x)
+        qkv = self.qkv(self.input_norm(h))
         q = self.q_norm(qkv[:, : self.q_size].view(-1, cfg.num_heads, cfg.head_dim))
         k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim))
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)  # q and k heads rotated in one pass
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, layer, cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v
+
+    def _output_and_mlp(self, h: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        h = h + self.post_attention_norm(self.o_proj(attention.reshape(-1, self.q_size)))
+        x = self.pre_feedforward_norm(h)
+        gate, up = self.gate_up(x).split(self.cfg.intermediate_size, dim=-1)
+        mlp = self.down(F.gelu(gate, approximate="tanh") * up)
+        return h + self.post_feedforward_norm(mlp)
 
     def weight_parts(self) -> list:
         """The linears and norms this layer holds (for weights_nbytes)."""
@@ -111,13 +116,16 @@ class Gemma3Model:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         """input_ids: [T] flat tokens of all requests. Returns final hidden states [T, hidden]."""
-        h = self.embed(input_ids) * self.embed_scale
+        h = meta.tiles.map(self._embed, input_ids)
         full_rope = self.full_rotary.lookup(meta.positions)
         sliding_rope = self.sliding_rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
             cos, sin = sliding_rope if layer.layer_type == SLIDING_ATTENTION else full_rope
             h = layer.forward(h, cos, sin, i, cache, meta)
-        return self.norm(h)
+        return meta.tiles.map(self.norm, h)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids) * self.embed_scale
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,15 +32,14 @@ class DecoderLayer:
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = self._rms_norm(h, self.input_norm)
-        h = h + self._attention(x, cos, sin, layer, cache, meta)
-        x = self._rms_norm(h, self.post_attention_norm)
-        gate, up = self.gate_up(x).split(self.cfg.intermediate_size, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        # per-token work runs as meta.tiles cuts it (batch-invariant mode: fixed tiles); attention sees the batch
+        q, k, v = meta.tiles.map(self._qkv, h, cos, sin)
+        out = paged_attention(q, k, v, layer, cache, meta, self.scale)
+        return meta.tiles.map(self._output_and_mlp, h, out)
 
-    def _attention(self, x, cos, sin, layer, cache, meta) -> torch.Tensor:
+    def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
-        qkv = self.qkv(x)
+        qkv = self.qkv(self._rms_norm(h, self.input_norm))
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, cfg.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -49,8 +48,13 @@ class DecoderLayer:
                             self._rms_norm(qk[:, cfg.num_heads :], self.k_norm)], dim=1)
         qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one pass
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, layer, cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v
+
+    def _output_and_mlp(self, h: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        h = h + self.o_proj(attention.reshape(-1, self.q_size))
+        x = self._rms_norm(h, self.post_attention_norm)
+        gate, up = self.gate_up(x).split(self.cfg.intermediate_size, dim=-1)
+        return h + self.down(F.silu(gate) * up)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, self.cfg.rms_norm_eps)
@@ -78,10 +82,13 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         """input_ids: [T] flat tokens of all requests. Returns final hidden states [T, hidden]."""
-        h = self.embed(input_ids)
+        h = meta.tiles.map(self.embed, input_ids)
         cos, sin = self.rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
             h = layer.forward(h, cos, sin, i, cache, meta)
+        return meta.tiles.map(self._final_norm, h)
+
+    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, self.norm.shape, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

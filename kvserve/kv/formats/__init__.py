@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.batch_invariant import RowTiles
 from kvserve.kv.formats.fp8 import Fp8KVCache
 from kvserve.kv.formats.int4 import Int4KVCache
 from kvserve.kv.formats.int8 import Int8KVCache
@@ -17,19 +18,19 @@ FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                  max_num_seqs: int = 1, compile: bool = True) -> PagedKVCache:
+                  max_num_seqs: int = 1, compile: bool = True, tiles: RowTiles | None = None) -> PagedKVCache:
     """The storage for `format_name`; `dtype` is the model's compute dtype, which reads return. int4 keeps one
     full-precision staging row per partly filled block (two per sequence at most), sized for `max_num_seqs`
     sequences per layer group. int8 and int4 compile their decode attention unless `compile` is False
-    (formats.compiled)."""
+    (formats.compiled). `tiles`: how writes cut per-token work (kvserve/batch_invariant.py)."""
     args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
+    common = dict(dtype=dtype, device=device, tiles=tiles)
     if format_name in FLOAT_FORMATS:
-        return FullPrecisionKVCache(*args, dtype=dtype, device=device, storage_dtype=FLOAT_FORMATS[format_name])
+        return FullPrecisionKVCache(*args, **common, storage_dtype=FLOAT_FORMATS[format_name])
     if format_name in FP8_FORMATS:
-        return Fp8KVCache(*args, dtype=dtype, device=device, fp8_dtype=FP8_FORMATS[format_name])
+        return Fp8KVCache(*args, **common, fp8_dtype=FP8_FORMATS[format_name])
     if format_name == "int8":
-        return Int8KVCache(*args, dtype=dtype, device=device, compile=compile)
+        return Int8KVCache(*args, **common, compile=compile)
     if format_name == "int4":
-        return Int4KVCache(*args, dtype=dtype, device=device, max_num_seqs=max_num_seqs * layout.num_groups,
-                           compile=compile)
+        return Int4KVCache(*args, **common, max_num_seqs=max_num_seqs * layout.num_groups, compile=compile)
     raise ValueError(f"unknown KV cache format {format_name!r}")

@@ -34,7 +34,7 @@ class Fp8KVCache(PerTokenQuantizedKVCache):
         return f"{self.format_name}, per-token-head scales, Hadamard-rotated"
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.to(self.dtype) @ self.rotation
+        x = self.tiles.map(lambda t: t.to(self.dtype) @ self.rotation, x)
         scale = absmax_scale(x, self.fp8_max)
         scaled = (x.float() / scale.float()[..., None]).clamp_(-self.fp8_max, self.fp8_max)
         return scaled.to(self.fp8_dtype).view(torch.uint8), scale

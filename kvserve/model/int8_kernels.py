@@ -28,11 +28,17 @@ class Int8Kernel:
     copies_codes = True  # pack() makes its own copy of the codes (False: a view of them)
 
     def available(self) -> bool:
+        """Present here and exact: full-range codes, whose pairwise sums overflow an int16 (oneDNN on a CPU without
+        VNNI adds pairs of products in int16 and saturates: there it returns wrong sums, and is not used)."""
+        weight = torch.full((4, 64), 127, dtype=torch.int8)
+        weight[1], weight[2, ::2] = -127, -127
+        x = torch.full((2, 64), 127, dtype=torch.int8)
+        x[1, 1::2] = -127
         try:
-            weight = torch.ones(4, 8, dtype=torch.int8)
-            return bool((self.matmul(torch.ones(2, 8, dtype=torch.int8), self.pack(weight)) == 8).all())
+            sums = self.matmul(x, self.pack(weight))
         except (RuntimeError, AttributeError, NotImplementedError):
             return False
+        return torch.equal(sums, (x.long() @ weight.long().t()).float())
 
     def pack(self, weight: torch.Tensor):
         raise NotImplementedError
@@ -81,17 +87,31 @@ def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones(n), torch.zeros(n, dtype=torch.long)
 
 
+# K columns whose int8 products add up exactly in float32, in any order: 1040 * 127^2 < 2^24
+EXACT_FLOAT_COLUMNS = 1040
+
+
 class FloatKernel(Int8Kernel):
-    """The fallback: the codes multiplied as float32 (exact while a sum stays below 2^24; the last bit beyond)."""
+    """The fallback: the codes multiplied as float32. Every partial sum of up to EXACT_FLOAT_COLUMNS products is an
+    integer below 2^24, so each slice of columns sums exactly whatever the BLAS's order; the slices' sums are added
+    in one fixed order. So a row's result never depends on the rows beside it, as with the integer kernels."""
 
     name = "float32 matmul of the int8 codes"
     library = "fallback: no int8 kernel beat float32 here"
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.float()
+    def pack(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        return [weight[:, k : k + EXACT_FLOAT_COLUMNS].float().contiguous()
+                for k in range(0, weight.shape[1], EXACT_FLOAT_COLUMNS)]
 
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        return x.float() @ packed.t()
+    def matmul(self, x: torch.Tensor, packed: list[torch.Tensor]) -> torch.Tensor:
+        x = x.float()
+        sums = x[:, :EXACT_FLOAT_COLUMNS] @ packed[0].t()
+        for i, part in enumerate(packed[1:], start=1):
+            sums += x[:, i * EXACT_FLOAT_COLUMNS : (i + 1) * EXACT_FLOAT_COLUMNS] @ part.t()
+        return sums
+
+    def storages(self, packed: list[torch.Tensor]) -> dict[int, int]:
+        return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in packed}
 
 
 KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel())

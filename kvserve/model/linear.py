@@ -142,8 +142,9 @@ class Linears:
         codes, scale = quantize_rows(rotation(embed.float()))
         embedding = Embedding(codes, scale, self.dtype, rotation)
         if lm_head is None:  # tied: the head multiplies by the table's own (rotated) codes
-            self.tied_copy_nbytes = codes.numel() if self.kernel.copies_codes else 0
-            return Int8Linear.from_codes(codes, scale, rotation, self.kernel), embedding
+            head = Int8Linear.from_codes(codes, scale, rotation, self.kernel)
+            self.tied_copy_nbytes = sum(self.kernel.storages(head.packed).values()) if self.kernel.copies_codes else 0
+            return head, embedding
         return self.linear(lm_head), embedding
 
 

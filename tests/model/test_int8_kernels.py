@@ -44,3 +44,36 @@ def test_the_fallback_multiplies_the_codes_exactly():
     x = torch.randint(-127, 128, (3, 32), dtype=torch.int8)
     kernel = FloatKernel()
     assert torch.equal(kernel.matmul(x, kernel.pack(w)), (x.long() @ w.long().T).float())
+
+
+class Saturating(Int8Kernel):
+    """oneDNN's way on a CPU without VNNI: activations shifted to uint8 (+128), pairs of products added in int16
+    with saturation, the shift's share subtracted after."""
+
+    name = "saturating"
+
+    def pack(self, weight):
+        return weight.t()
+
+    def matmul(self, x, packed):
+        products = (x.long() + 128)[:, :, None] * packed.long()[None]  # [M, K, N]
+        pairs = (products[:, 0::2] + products[:, 1::2]).clamp(-32768, 32767)
+        return (pairs.sum(1) - 128 * packed.long().sum(0)).float()
+
+
+def test_a_kernel_that_saturates_is_not_used():
+    assert not Saturating().available()
+    assert Slow().available()
+
+
+def test_the_fallback_is_exact_for_full_range_codes_and_independent_of_the_batch():
+    kernel = FloatKernel()
+    full = torch.full((4, int8_kernels.EXACT_FLOAT_COLUMNS), 127, dtype=torch.int8)
+    assert torch.equal(kernel.matmul(full[:2], kernel.pack(full)), (full[:2].long() @ full.long().T).float())
+    # past 2^24 a float32 sum rounds, but each slice of columns is exact and the slices add in one order
+    w = torch.randint(-127, 128, (16, 3000), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    x = torch.randint(-127, 128, (33, 3000), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    packed = kernel.pack(w)
+    together = kernel.matmul(x, packed)
+    assert all(torch.equal(kernel.matmul(x[i : i + 1], packed), together[i : i + 1]) for i in range(33))
+    assert torch.allclose(together, (x.long() @ w.long().T).float(), rtol=1e-6)

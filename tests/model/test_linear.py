@@ -4,6 +4,7 @@ numbers through every kernel route."""
 import pytest
 import torch
 
+from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.model.int8_kernels import KERNELS, FloatKernel, IntMMKernel
 from kvserve.model.linear import Embedding, Int8Linear, Linear, Linears, quantize_rows, weights_nbytes
 
@@ -40,12 +41,12 @@ def test_int8_linear_is_within_the_rounding_bound_of_float(kernel):
 
 
 @pytest.mark.parametrize("kernel", AVAILABLE, ids=lambda k: k.name)
-def test_each_row_is_the_same_alone_or_batched(kernel):
-    linear = Int8Linear(gaussian(64, 128, seed=4), kernel=kernel)
+def test_each_row_is_the_same_alone_or_batched_in_fixed_tiles(kernel):
+    linear, tiles = Int8Linear(gaussian(64, 128, seed=4), kernel=kernel), RowTiles(TILE_ROWS)
     batch = gaussian(33, 128, seed=5) * torch.linspace(0.01, 100, 33)[:, None]  # neighbours of every size
-    together = linear(batch)
+    together = tiles.map(linear, batch)
     for i in (0, 16, 32):
-        assert torch.equal(linear(batch[i : i + 1]), together[i : i + 1])
+        assert torch.equal(tiles.map(linear, batch[i : i + 1]), together[i : i + 1])
 
 
 def test_every_kernel_route_gives_the_same_numbers():

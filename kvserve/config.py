@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -75,6 +76,8 @@ class EngineConfig:
     device: str = "cpu"
     enforce_eager: bool = False  # never torch.compile (int8/int4 KV decode attention, kv/formats/compiled.py)
     batch_invariant: bool = False  # logits bitwise independent of the batch (kvserve/batch_invariant.py)
+    kv_disk_cache: str | None = None  # a directory: full prefix blocks kept on disk too (kvserve/kv/disk_cache.py)
+    kv_disk_cache_size: int | str = "20GiB"  # the disk tier's cap, least recently used records removed first
 
     def __post_init__(self) -> None:
         canonical_dtype(self.dtype)
@@ -102,6 +105,16 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
         self._check_eviction()
+        self._check_disk_cache()
+
+    def _check_disk_cache(self) -> None:
+        if self.kv_disk_cache is None:
+            return
+        if not isinstance(self.kv_disk_cache, (str, os.PathLike)) or not str(self.kv_disk_cache).strip():
+            raise ValueError(f"kv_disk_cache must be a directory path, got {self.kv_disk_cache!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_disk_cache keeps prefix-cache blocks: it needs enable_prefix_caching=True")
+        parse_size(self.kv_disk_cache_size)
 
     def _check_eviction(self) -> None:
         if self.kv_eviction not in KV_EVICTION_POLICIES:
@@ -132,6 +145,10 @@ class EngineConfig:
         name = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
             self.kv_cache_dtype, self.kv_cache_dtype)
         return DTYPE_ALIASES.get(self.dtype, self.dtype) if name == "auto" else name
+
+    @property
+    def kv_disk_cache_size_bytes(self) -> int:
+        return parse_size(self.kv_disk_cache_size)
 
     @property
     def kv_cache_memory_bytes(self) -> int:

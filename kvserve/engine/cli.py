@@ -48,6 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile with torch.compile (decode attention over an int8 or int4 KV cache then runs "
                         "as plain PyTorch ops, slower)")
+    g.add_argument("--kv-disk-cache", default=None, metavar="DIR",
+                   help="also keep full prefix blocks as files in DIR, read back after the pool evicted them or the "
+                        "process restarted (docs/prefix_caching.md; default: off)")
+    g.add_argument("--kv-disk-cache-size", default=defaults.kv_disk_cache_size, metavar="SIZE",
+                   help="cap of --kv-disk-cache, e.g. 20GiB; least recently used blocks go first (default %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

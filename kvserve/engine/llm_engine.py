@@ -20,6 +20,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.kv.disk_cache import DiskBlockStore, DiskKVCache, model_fingerprint
 from kvserve.kv.eviction import AttentionScores, make_policy
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.formats.compiled import decode_kind
@@ -99,9 +100,11 @@ class LLMEngine:
         if decode_kind(self.cache.fused_decode) == "compiled":
             logger.info(f"{self.cache.format_name} decode attention compiled in {compile_seconds:.1f} s "
                         "(torch.compile; --enforce-eager skips it)")
+        self.disk_cache = self._open_disk_cache(source.path) if config.kv_disk_cache is not None else None
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
                                  hash_namespace=config.kv_cache_format, eviction=self.eviction,
-                                 windows=self.layout.windows, tile_windows=config.batch_invariant)
+                                 windows=self.layout.windows, tile_windows=config.batch_invariant,
+                                 disk=self.disk_cache)
         self.scores = (AttentionScores(plan.num_blocks * plan.block_size, plan.block_size, config.device)
                        if self.eviction.needs_attention_scores else None)
         windows = self.layout.windows
@@ -113,6 +116,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+
+    def _open_disk_cache(self, model_path: Path) -> DiskKVCache:
+        """The disk tier, its records named for everything that decides a block's bytes (kv/disk_cache.py)."""
+        config = self.config
+        fingerprint = model_fingerprint(
+            model_path, kv_cache_format=config.kv_cache_format, block_specs=self.cache.block_specs(),
+            block_size=config.block_size, dtype=config.dtype, quantization=config.quantization,
+            layout=self.layout, batch_invariant=config.batch_invariant, device=torch.device(config.device).type)
+        store = DiskBlockStore(config.kv_disk_cache, config.kv_disk_cache_size_bytes, fingerprint)
+        logger.info(store.start_line(config.block_size, self.layout.num_groups))
+        return DiskKVCache(store, self.cache)
 
     def _weights_line(self) -> str:
         """e.g. "weights: 135.5 MB int8 (per-output-channel scales; activations per token)"."""
@@ -469,8 +483,10 @@ class LLMEngine:
         sliding = {}
         if self._sliding_group is not None:  # a sliding layer holds only its window's tokens
             sliding["num_tokens_stored_sliding"] = sum(self.kv.num_stored_tokens(s, self._sliding_group) for s in live)
+        disk = self.disk_cache.stats() if self.disk_cache is not None else {}
         return {
             **sliding,
+            **disk,
             "num_blocks": pool.num_blocks,
             "block_size": self.kv.block_size,
             "num_free_blocks": pool.num_free_blocks,

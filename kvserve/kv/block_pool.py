@@ -94,15 +94,15 @@ class BlockPool:
             self._hash_events = deque((True, key) for key in self._cached)
         return self._hash_events
 
-    def register(self, block: Block, block_hash: BlockHash) -> None:
-        """Make a full block findable by its prefix key (the first block with a key keeps it)."""
-        if not self.enable_prefix_caching or block.block_hash is not None:
-            return
-        if block_hash not in self._cached:
-            block.block_hash = block_hash
-            self._cached[block_hash] = block
-            if self._hash_events is not None:
-                self._hash_events.append((True, block_hash))
+    def register(self, block: Block, block_hash: BlockHash) -> bool:
+        """Make a full block findable by its prefix key (the first block with a key keeps it); True if it now is."""
+        if not self.enable_prefix_caching or block.block_hash is not None or block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        if self._hash_events is not None:
+            self._hash_events.append((True, block_hash))
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (a benchmark's next run starts cold). Only when no request holds a block:

@@ -110,8 +110,26 @@ class PagedKVCache:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for tensor in self._block_tensors():
-            blocks = tensor.view(tensor.shape[0], self.num_blocks, -1, *tensor.shape[2:])
+            blocks = self._per_block(tensor)
             blocks[:, dst] = blocks[:, src]
+
+    def export_block(self, block_id: int) -> list[torch.Tensor]:
+        """A copy of everything one block holds, every layer of its group (one tensor per `_block_tensors` entry):
+        what a lower tier stores. A full block's contents are all here (int4 stages only partly filled blocks)."""
+        return [self._per_block(tensor)[:, block_id].clone() for tensor in self._block_tensors()]
+
+    def import_block(self, block_id: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Put back what `export_block` returned (from any block of a cache of this format and shape)."""
+        for tensor, saved in zip(self._block_tensors(), tensors, strict=True):
+            self._per_block(tensor)[:, block_id] = saved.to(self.device)
+
+    def block_specs(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Dtype and shape of each tensor `export_block` returns: what a stored block must match to be imported."""
+        return [(t.dtype, tuple(self._per_block(t)[:, 0].shape)) for t in self._block_tensors()]
+
+    def _per_block(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A block tensor viewed as [layers, num_blocks, rows per block, ...]."""
+        return tensor.view(tensor.shape[0], self.num_blocks, -1, *tensor.shape[2:])
 
     def _block_tensors(self) -> list[torch.Tensor]:
         """Every tensor shaped [layers, num_blocks * k, ...] that holds block contents (k per-block rows)."""

@@ -8,11 +8,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.kv.block_hash import BlockHash, hash_full_blocks
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy, StreamingPolicy
+
+if TYPE_CHECKING:
+    from kvserve.kv.disk_cache import DiskKVCache
 
 
 class CachedSequence(Protocol):
@@ -88,8 +91,9 @@ class CachedPrefix:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_namespace: str = "",
                  eviction: EvictionPolicy | None = None, windows: Sequence[int | None] = (None,),
-                 tile_windows: bool = False):
+                 tile_windows: bool = False, disk: DiskKVCache | None = None):
         self.block_size = block_size
+        self.disk = disk  # a lower tier: registered blocks are written there, and lookups continue there
         self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.eviction = eviction or EvictionPolicy()
         self.windows = tuple(windows)  # per layer group: None for full attention, else its sliding window
@@ -138,17 +142,78 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return CachedPrefix(blocks=[[] for _ in self.windows], first_logical=[0] * self.num_groups)
         hashes = self._block_hashes(seq)[: (len(seq.token_ids) - 1) // self.block_size]
-        found = [[self.pool.lookup(self._key(h, g)) for h in hashes] for g in range(self.num_groups)]
-        limit = len(hashes)
+        found = self._lookup(hashes)
+        cached = self._longest_prefix(found)
+        if self.disk is not None and cached.num_blocks < len(hashes):
+            if self._load_from_disk(seq, hashes, found, cached.num_blocks):
+                longer = self._longest_prefix(self._lookup(hashes))
+                self.disk.num_hit_tokens += (longer.num_blocks - cached.num_blocks) * self.block_size
+                cached = longer
+        return cached
+
+    def _lookup(self, hashes: list[BlockHash]) -> list[list[Block | None]]:
+        """Each group's pool block for each key (None: not cached)."""
+        return [[self.pool.lookup(self._key(h, g)) for h in hashes] for g in range(self.num_groups)]
+
+    def _longest_prefix(self, found: list[list[Block | None]]) -> CachedPrefix:
+        limit = len(found[0])
         for g, window in enumerate(self.windows):
             if window is None:
-                limit = min(limit, next((i for i, b in enumerate(found[g]) if b is None), len(hashes)))
+                limit = min(limit, next((i for i, b in enumerate(found[g]) if b is None), len(found[g])))
         for num_blocks in range(limit, -1, -1):
             firsts = [self._first_needed(num_blocks, w) for w in self.windows]
             if all(b is not None for g, first in enumerate(firsts) for b in found[g][first:num_blocks]):
                 return CachedPrefix(num_blocks, [found[g][first:num_blocks] for g, first in enumerate(firsts)],
                                     firsts)
         raise AssertionError("an empty prefix is always cached")
+
+    def _load_from_disk(self, seq: CachedSequence, hashes: list[BlockHash], found: list[list[Block | None]],
+                        num_cached: int) -> int:
+        """Continue the pool's hit of `num_cached` blocks on disk: read what the longest prefix the two tiers hold
+        together needs into pool blocks, registered and left cached (unreferenced) for the lookup to take, in
+        order, stopping at the first miss. Returns the number of blocks read."""
+        num_blocks = self._disk_prefix_length(hashes, found, num_cached)
+        firsts = [self._first_needed(num_blocks, w) for w in self.windows]
+        wanted = sorted((i, g) for g, first in enumerate(firsts) for i in range(first, num_blocks)
+                        if found[g][i] is None)
+        # the pool's own hits are held while blocks are taken for the reads, so taking cannot evict them
+        held = [b for g, first in enumerate(firsts) for b in found[g][first:num_blocks] if b is not None]
+        self.pool.touch(held)
+        loaded = []
+        for i, g in wanted:
+            if self.pool.num_free_blocks == 0:
+                break
+            block = self.pool.allocate(1)[0]
+            key, parent = self._key(hashes[i], g), hashes[i - 1] if i else None
+            if not self.disk.load(block.block_id, key, parent, self._block_tokens(seq, i)):
+                self.pool.free([block])
+                break
+            self.pool.register(block, key)
+            loaded.append(block)
+        self.pool.free(reversed(held + loaded))  # tail first, as a finished request frees
+        return len(loaded)
+
+    def _disk_prefix_length(self, hashes: list[BlockHash], found: list[list[Block | None]], num_cached: int) -> int:
+        """The longest prefix (in blocks) the pool and the disk hold together; the disk is asked past the pool's hit
+        only (a stat per key, memoized)."""
+        on_disk: dict[tuple[int, int], bool] = {}
+
+        def held(g: int, i: int) -> bool:
+            if found[g][i] is not None:
+                return True
+            if (i, g) not in on_disk:
+                on_disk[i, g] = self.disk.contains(self._key(hashes[i], g))
+            return on_disk[i, g]
+
+        limit = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                limit = next((i for i in range(num_cached, limit) if not held(g, i)), limit)
+        for num_blocks in range(limit, num_cached, -1):
+            firsts = [self._first_needed(num_blocks, w) for w in self.windows]
+            if all(held(g, i) for g, first in enumerate(firsts) for i in range(first, num_blocks)):
+                return num_blocks
+        return num_cached
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_prompt_tokens
@@ -200,8 +265,18 @@ class KVCacheManager:
         for g, table in enumerate(self._tables[seq.request_id]):
             # a sliding group may not hold every one of them (a prefix hit only brings its window)
             for i in range(bisect.bisect_left(table.logical, done), bisect.bisect_left(table.logical, num_full)):
-                self.pool.register(table.blocks[i], self._key(hashes[table.logical[i]], g))
+                key = self._key(hashes[table.logical[i]], g)
+                if self.pool.register(table.blocks[i], key) and self.disk is not None:
+                    self._save_to_disk(seq, table.blocks[i], key, table.logical[i], hashes)
         self._num_registered[seq.request_id] = num_full
+
+    def _save_to_disk(self, seq: CachedSequence, block: Block, key: BlockHash, number: int,
+                      hashes: list[BlockHash]) -> None:
+        """Hand a newly registered block to the disk tier, with its parent key and tokens for the reader to check."""
+        self.disk.save(block.block_id, key, hashes[number - 1] if number else None, self._block_tokens(seq, number))
+
+    def _block_tokens(self, seq: CachedSequence, number: int) -> list[int]:
+        return seq.token_ids[number * self.block_size:(number + 1) * self.block_size]
 
     def drop_unneeded(self, seq: CachedSequence, scores: AttentionScores | None = None) -> None:
         """Drop the blocks no later query of `seq` reads: out of a sliding group's window, or what the eviction

@@ -1,0 +1,448 @@
+"""The disk tier below the pool: full prefix blocks kept as files, so a prefix outlives the pool's LRU and the process.
+
+What is stored: each block the prefix index registers (never one an eviction policy changed: those are never
+registered), exactly as the pool holds it (`PagedKVCache.export_block`: every tensor of its format, every layer of
+its group), one safetensors file per block and layer group, named sha256(model fingerprint, block key). The key
+chains through the whole prefix, with the storage format and cache_salt in its root (kv/block_hash.py), and the
+fingerprint names what the bytes mean (weights, tokenizer, config, layer layout, block size, KV format), so a
+record is found only by the same model, format and tenant. Each record also carries its parent key, its token ids
+and a sha256 of its tensors; a read checks all of them against what the request expects, so a damaged, truncated,
+foreign or mismatched file is a miss (counted by kind, logged once, removed), never a wrong answer.
+
+Writes run on a writer thread; the step thread only copies a new block's bytes out of the pool. A record is written
+to a temporary file and renamed into place, so a process killed mid-write leaves no partial record visible. Several
+processes may share a directory without a lock: a record is complete once visible, two writers of one key write the
+same bytes, and a record removed under a reader is a plain miss. Reads happen on admission, on the step thread."""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from kvserve.kv.block_hash import BlockHash
+from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.planner.units import format_bytes
+
+logger = logging.getLogger("kvserve")
+
+RECORD_FORMAT = "kvserve-kv-block"
+RECORD_VERSION = "1"  # bump when what a record's tensors mean changes: old records then belong to no fingerprint
+RECORD_SUFFIX = ".kvblock"
+TEMP_PREFIX = ".tmp-"
+# Files whose bytes decide a block's K/V (besides the weights): the config (layers, heads, RoPE, windows) and the
+# tokenizer (which ids the keys chain over).
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+MAX_PENDING_BYTES = 256 * 2**20  # blocks copied for the writer and not yet written; more are skipped, not waited for
+WRITER_IDLE_S = 1.0  # the writer thread ends after this long without work (a later block starts a new one)
+RESCAN_S = 10.0  # when evicting, see other processes' records at most this often
+EXIT_FLUSH_S = 10.0  # at interpreter exit, wait this long for queued blocks to be written
+ERROR_KINDS = ("corrupt", "mismatch", "foreign", "read", "write")
+
+
+def model_fingerprint(model_path: Path, **facts: object) -> dict[str, str]:
+    """What stored bytes mean: sha256 of the model's weights, config and tokenizer files, plus `facts` (KV format,
+    block size, dtype, layout...). "digest" hashes all of it; it is the store's key namespace."""
+    parts = {path.name: _file_sha256(path) for path in sorted(Path(model_path).iterdir())
+             if path.suffix == ".safetensors" or path.name in MODEL_FILES}
+    parts.update({name: str(value) for name, value in facts.items()})
+    parts["record_version"] = RECORD_VERSION
+    return {**parts, "digest": hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()}
+
+
+_file_digests: dict[tuple[str, int, int], str] = {}  # a weights file is hashed once per process
+
+
+def _file_sha256(path: Path) -> str:
+    stat = path.stat()
+    memo = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if memo not in _file_digests:
+        digest = hashlib.sha256()
+        with open(path, "rb") as file:
+            while chunk := file.read(1 << 24):
+                digest.update(chunk)
+        _file_digests[memo] = digest.hexdigest()
+    return _file_digests[memo]
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """One block's contents on their way to disk, with what a reader checks them against."""
+
+    key: BlockHash
+    parent: BlockHash | None
+    token_ids: tuple[int, ...]
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def encode_record(fingerprint: str, record: BlockRecord) -> bytes:
+    """A safetensors file: the block's tensors t0..tn, and metadata naming the model, the key chain and tokens."""
+    metadata = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "fingerprint": fingerprint,
+                "key": record.key.hex(), "parent": record.parent.hex() if record.parent else "",
+                "token_ids": json.dumps(list(record.token_ids)), "sha256": tensors_sha256(record.tensors)}
+    return safetensors.torch.save({f"t{i}": t.contiguous() for i, t in enumerate(record.tensors)}, metadata)
+
+
+def record_metadata(data: bytes) -> dict[str, str]:
+    """The metadata of a safetensors file's bytes (its header: 8-byte length, then JSON)."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length])["__metadata__"]
+
+
+class RecordRejected(Exception):
+    """A record that must not be used: `kind` is one of ERROR_KINDS."""
+
+    def __init__(self, kind: str, why: str):
+        super().__init__(why)
+        self.kind = kind
+
+
+def decode_record(data: bytes, fingerprint: str, key: BlockHash, parent: BlockHash | None,
+                  token_ids: Sequence[int], specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """The tensors of a record if it is exactly the block asked for; raises RecordRejected otherwise."""
+    try:
+        metadata = record_metadata(data)
+    except Exception as exc:
+        raise RecordRejected("foreign", f"not a safetensors file ({type(exc).__name__})") from exc
+    if not isinstance(metadata, dict) or metadata.get("format") != RECORD_FORMAT:
+        raise RecordRejected("foreign", "not a kvserve KV block record")
+    if metadata.get("version") != RECORD_VERSION or metadata.get("fingerprint") != fingerprint:
+        raise RecordRejected("foreign", "written for another model, format or kvserve record version")
+    expected = {"key": key.hex(), "parent": parent.hex() if parent else "", "token_ids": json.dumps(list(token_ids))}
+    wrong = [name for name, value in expected.items() if metadata.get(name) != value]
+    if wrong:
+        raise RecordRejected("mismatch", f"its {', '.join(wrong)} differ from the request's")
+    try:
+        named = safetensors.torch.load(data)
+    except Exception as exc:
+        raise RecordRejected("corrupt", f"unreadable tensors ({type(exc).__name__}: {exc})") from exc
+    tensors = [named.get(f"t{i}") for i in range(len(specs))]
+    if len(named) != len(specs) or any(t is None or (t.dtype, tuple(t.shape)) != spec
+                                       for t, spec in zip(tensors, specs)):
+        raise RecordRejected("mismatch", "its tensors' dtypes or shapes differ from the pool's")
+    if tensors_sha256(tensors) != metadata.get("sha256"):
+        raise RecordRejected("corrupt", "checksum mismatch")
+    return tensors
+
+
+@dataclass
+class DiskCacheCounters:
+    num_reads: int = 0  # blocks read and verified
+    bytes_read: int = 0
+    read_s: float = 0.0  # reading, checking and decoding, hits only
+    num_writes: int = 0
+    bytes_written: int = 0
+    num_writes_skipped: int = 0  # the writer was behind by MAX_PENDING_BYTES, or a block exceeds the cap
+    num_evicted: int = 0  # records removed to hold the cap
+    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
+
+
+class DiskBlockStore:
+    """Records of one model fingerprint in `directory`/<fingerprint[:16]>/, at most `capacity_bytes` of records in
+    all of `directory` (least recently used removed first); a thread writes what `submit` hands it."""
+
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fingerprint: dict[str, str]):
+        self.root = Path(directory).expanduser()
+        self.capacity_bytes = capacity_bytes
+        self.fingerprint = fingerprint["digest"]
+        self.directory = self.root / self.fingerprint[:16]
+        self._make_directory(fingerprint)
+        self.counters = DiskCacheCounters()
+        self.writing_stopped = False
+        self._cond = threading.Condition()  # guards everything below
+        self._files: OrderedDict[Path, int] = OrderedDict()  # every record under root, least recently used first
+        self.nbytes = 0
+        self.num_own_records = 0  # of those, this fingerprint's
+        self._scanned_at = 0.0
+        self._queue: deque[BlockRecord] = deque()
+        self._pending: set[BlockHash] = set()
+        self._pending_bytes = 0
+        self._writer: threading.Thread | None = None
+        self._logged: set[str] = set()
+        self._remove_dead_writers_temps()
+        with self._cond:
+            self._scan()
+        self.num_records_at_start = self.num_own_records
+        atexit.register(_flush_at_exit, weakref.ref(self))
+
+    def start_line(self, block_size: int, num_groups: int) -> str:
+        """e.g. "KV disk cache: /data/kv, 20.00 GiB cap, 12,345 blocks (197,520 tokens) from earlier runs"."""
+        tokens = self.num_records_at_start // num_groups * block_size
+        line = (f"KV disk cache: {self.root}, {format_bytes(self.capacity_bytes)} cap, {self.num_records_at_start:,} "
+                f"blocks ({tokens:,} tokens) from earlier runs")
+        others = len(self._files) - self.num_own_records
+        if others:
+            line += f"; {others:,} records of other models or formats share the cap"
+        return line
+
+    # ---- reads, on the step thread ------------------------------------------------------------------------
+    def contains(self, key: BlockHash) -> bool:
+        """Whether a record for `key` is on disk now (any process's); it is verified only when read."""
+        return self.path(key).exists()
+
+    def read(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
+             specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor] | None:
+        """The block's tensors, verified; None on a miss. A bad record is counted, logged once and removed."""
+        path = self.path(key)
+        started = time.perf_counter()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # evicted, by this process or another, since the lookup saw it
+            return None
+        except OSError as exc:
+            self._reject(path, RecordRejected("read", f"{type(exc).__name__}: {exc}"))
+            return None
+        try:
+            tensors = decode_record(data, self.fingerprint, key, parent, token_ids, specs)
+        except RecordRejected as rejected:
+            self._reject(path, rejected)
+            return None
+        self._touch(path)
+        self.counters.num_reads += 1
+        self.counters.bytes_read += len(data)
+        self.counters.read_s += time.perf_counter() - started
+        return tensors
+
+    def path(self, key: BlockHash) -> Path:
+        return self.directory / (hashlib.sha256(bytes.fromhex(self.fingerprint) + key).hexdigest() + RECORD_SUFFIX)
+
+    def _touch(self, path: Path) -> None:
+        """Mark a record used: first to stay, here and (through its mtime) for other processes and restarts."""
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        with self._cond:
+            if path in self._files:
+                self._files.move_to_end(path)
+
+    def _reject(self, path: Path, rejected: RecordRejected) -> None:
+        self.counters.errors[rejected.kind] += 1
+        if rejected.kind not in self._logged:
+            self._logged.add(rejected.kind)
+            logger.warning(f"KV disk cache: {path.name} rejected ({rejected.kind}: {rejected}); read as a miss and "
+                           f"removed (later {rejected.kind} records are only counted: kvserve:kv_disk_cache_errors)")
+        with self._cond:
+            self._forget(path)
+        path.unlink(missing_ok=True)
+
+    # ---- writes: submit on the step thread, written on the writer thread ---------------------------------------
+    def submit(self, record: BlockRecord) -> None:
+        """Queue a block for writing; never waits. Skipped when writing has stopped, the key is queued already, or
+        the writer is MAX_PENDING_BYTES behind."""
+        with self._cond:
+            if self.writing_stopped or record.key in self._pending:
+                return
+            if self._pending_bytes + record.nbytes > MAX_PENDING_BYTES:
+                self.counters.num_writes_skipped += 1
+                return
+            self._queue.append(record)
+            self._pending.add(record.key)
+            self._pending_bytes += record.nbytes
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, name="kvserve-disk-writer", daemon=True)
+                self._writer.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued block is written (or skipped); False if `timeout_s` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout_s)
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(WRITER_IDLE_S)
+                if not self._queue:
+                    self._writer = None
+                    return
+                record = self._queue.popleft()
+            try:
+                self._write(record)
+            finally:
+                with self._cond:
+                    self._pending.discard(record.key)
+                    self._pending_bytes -= record.nbytes
+                    self._cond.notify_all()
+
+    def _write(self, record: BlockRecord) -> None:
+        path = self.path(record.key)
+        if self.writing_stopped or path.exists():  # another process (or an earlier run) wrote it
+            return
+        data = encode_record(self.fingerprint, record)
+        if len(data) > self.capacity_bytes:
+            self.counters.num_writes_skipped += 1
+            return
+        temp = self.directory / f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}"
+        try:
+            self._make_room(len(data))
+            _write_new_file(temp, data)
+            os.replace(temp, path)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            self._stop_writing(exc)
+            return
+        with self._cond:
+            self._remember(path, len(data))
+        self.counters.num_writes += 1
+        self.counters.bytes_written += len(data)
+
+    def _stop_writing(self, exc: OSError) -> None:
+        self.writing_stopped = True
+        self.counters.errors["write"] += 1
+        logger.warning(f"KV disk cache: writing to {self.directory} stopped ({type(exc).__name__}: {exc}); serving "
+                       "goes on, and the records already there are still read")
+
+    # ---- the cap ------------------------------------------------------------------------------------------
+    def _make_room(self, num_bytes: int) -> None:
+        """Remove least recently used records until `num_bytes` more fit under the cap."""
+        with self._cond:
+            if self.nbytes + num_bytes > self.capacity_bytes and time.monotonic() - self._scanned_at > RESCAN_S:
+                self._scan()  # count what other processes wrote since
+            while self._files and self.nbytes + num_bytes > self.capacity_bytes:
+                oldest = next(iter(self._files))
+                self._forget(oldest)
+                oldest.unlink(missing_ok=True)
+                self.counters.num_evicted += 1
+
+    def _scan(self) -> None:
+        """Every record under root, ordered by last use (mtime); callers hold the lock."""
+        found = []
+        for directory in (d for d in self.root.iterdir() if d.is_dir()):
+            for entry in os.scandir(directory):
+                if entry.name.endswith(RECORD_SUFFIX):
+                    try:
+                        stat = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    found.append((stat.st_mtime_ns, Path(entry.path), stat.st_size))
+        self._files.clear()
+        self.nbytes = self.num_own_records = 0
+        for _, path, size in sorted(found, key=lambda f: f[0]):
+            self._remember(path, size)
+        self._scanned_at = time.monotonic()
+
+    def _remember(self, path: Path, size: int) -> None:
+        if path not in self._files:
+            self._files[path] = size
+            self.nbytes += size
+            self.num_own_records += path.parent == self.directory
+
+    def _forget(self, path: Path) -> None:
+        size = self._files.pop(path, None)
+        if size is not None:
+            self.nbytes -= size
+            self.num_own_records -= path.parent == self.directory
+
+    # ---- start-up -----------------------------------------------------------------------------------------
+    def _make_directory(self, fingerprint: dict[str, str]) -> None:
+        """Create the directories (owner only) and prove they take a file: an unwritable one fails here, clearly."""
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            description = self.directory / "model.json"
+            temp = self.directory / f"{TEMP_PREFIX}{os.getpid()}-start"
+            _write_new_file(temp, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
+            os.replace(temp, description)
+        except OSError as exc:
+            raise ValueError(f"--kv-disk-cache {self.root}: cannot write there ({type(exc).__name__}: "
+                             f"{exc.strerror or exc})") from exc
+
+    def _remove_dead_writers_temps(self) -> None:
+        """Temporary files of processes that died mid-write (named .tmp-PID-...); live writers' are left alone."""
+        for directory in (d for d in self.root.iterdir() if d.is_dir()):
+            for temp in directory.glob(f"{TEMP_PREFIX}*"):
+                pid = temp.name.removeprefix(TEMP_PREFIX).split("-")[0]
+                if pid.isdigit() and not _process_alive(int(pid)):
+                    temp.unlink(missing_ok=True)
+
+    def stats(self) -> dict[str, float | int]:
+        c = self.counters
+        with self._cond:
+            blocks, nbytes = self.num_own_records, self.nbytes
+        return {"disk_cache_blocks": blocks, "disk_cache_bytes": nbytes,
+                "disk_cache_capacity_bytes": self.capacity_bytes,
+                "disk_cache_reads": c.num_reads, "disk_cache_bytes_read": c.bytes_read,
+                "disk_cache_read_seconds": c.read_s, "disk_cache_writes": c.num_writes,
+                "disk_cache_bytes_written": c.bytes_written, "disk_cache_writes_skipped": c.num_writes_skipped,
+                "disk_cache_evicted": c.num_evicted, "disk_cache_writing_stopped": int(self.writing_stopped),
+                **{f"disk_cache_errors_{kind}": n for kind, n in c.errors.items()}}
+
+
+def _write_new_file(path: Path, data: bytes) -> None:
+    """Write `data` to `path` (a temporary name of this writer's), readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _flush_at_exit(store: weakref.ref[DiskBlockStore]) -> None:
+    """A clean exit first writes what is queued (daemon threads still run while atexit handlers do)."""
+    if (alive := store()) is not None:
+        alive.flush(EXIT_FLUSH_S)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+class DiskKVCache:
+    """The disk tier as the KV cache manager sees it: pool blocks in and out by key, the store's files below."""
+
+    def __init__(self, store: DiskBlockStore, cache: PagedKVCache):
+        self.store = store
+        self.cache = cache
+        self.specs = cache.block_specs()
+        self.num_hit_tokens = 0  # prompt tokens whose blocks came from disk (the KV manager counts them)
+
+    def contains(self, key: BlockHash) -> bool:
+        return self.store.contains(key)
+
+    def save(self, block_id: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
+        """Copy a newly registered full block out of the pool for the writer (a memcpy on the step thread)."""
+        if not self.store.writing_stopped:
+            self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id)))
+
+    def load(self, block_id: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> bool:
+        """Read the record for `key` into pool block `block_id`; False (the block untouched) on any miss."""
+        tensors = self.store.read(key, parent, token_ids, self.specs)
+        if tensors is None:
+            return False
+        self.cache.import_block(block_id, tensors)
+        return True
+
+    def stats(self) -> dict[str, float | int]:
+        return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens}

@@ -20,7 +20,7 @@ from kvserve.server.async_engine import DEFAULT_MAX_WAITING, AsyncEngine
 from kvserve.server.body import DEFAULT_MAX_BODY_BYTES, read_json_body
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
-from kvserve.server.dashboard import StatsHistory, add_dashboard_routes
+from kvserve.server.dashboard import KV_BLOCKS_MAX_AGE_S, StatsHistory, add_dashboard_routes
 from kvserve.server.errors import APIError, engine_unavailable, unauthorized
 from kvserve.server.generation import ServingContext
 from kvserve.server.hosts import HostCheck
@@ -31,13 +31,15 @@ logger = logging.getLogger("kvserve")
 
 def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              allowed_hosts: Sequence[str] = (), chat_content_special_tokens: bool = False) -> FastAPI:
+              allowed_hosts: Sequence[str] = (), chat_content_special_tokens: bool = False,
+              kv_blocks_max_age_s: float = KV_BLOCKS_MAX_AGE_S) -> FastAPI:
     """An app serving `engine` as `served_model_name`; the engine thread (app.state.engine) runs while the app's
     lifespan does. With `api_key`, every route but /health, /metrics and /version needs `Authorization: Bearer
     <api_key>`. A request that finds `max_waiting` sequences already queued for the engine gets 503; a body over
     `max_body_bytes` gets 413. Without `api_key`, on a loopback address, a Host that is neither local nor in
     `allowed_hosts` gets 403. `chat_content_special_tokens` parses special-token text in chat messages as the
-    tokens themselves (as before issue 31; it lets a message forge template markers)."""
+    tokens themselves (as before issue 31; it lets a message forge template markers). Pollers of /v1/kv/blocks
+    share one view of the pool up to `kv_blocks_max_age_s` old."""
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
     if api_key is not None and not api_key.strip():  # an empty key would lock everyone out (or, ignored, no one)
@@ -72,7 +74,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     _add_open_routes(app, async_engine, metrics)
     _add_docs_routes(app, auth)
     _add_v1_routes(app, ctx, engine.max_model_len, auth, max_body_bytes)
-    add_dashboard_routes(app, async_engine, history, model_name, auth)
+    add_dashboard_routes(app, async_engine, history, model_name, auth, kv_blocks_max_age_s)
     return app
 
 

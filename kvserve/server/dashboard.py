@@ -2,14 +2,17 @@
 and the engine's stats at one moment) and `GET /v1/kv/history` (a sample a second over the last five minutes).
 
 The block view is taken on the engine thread between two steps, only when someone asks, so an unwatched
-server pays nothing; the history only copies the stats the engine thread already publishes after each step."""
+server pays nothing, and at most once per KV_BLOCKS_MAX_AGE_S however many pages poll: they share one view,
+encoded once. The history only copies the stats the engine thread already publishes after each step."""
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import cache, partial
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -24,6 +27,8 @@ from kvserve.server.errors import bad_request, engine_unavailable
 FORMAT_VERSION = 1  # of /v1/kv/blocks and /v1/kv/history: fields may be added; a change of meaning bumps it
 HISTORY_INTERVAL_S = 1.0
 HISTORY_SAMPLES = 300  # five minutes
+# The page's refresh: however many pages poll, one view a second (a poll that comes sooner waits for the next).
+KV_BLOCKS_MAX_AGE_S = 1.0
 NO_STORE = {"Cache-Control": "no-store"}
 # The page loads nothing from anywhere: its script and style are inline and it talks only to this server.
 PAGE_HEADERS = {
@@ -35,6 +40,25 @@ PAGE_HEADERS = {
 
 def engine_view(engine: LLMEngine, model_name: str) -> dict[str, Any]:
     """The body of GET /v1/kv/blocks. Reads the engine's live state: call it on the engine thread only."""
+    return {**fixed_view(engine, model_name), **live_view(engine)}
+
+
+def fixed_view(engine: LLMEngine, model_name: str) -> dict[str, Any]:
+    """The fields of the view that never change while the engine runs."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": model_name,
+        "kv_cache_dtype": engine.config.kv_cache_format,
+        "kv_cache": engine.kv_cache_info(),
+        "block_size": engine.kv.block_size,
+        "num_blocks": engine.kv.pool.num_blocks,
+        "capacity": engine.capacity_line(),
+        "block_states": BLOCK_STATES,
+    }
+
+
+def live_view(engine: LLMEngine) -> dict[str, Any]:
+    """The fields that describe this moment: all the engine thread computes for a view."""
     snapshot = snapshot_pool(engine.kv.pool)
     sequences = [
         {"request_id": seq.request_id, "num_tokens": len(seq.token_ids), "num_computed_tokens": seq.num_computed_tokens,
@@ -42,20 +66,57 @@ def engine_view(engine: LLMEngine, model_name: str) -> dict[str, Any]:
         for seq in engine.scheduler.running
     ]
     return {
-        "format_version": FORMAT_VERSION,
         "time": time.time(),
-        "model": model_name,
-        "kv_cache_dtype": engine.config.kv_cache_format,
-        "kv_cache": engine.kv_cache_info(),
-        "block_size": engine.kv.block_size,
-        "num_blocks": engine.kv.pool.num_blocks,
-        "capacity": engine.capacity_line(),
         "stats": engine.stats(),
-        "block_states": BLOCK_STATES,
         "block_counts": {name: snapshot.count(name) for name in BLOCK_STATES.values()},
         "blocks": {"state": snapshot.states, "ref_cnt": snapshot.ref_cnts, "free_rank": snapshot.free_ranks},
         "sequences": sequences,
     }
+
+
+class SharedView:
+    """The encoded body of GET /v1/kv/blocks, shared by every poller, at most one view per `max_age_s`: a poll
+    gets the view being taken when it came, or a new one, taken at once if the last is `max_age_s` old and else
+    when it will be. So every answer is taken after its poll arrived (or was being taken), and a client polling
+    back to back gets one answer per `max_age_s`, costing the server next to nothing while it waits."""
+
+    def __init__(self, async_engine: AsyncEngine, fixed: dict[str, Any], max_age_s: float = KV_BLOCKS_MAX_AGE_S):
+        self.max_age_s = max_age_s
+        self.num_taken = 0
+        self._async_engine = async_engine
+        self._fixed = fixed
+        self._body = b""
+        self._taken_at = -math.inf  # time.monotonic() of the last view
+        self._taking: asyncio.Future | None = None
+
+    async def body(self) -> bytes:
+        """A view as JSON, as described above; raises EngineDeadError once the engine has failed."""
+        arrived_at = self._checked(time.monotonic())
+        if self._taking is None and (wait_s := self._taken_at + self.max_age_s - arrived_at) > 0:
+            await asyncio.sleep(wait_s)
+            if self._taken_at >= arrived_at:  # another poller's, taken since this one came
+                return self._checked(self._body)
+        if self._taking is None:
+            self._taking = asyncio.ensure_future(self._take())
+        return self._checked(await asyncio.shield(self._taking))  # a poller that leaves cancels no one's view
+
+    def _checked(self, value: Any) -> Any:
+        """`value`, unless the engine has failed: then no view, not even a cached one."""
+        if self._async_engine.error is not None:
+            raise EngineDeadError(self._async_engine.error)
+        return value
+
+    async def _take(self) -> bytes:
+        try:
+            live = await self._async_engine.call(live_view)
+            # encoded once per view, here, the way JSONResponse would
+            self._body = json.dumps({**self._fixed, **live}, ensure_ascii=False, allow_nan=False, indent=None,
+                                    separators=(",", ":")).encode("utf-8")
+            self._taken_at = time.monotonic()
+            self.num_taken += 1
+            return self._body
+        finally:
+            self._taking = None
 
 
 class StatsHistory:
@@ -105,8 +166,11 @@ class StatsHistory:
 
 
 def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: StatsHistory, model_name: str,
-                         auth) -> None:
-    """GET / (links), GET /dashboard (the page) and the two JSON routes behind `auth`."""
+                         auth, kv_blocks_max_age_s: float = KV_BLOCKS_MAX_AGE_S) -> None:
+    """GET / (links), GET /dashboard (the page) and the two JSON routes behind `auth`; pollers of /v1/kv/blocks
+    share a view up to `kv_blocks_max_age_s` old (app.state.kv_blocks)."""
+    shared = app.state.kv_blocks = SharedView(async_engine, fixed_view(async_engine.engine, model_name),
+                                              kv_blocks_max_age_s)
 
     @app.get("/", include_in_schema=False)
     async def index() -> Response:
@@ -119,10 +183,10 @@ def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: Stats
     @app.get("/v1/kv/blocks", dependencies=[Depends(auth)])
     async def kv_blocks() -> Response:
         try:
-            view = await async_engine.call(partial(engine_view, model_name=model_name))
+            body = await shared.body()
         except EngineDeadError as exc:
             raise engine_unavailable(str(exc)) from exc
-        return JSONResponse(view, headers=NO_STORE)
+        return Response(body, media_type="application/json", headers=NO_STORE)
 
     @app.get("/v1/kv/history", dependencies=[Depends(auth)])
     async def kv_history(request: Request) -> Response:

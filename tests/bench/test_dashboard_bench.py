@@ -18,3 +18,18 @@ def test_reports_the_cost_of_a_refresh_on_the_pool_it_filled(tmp_path, capsys):
     per_refresh_ms = float(re.search(r"at one refresh a second: ([\d.]+) ms of CPU per second", out).group(1))
     share = float(re.search(r"= ([\d.]+)% of one core", out).group(1))
     assert per_refresh_ms > 0 and share == pytest.approx(per_refresh_ms / 10, abs=0.006)
+
+
+def test_times_a_stream_alone_and_beside_pollers_of_the_block_view(tmp_path, capsys):
+    from tests.conftest import make_tiny_chat_model
+
+    model = make_tiny_chat_model(tmp_path / "tiny-chat")  # the stream's prompt is text
+    argv = ["bench", "dashboard", "--model", str(model), "--kv-cache-memory", "1MiB", "--max-model-len", "512",
+            "--num-seqs", "4", "--polls", "2", "--pollers", "3", "--stream-tokens", "40", "--rounds", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "one 40-token stream, 128-block pool, 1 rounds:" in out
+    assert re.search(r"  alone: [\d.]+ s median of [\d.]+; gaps between chunks over 10 ms: \d+ of \d+", out)
+    polled = re.search(r"the pollers got (\d+) answers from (\d+) views of the pool; the stream took [+-][\d.]+%", out)
+    answers, views = map(int, polled.groups())
+    assert answers >= 3 and views < answers  # one answer per poller at least; they share views

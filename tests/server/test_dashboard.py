@@ -33,7 +33,8 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(build_app(engine)) as server:
+    # These tests look at the pool at exact moments: no view is shared between polls (test_kv_blocks_* below).
+    with ServerThread(build_app(engine, kv_blocks_max_age_s=0)) as server:
         yield server
 
 
@@ -146,6 +147,35 @@ def test_history_rates_cover_the_time_between_samples():
     history.sample(13.0)  # no lookups in that second: no hit rate, not 0
     assert [s["time"] for s in history.samples_after(0)] == [12.0, 13.0]  # only the newest two are kept
     assert history.samples_after(12.0)[0]["prefix_cache_hit_rate"] is None
+
+
+def test_kv_blocks_pollers_share_one_view_at_most_every_max_age(model_dir):
+    # Sixteen pollers back to back once took a view each on the engine thread, between every two steps.
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
+    with ServerThread(build_app(engine, kv_blocks_max_age_s=0.5)) as server:
+        shared = server.server.config.app.state.kv_blocks
+        stream = threading.Thread(target=complete, args=(server.url, [7] * 20, 300))
+        stream.start()
+        views, start = [], time.monotonic()
+
+        def poll():
+            with httpx.Client(base_url=server.url) as client:
+                while time.monotonic() - start < 1.2:
+                    views.append(client.get("/v1/kv/blocks").json())
+
+        pollers = [threading.Thread(target=poll) for _ in range(16)]
+        for thread in pollers:
+            thread.start()
+        for thread in pollers:
+            thread.join()
+        stream.join()
+        time.sleep(0.5)
+        fresh = blocks(server.url)
+    times = sorted({view["time"] for view in views})
+    assert len(views) > 4 * len(times)  # many polls, few views
+    assert len(times) <= 4 and shared.num_taken == len(times) + 1  # 1.2 s of polls: a view per 0.5 s; + fresh
+    assert all(b - a >= 0.45 for a, b in zip(times, times[1:]))  # wall-clock stamps of 0.5 s monotonic gaps
+    assert fresh["time"] > times[-1] and fresh["stats"]["num_running"] == 0  # an old view is not kept
 
 
 def test_the_kv_routes_need_the_api_key_and_the_page_asks_for_it(model_dir):

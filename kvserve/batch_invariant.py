@@ -10,7 +10,8 @@ property of the model, never of the batch:
 - every per-token computation (embedding, norms, linears, activations, the output head) runs on tiles of exactly
   `TILE_ROWS` tokens, the last one padded (`RowTiles`);
 - attention runs per query tile of one KV block (the runner's tile calls, engine/attention_tiles.py), over exactly
-  the keys that tile's positions reach, never padded to a neighbour's length.
+  the keys that tile's positions reach, never padded to a neighbour's length, each position a one-row problem of
+  its own (so a decoded token and the same position prefilled with its block are computed alike).
 
 What remains is one property of a kernel given one fixed shape: it computes each row with the same operations,
 whichever row of the call it is and whatever the other rows hold. Every BLAS and PyTorch kernel works that way

@@ -42,18 +42,17 @@ class AttentionGroup:
 
 @dataclass
 class TileCall:
-    """Batch-invariant attention for S query tiles of one KV block each (block_size positions of one request),
-    over the B blocks their keys live in: the same B for every tile of the call, the tile's own block last."""
+    """Batch-invariant attention for S query tiles, each P positions of one KV block of one request (P the same for
+    the whole call), over the B blocks their keys live in: the same B for every tile, the tile's own block last."""
 
-    query_index: torch.Tensor  # [S, bs] flat token index of each tile position; positions not in this step: 0
+    query_index: torch.Tensor  # [S, P] flat token index of each position
     block_tables: torch.Tensor  # [S, B] blocks holding the keys, in order
     own_blocks: torch.Tensor  # [S] each tile's own block (block_tables[:, -1])
-    mask: torch.Tensor  # [S, 1, bs, B * bs] True where that position may attend to that key
-    out_rows: torch.Tensor  # [M] rows of the [S * bs] output that are this step's tokens ...
-    out_tokens: torch.Tensor  # ... and their flat token index
-    # cache.exact_own_block: own-block offsets computed in earlier steps (read from staging; the rest are this
-    # step's new tokens), None for other formats, which read the own block as stored
-    staged: torch.Tensor | None = None  # [S, bs]
+    mask: torch.Tensor  # [S, P, B * block_size] True where that position may attend to that key
+    # cache.exact_own_block (int4): the own block read in full precision, offset by offset, from staging (tokens of
+    # earlier steps) or from this step's new tokens; None for other formats, which read the own block as stored
+    staged: torch.Tensor | None = None  # [S, block_size] offsets read from staging
+    own_index: torch.Tensor | None = None  # [S, block_size] flat token index of the other offsets (0: unused)
 
 
 @dataclass
@@ -147,24 +146,30 @@ def _group_attention(
 
 def _tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: PagedKVCache,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Every query tile over its own keys (batch-invariant mode): the call's shape is fixed by the tile's keys, and
-    rows of one call never mix, so a query's result does not depend on the other tiles of its step."""
+    """Every query over its own tile's keys (batch-invariant mode). Each position of a tile is a query head of its
+    own with one query row, so the kernel computes every query alike — a [1, D] x [D, keys] problem, whether the
+    position is decoded alone or prefilled with its block — and rows never mix; keys are shared through GQA."""
     rotation = cache.rotation
     if rotation is not None:  # stored K/V are rotated (fp8): queries alike, output back, token by token
         q = meta.tiles.map(lambda x: x @ rotation, q)
     out = torch.empty_like(q)
-    bs = cache.block_size
+    bs, heads, dim = cache.block_size, q.shape[1], q.shape[2]
     for call in meta.tile_calls[meta.layer_group[layer]]:
         keys, values = cache.gather(layer, call.block_tables)  # [S, B * bs, KVH, D]
         if call.staged is not None:  # the own block in full precision: staged tokens, then this step's
             staged_k, staged_v = cache.gather_residual(layer, call.own_blocks)
             earlier = call.staged[:, :, None, None]
-            keys[:, -bs:] = torch.where(earlier, staged_k, k[call.query_index])
-            values[:, -bs:] = torch.where(earlier, staged_v, v[call.query_index])
-        rows = F.scaled_dot_product_attention(q[call.query_index].transpose(1, 2), keys.transpose(1, 2),
-                                              values.transpose(1, 2), attn_mask=call.mask, scale=scale,
-                                              enable_gqa=True)  # [S, H, bs, D]
-        out[call.out_tokens] = rows.transpose(1, 2).reshape(-1, *q.shape[1:])[call.out_rows]
+            keys[:, -bs:] = torch.where(earlier, staged_k, k[call.own_index])
+            values[:, -bs:] = torch.where(earlier, staged_v, v[call.own_index])
+        (S, P), kv_heads, num_keys = call.query_index.shape, keys.shape[2], keys.shape[1]
+        per_kv = heads // kv_heads
+        # [S, P, H, D] -> heads ordered (kv head, position, query head of that kv head): GQA maps each to its kv head
+        queries = q[call.query_index].view(S, P, kv_heads, per_kv, dim).transpose(1, 2).reshape(S, -1, 1, dim)
+        mask = call.mask[:, None, :, None, :].expand(S, kv_heads, P, per_kv, num_keys).reshape(S, -1, 1, num_keys)
+        rows = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                              scale=scale, enable_gqa=True)  # [S, KVH * P * per_kv, 1, D]
+        out[call.query_index.reshape(-1)] = rows.view(S, kv_heads, P, per_kv, dim).transpose(1, 2).reshape(-1, heads,
+                                                                                                          dim)
     return out if rotation is None else meta.tiles.map(lambda x: x @ rotation.T, out)
 
 

@@ -43,6 +43,27 @@ COUNTERS = [
      "KV blocks freed by sliding-window layers once their window passed."),
 ]
 
+# the disk tier's (--kv-disk-cache), when the engine has one
+DISK_GAUGES = [
+    ("kvserve:kv_disk_cache_blocks", "disk_cache_blocks", "KV blocks of this model and format in the disk tier."),
+    ("kvserve:kv_disk_cache_bytes", "disk_cache_bytes", "Bytes of records in the disk tier's directory."),
+    ("kvserve:kv_disk_cache_capacity_bytes", "disk_cache_capacity_bytes", "The disk tier's cap in bytes."),
+    ("kvserve:kv_disk_cache_writing_stopped", "disk_cache_writing_stopped",
+     "1 once an I/O error (a full disk) stopped writes to the disk tier."),
+]
+DISK_COUNTERS = [
+    ("kvserve:kv_disk_cache_hit_tokens", "disk_cache_hit_tokens", "Prompt tokens whose KV blocks came from disk."),
+    ("kvserve:kv_disk_cache_reads", "disk_cache_reads", "KV blocks read from disk and verified."),
+    ("kvserve:kv_disk_cache_read_bytes", "disk_cache_bytes_read", "Bytes read from the disk tier."),
+    ("kvserve:kv_disk_cache_read_seconds", "disk_cache_read_seconds", "Time spent reading and verifying blocks."),
+    ("kvserve:kv_disk_cache_writes", "disk_cache_writes", "KV blocks written to disk."),
+    ("kvserve:kv_disk_cache_written_bytes", "disk_cache_bytes_written", "Bytes written to the disk tier."),
+    ("kvserve:kv_disk_cache_writes_skipped", "disk_cache_writes_skipped",
+     "KV blocks not written: the writer was behind, or a block exceeds the cap."),
+    ("kvserve:kv_disk_cache_evicted", "disk_cache_evicted", "Records removed to hold the cap."),
+]
+DISK_ERROR_PREFIX = "disk_cache_errors_"
+
 
 class _EngineStatsCollector:
     def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]], kv_info: dict[str, str]):
@@ -64,6 +85,25 @@ class _EngineStatsCollector:
             family = CounterMetricFamily(name, help_text, labels=["model_name"])
             family.add_metric([self._model_name], stats[key])
             yield family
+        if "disk_cache_bytes" in stats:
+            yield from self._disk_metrics(stats)
+
+    def _disk_metrics(self, stats: dict[str, Any]):
+        for name, key, help_text in DISK_GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model_name], stats[key])
+            yield family
+        for name, key, help_text in DISK_COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model_name], stats[key])
+            yield family
+        errors = CounterMetricFamily("kvserve:kv_disk_cache_errors", "Disk tier records rejected (read as misses) "
+                                     "or I/O errors, by kind: corrupt, mismatch, foreign, read, write.",
+                                     labels=["model_name", "kind"])
+        for key, value in stats.items():
+            if key.startswith(DISK_ERROR_PREFIX):
+                errors.add_metric([self._model_name, key.removeprefix(DISK_ERROR_PREFIX)], value)
+        yield errors
 
 
 @dataclass

@@ -99,9 +99,9 @@ class Scheduler:
                 return
             if not self.free_slots and not self._preempt_for(seq, out, copies):
                 return
-            budget = self.max_num_batched_tokens - out.num_tokens
-            if budget <= 0:
-                return
+            while (budget := self.max_num_batched_tokens - out.num_tokens) <= 0:  # later samples' recompute took it
+                if not self._preempt_for(seq, out, copies):
+                    return
             # a prompt whose log-probabilities were asked for is computed whole: cached blocks keep no logits
             cached = self.kv.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else None
             num_cached_tokens = cached.num_blocks * self.kv.block_size if cached else 0

@@ -121,3 +121,31 @@ def test_a_small_request_completes_within_its_bound_beside_a_churning_n_job(mode
     while engine.has_unfinished_requests():
         step_checked(engine, results)
     assert results["job"] == [c.token_ids for c in reference.generate([11] * 20, job)[0].outputs]
+
+
+def test_a_small_request_is_admitted_while_later_samples_recompute_whole_steps(model_dir, reference):
+    """Without prefix caching a preempted sample recomputes its 100-token prompt, 32 tokens a step: the step's
+    token budget is gone before admission. The small request still starts at once and finishes in max_tokens."""
+    llm = small_pool(model_dir, num_blocks=12, max_num_batched_tokens=32, enable_prefix_caching=False)
+    engine, results = llm.engine, {}
+    job_prompt = torch.randint(3, 256, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    job = SamplingParams(n=MAX_NUM_SEQS, temperature=1.0, seed=8, max_tokens=20, ignore_eos=True)
+    engine.add_request("job", job_prompt, job)
+
+    def recomputing() -> bool:
+        return any(s.index > 0 and s.num_uncomputed_tokens >= 32 for s in engine.scheduler.running)
+
+    while not recomputing():
+        assert engine.has_unfinished_requests(), "no sample of the job was recomputing"
+        step_checked(engine, results)
+    small = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("small", [9, 8, 7, 6], small)
+    steps = 0
+    while "small" not in results:
+        step_checked(engine, results)
+        steps += 1
+    assert steps <= small.max_tokens, f"the small request took {steps} steps"
+    assert results["small"] == [reference.generate([9, 8, 7, 6], small)[0].outputs[0].token_ids]
+    while engine.has_unfinished_requests():
+        step_checked(engine, results)
+    assert results["job"] == [c.token_ids for c in reference.generate(job_prompt, job)[0].outputs]

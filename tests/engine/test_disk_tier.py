@@ -1,0 +1,167 @@
+"""The disk tier in the engine (--kv-disk-cache): a prefix the pool evicted, or that an earlier engine computed,
+is read back bit for bit in every KV format and every layer group of a hybrid model, and greedy output is the same
+from the pool, from disk and recomputed; another model, format or cache_salt never hits; a record that fails its
+check halfway through a prefix costs only the blocks after it, and every block goes back to the pool."""
+import logging
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.kv.block_hash import hash_full_blocks
+from tests.conftest import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+FORMATS = ["float32", "bfloat16", "fp8", "int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def gemma_hybrid(tmp_path_factory):
+    """Layer groups of one layer each: sliding, sliding, full, sliding (a 32-token window)."""
+    return make_tiny_model(tmp_path_factory.mktemp("gemma"), "gemma3-mqa", num_hidden_layers=4, sliding_window=32,
+                           max_position_embeddings=512,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                        "sliding_attention"])
+
+
+def engine(model_dir, disk_dir, **options) -> LLM:
+    return LLM(str(model_dir), **{"kv_cache_memory": "1MiB", "max_model_len": 512, "enforce_eager": True,
+                                  "kv_disk_cache": str(disk_dir), **options})
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def written(llm: LLM) -> LLM:
+    assert llm.engine.disk_cache.store.flush(10)
+    return llm
+
+
+def prefix_keys(llm: LLM, tokens: list[int], num_blocks: int) -> list[bytes]:
+    """The pool keys of a prompt's first `num_blocks` blocks, each layer group's (a hybrid model's end in its number)."""
+    chain = hash_full_blocks(tokens[: num_blocks * 16], 16, namespace=llm.engine.config.kv_cache_format)
+    groups = llm.engine.layout.num_groups
+    return chain if groups == 1 else [key + bytes([g]) for key in chain for g in range(groups)]
+
+
+def pool_bytes(llm: LLM, keys: list[bytes]) -> dict[bytes, list[bytes]]:
+    """The bytes (every tensor of the format) of each of `keys` the pool's prefix index holds."""
+    pool, cache = llm.engine.kv.pool, llm.engine.cache
+    blocks = {key: pool.lookup(key) for key in keys}
+    return {key: [t.view(-1).view(torch.uint8).numpy().tobytes() for t in cache.export_block(block.block_id)]
+            for key, block in blocks.items() if block is not None}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_a_restarted_engine_reads_the_prefix_back_bitwise_with_the_same_output(llama, tmp_path, kv_cache_dtype):
+    tokens = prompt(100)
+    first = engine(llama, tmp_path, kv_cache_dtype=kv_cache_dtype)
+    recomputed = first.generate(tokens, GREEDY)[0]
+    from_pool = first.generate(tokens, GREEDY)[0]
+    written(first)
+    second = engine(llama, tmp_path, kv_cache_dtype=kv_cache_dtype)
+    from_disk = second.generate(tokens, GREEDY)[0]
+    assert (recomputed.num_cached_tokens, from_pool.num_cached_tokens, from_disk.num_cached_tokens) == (0, 96, 96)
+    assert from_disk.outputs[0].token_ids == from_pool.outputs[0].token_ids == recomputed.outputs[0].token_ids
+    stats = second.stats()
+    assert stats["disk_cache_hit_tokens"] == 96 and stats["disk_cache_reads"] == 6
+    assert stats["num_prefill_tokens"] == 4  # the last prompt token and the partial block's
+    keys = prefix_keys(first, tokens, 6)
+    assert pool_bytes(second, keys) == pool_bytes(first, keys) and len(pool_bytes(second, keys)) == 6
+
+
+def test_every_layer_group_of_a_hybrid_model_is_restored(gemma_hybrid, tmp_path):
+    tokens = prompt(150)
+    first = engine(gemma_hybrid, tmp_path)
+    recomputed = first.generate(tokens, GREEDY)[0]
+    written(first)
+    second = engine(gemma_hybrid, tmp_path)
+    from_disk = second.generate(tokens, GREEDY)[0]
+    assert from_disk.num_cached_tokens == 144 and from_disk.outputs[0].token_ids == recomputed.outputs[0].token_ids
+    # the full group needs all 9 blocks; each of the 3 sliding groups only the 32-token window before token 144
+    assert second.stats()["disk_cache_reads"] == 9 + 3 * 2
+    keys = prefix_keys(first, tokens, 9)
+    restored = pool_bytes(second, keys)
+    assert len(restored) == 15 and {key[-1] for key in restored} == {0, 1, 2, 3}
+    assert restored == {key: value for key, value in pool_bytes(first, keys).items() if key in restored}
+
+
+def test_a_prefix_the_pool_evicted_comes_back_from_disk(llama, tmp_path):
+    tokens, others = prompt(300), [prompt(300, seed) for seed in (1, 2, 3, 4, 5, 6)]
+    llm = engine(llama, tmp_path, kv_cache_memory="384KiB")  # 48 blocks: the other prompts push the first one out
+    reference = llm.generate(tokens, GREEDY)[0]
+    for other in others:
+        llm.generate(other, GREEDY)
+    written(llm)
+    assert all(llm.engine.kv.pool.lookup(key) is None for key in prefix_keys(llm, tokens, 18))
+    again = llm.generate(tokens, GREEDY)[0]
+    assert again.num_cached_tokens == 288 and again.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert llm.stats()["disk_cache_hit_tokens"] == 288
+
+
+def test_another_model_or_format_never_hits(llama, tmp_path, tmp_path_factory):
+    tokens = prompt(100)
+    written(engine(llama, tmp_path)).generate(tokens, GREEDY)
+    other_model = make_tiny_model(tmp_path_factory.mktemp("other"), "llama-gqa", seed=1)
+    for llm in (engine(other_model, tmp_path), engine(llama, tmp_path, kv_cache_dtype="int8"),
+                engine(llama, tmp_path, dtype="bfloat16")):
+        assert llm.generate(tokens, GREEDY)[0].num_cached_tokens == 0
+        assert llm.stats()["disk_cache_reads"] == 0
+
+
+def test_salts_stay_apart_across_a_restart(llama, tmp_path):
+    tokens = prompt(100)
+    written(engine(llama, tmp_path)).generate({"prompt_token_ids": tokens, "cache_salt": "tenant-a"}, GREEDY)
+    llm = engine(llama, tmp_path)
+    assert llm.generate({"prompt_token_ids": tokens, "cache_salt": "tenant-b"}, GREEDY)[0].num_cached_tokens == 0
+    assert llm.generate(tokens, GREEDY)[0].num_cached_tokens == 0
+    again = engine(llama, tmp_path)
+    assert again.generate({"prompt_token_ids": tokens, "cache_salt": "tenant-a"}, GREEDY)[0].num_cached_tokens == 96
+
+
+def test_a_bad_record_halfway_costs_only_the_blocks_after_it(llama, tmp_path, caplog):
+    tokens = prompt(100)
+    first = engine(llama, tmp_path)
+    reference = first.generate(tokens, GREEDY)[0]
+    damaged = written(first).engine.disk_cache.store.path(chain_key(first, tokens, 3))  # the 4th of 6 blocks
+    damaged.write_bytes(damaged.read_bytes()[:-50])
+    second = engine(llama, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        out = second.generate(tokens, GREEDY)[0]
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert second.stats()["disk_cache_errors_corrupt"] == 1 and "rejected (corrupt" in caplog.text
+    written(second)  # the record was removed and the recomputed block written again: the next engine reads it all
+    assert engine(llama, tmp_path).generate(tokens, GREEDY)[0].num_cached_tokens == 96
+
+
+def chain_key(llm: LLM, tokens: list[int], block: int) -> bytes:
+    return prefix_keys(llm, tokens, block + 1)[block]
+
+
+def test_two_engines_on_one_directory_read_each_others_blocks(llama, tmp_path):
+    a, b = engine(llama, tmp_path), engine(llama, tmp_path)
+    prompt_a, prompt_b = prompt(100, 1), prompt(100, 2)
+    out_a, out_b = a.generate(prompt_a, GREEDY)[0], b.generate(prompt_b, GREEDY)[0]
+    written(a), written(b)
+    assert b.generate(prompt_a, GREEDY)[0].outputs[0].token_ids == out_a.outputs[0].token_ids
+    assert a.generate(prompt_b, GREEDY)[0].outputs[0].token_ids == out_b.outputs[0].token_ids
+    assert a.stats()["disk_cache_hit_tokens"] == b.stats()["disk_cache_hit_tokens"] == 96
+
+
+def test_options_are_validated_and_off_by_default(llama, tmp_path):
+    assert EngineConfig().kv_disk_cache is None
+    assert "disk_cache_bytes" not in LLM(str(llama), kv_cache_memory="1MiB", max_model_len=512).stats()
+    with pytest.raises(ValueError, match="cannot read 'lots' as a size"):
+        EngineConfig(kv_disk_cache=str(tmp_path), kv_disk_cache_size="lots")
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):
+        EngineConfig(kv_disk_cache=str(tmp_path), enable_prefix_caching=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot write there"):
+        engine(llama, tmp_path / "file" / "kv")

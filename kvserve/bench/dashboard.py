@@ -10,7 +10,8 @@ inflate it.
    pool: the difference is what a full pool adds to each refresh.
 3. With --pollers N: one greedy stream of --stream-tokens tokens, timed alone and beside N pollers that fetch
    GET /v1/kv/blocks back to back from another process (its own interpreter, as real pages are), alternating
-   --rounds times: the stream's time and its gaps between chunks over 10 ms, and the views the engine thread took."""
+   --rounds times: the stream's time and its gaps between chunks over 10 ms, the server's CPU time meanwhile
+   (wall time on a shared machine is noisy, CPU time is not), and the views the engine thread took."""
 from __future__ import annotations
 
 import argparse
@@ -128,18 +129,22 @@ def stream_with_pollers(engine, num_pollers: int, num_tokens: int, rounds: int) 
     from kvserve.server.app import build_app
     from kvserve.server.launch import ServerThread
 
-    results = {"alone": [], "polled": [], "polls": [], "views": []}
+    results = {"alone": [], "polled": [], "polls": [], "views": [], "alone_cpu": [], "polled_cpu": []}
     app = build_app(engine)
     with ServerThread(app) as server:
         stream_s(server.url, 8)  # warm up
+        threads = [t for t in threading.enumerate() if t is not threading.current_thread()]  # the server's
         for _ in range(rounds):
+            before = _cpu_s(threads)
             results["alone"].append(stream_s(server.url, num_tokens))
+            results["alone_cpu"].append(_cpu_s(threads) - before)
             pollers = subprocess.Popen([sys.executable, "-c", POLLERS, server.url, str(num_pollers)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:
                 assert pollers.stdout.readline().strip() == "ready"
-                views_before = app.state.kv_blocks.num_taken
+                views_before, before = app.state.kv_blocks.num_taken, _cpu_s(threads)
                 results["polled"].append(stream_s(server.url, num_tokens))
+                results["polled_cpu"].append(_cpu_s(threads) - before)
                 results["views"].append(app.state.kv_blocks.num_taken - views_before)
             finally:
                 out, _ = pollers.communicate("", timeout=60)
@@ -198,6 +203,9 @@ def _print_stream_with_pollers(engine, args: argparse.Namespace) -> None:
     print(_stream_line(f"  beside {args.pollers} pollers", results["polled"]))
     print(f"  the pollers got {', '.join(map(str, results['polls']))} answers from "
           f"{', '.join(map(str, results['views']))} views of the pool; the stream took {polled / alone - 1:+.1%}")
+    alone_cpu, polled_cpu = (statistics.median(results[k]) for k in ("alone_cpu", "polled_cpu"))
+    print(f"  server CPU during the stream (its threads' clocks, which a busy machine does not inflate): alone "
+          f"{alone_cpu:.2f} s, beside the pollers {polled_cpu:.2f} s ({polled_cpu / alone_cpu - 1:+.1%})")
 
 
 def add_dashboard_bench_parser(bench_subparsers) -> None:

@@ -45,7 +45,7 @@ def written(llm: LLM) -> LLM:
 
 
 def prefix_keys(llm: LLM, tokens: list[int], num_blocks: int) -> list[bytes]:
-    """The pool keys of a prompt's first `num_blocks` blocks, each layer group's (a hybrid model's end in its number)."""
+    """The pool keys of a prompt's first `num_blocks` blocks, each group's (a hybrid model's end in the group)."""
     chain = hash_full_blocks(tokens[: num_blocks * 16], 16, namespace=llm.engine.config.kv_cache_format)
     groups = llm.engine.layout.num_groups
     return chain if groups == 1 else [key + bytes([g]) for key in chain for g in range(groups)]

@@ -24,6 +24,7 @@ from kvserve.kv.disk_cache import DiskBlockStore, DiskKVCache, model_fingerprint
 from kvserve.kv.eviction import AttentionScores, make_policy
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.formats.compiled import decode_kind
+from kvserve.kv.formats.latent import check_latent_settings
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
 from kvserve.model.int8_kernels import FloatKernel
@@ -55,6 +56,8 @@ class LLMEngine:
         if self.eviction.evicts and self.layout.windows != (None,):
             raise ValueError(f"kv_eviction={config.kv_eviction!r} is not supported with sliding-window models; "
                              "their sliding layers already bound the cache")
+        if self.model_config.deepseek is not None:
+            check_latent_settings(config.kv_cache_format, config.kv_eviction)
         _check_fits_in_memory(config)
         self.cache_plan: KVCachePlan = plan_kv_cache(
             spec,
@@ -91,7 +94,8 @@ class LLMEngine:
         # batch-invariant attention reads every format the same way for every query (no compiled decode)
         self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
                                    mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs,
-                                   compile=not (config.enforce_eager or config.batch_invariant), tiles=tiles)
+                                   compile=not (config.enforce_eager or config.batch_invariant), tiles=tiles,
+                                   latent_rope_dim=mc.deepseek.qk_rope_head_dim if mc.deepseek else None)
         started = time.perf_counter()
         self.cache.warm_up(mc.num_heads)
         compile_seconds = time.perf_counter() - started

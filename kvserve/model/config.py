@@ -1,4 +1,4 @@
-"""The few facts of an HF config.json that the forward pass needs (Llama family and Gemma 3)."""
+"""The few facts of an HF config.json that the forward pass needs (Llama family, Gemma 3, DeepSeek-V2/V3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,15 +10,46 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEEPSEEK_ROPE_TYPES = ("default", "yarn")
 # Gemma 3's defaults when its config leaves them out (transformers' Gemma3TextConfig)
 GEMMA3_ROPE_THETA = 1_000_000.0
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # five sliding-window layers, then one full-attention layer
 GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    """What DeepSeek-V2/V3 add: Multi-head Latent Attention's ranks and head parts, and the MoE feed-forward."""
+
+    q_lora_rank: int | None  # None: queries come from one full projection (V2-Lite), else a low-rank pair with a norm
+    kv_lora_rank: int  # the latent every head's keys and values are expanded from (what the cache holds)
+    qk_nope_head_dim: int  # per-head query/key part without position
+    qk_rope_head_dim: int  # the decoupled RoPE part: per-head queries, one key shared by every head (cached)
+    v_head_dim: int
+    rope_interleave: bool  # RoPE pairs adjacent dims (DeepSeek's checkpoints) rather than the two halves
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int  # the first k layers keep a dense MLP
+    moe_layer_freq: int  # after those, every moe_layer_freq-th layer is MoE
+    routed_scaling_factor: float
+    scoring: str  # "softmax" (V2) or "sigmoid" with a learned per-expert bias for the choice (V3)
+    topk_method: str  # V2: "greedy" or "group_limited_greedy"; V3: "noaux_tc"
+    n_group: int | None  # experts form n_group groups; only the best topk_group groups are chosen from
+    topk_group: int | None
+    norm_topk_prob: bool  # the chosen experts' weights are renormalized to sum to 1
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,8 @@ class ModelConfig:
     sliding_rope_scaling: dict[str, Any] | None = None
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) when set (Gemma)
+    # DeepSeek's MLA and MoE; then num_kv_heads and head_dim describe the cached vector: one latent + rope "head"
+    deepseek: DeepseekConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -52,7 +85,8 @@ class ModelConfig:
         arch = _architecture(cfg)
         heads = cfg["num_attention_heads"]
         full_rope, sliding_rope = _rope_by_layer_type(cfg, arch)
-        rope_theta, rope_scaling = _rope(full_rope)
+        deepseek = _deepseek_fields(cfg, arch) if arch in DEEPSEEK_ARCHITECTURES else None
+        rope_theta, rope_scaling = _rope(full_rope, DEEPSEEK_ROPE_TYPES if deepseek else SUPPORTED_ROPE_TYPES)
         eos = cfg.get("eos_token_id")
         sliding_window = _sliding_window(cfg)
         return cls(
@@ -61,8 +95,9 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_kv_heads=1 if deepseek else cfg.get("num_key_value_heads") or heads,
+            head_dim=(deepseek.kv_lora_rank + deepseek.qk_rope_head_dim if deepseek
+                      else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -75,6 +110,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             sliding_window=sliding_window,
             **(_gemma3_fields(cfg, sliding_rope) if arch == "gemma3_text" else {}),
+            deepseek=deepseek,
             hf_config=dict(cfg),
         )
 
@@ -92,11 +128,12 @@ def _rope_by_layer_type(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any],
     return full, {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)}
 
 
-def _rope(params: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(params: dict[str, Any],
+          supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) of one layer type's RoPE parameters; scaling is None for plain RoPE."""
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)} are)")
+    if rope_type not in supported:
+        raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(supported)} are)")
     scaling = None if rope_type == "default" else dict(params, rope_type=rope_type)
     return params.get("rope_theta", 10000.0), scaling
 
@@ -115,6 +152,34 @@ def _gemma3_fields(cfg: dict[str, Any], sliding_rope: dict[str, Any] | None) -> 
         sliding_rope_scaling=sliding_scaling,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", GEMMA3_QUERY_PRE_ATTN_SCALAR),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
+    )
+
+
+def _deepseek_fields(cfg: dict[str, Any], arch: str) -> DeepseekConfig:
+    """MLA and MoE fields with the defaults of the original DeepSeek configs; V3 routes with sigmoid scores."""
+    activation = cfg.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"DeepSeek hidden_act {activation!r} is not supported (silu is)")
+    v3 = arch == "deepseek_v3"
+    return DeepseekConfig(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        rope_interleave=cfg.get("rope_interleave", True) if v3 else True,  # V2 always pairs adjacent dims
+        n_routed_experts=cfg.get("n_routed_experts") or 0,
+        n_shared_experts=cfg.get("n_shared_experts") or 0,
+        num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+        first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
+        moe_layer_freq=cfg.get("moe_layer_freq", 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        scoring="sigmoid" if v3 else "softmax",
+        topk_method="noaux_tc" if v3 else cfg.get("topk_method", "greedy"),
+        n_group=cfg.get("n_group"),
+        topk_group=cfg.get("topk_group"),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.deepseek import DeepseekModel
 from kvserve.model.gemma3 import Gemma3Model
 from kvserve.model.llama import LlamaModel
 
@@ -13,12 +14,14 @@ MODEL_CLASSES: dict[str, type] = {
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
     "gemma3_text": Gemma3Model,
+    "deepseek_v2": DeepseekModel,
+    "deepseek_v3": DeepseekModel,
 }
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                quantization: str = "none") -> LlamaModel | Gemma3Model:
+                quantization: str = "none") -> LlamaModel | Gemma3Model | DeepseekModel:
     """The decoder for `cfg.architecture`, holding `weights` cast to `dtype` on `device` (int8 where
     `quantization` says so: kvserve/model/linear.py)."""
     return MODEL_CLASSES[cfg.architecture](cfg, weights, max_positions, dtype, device, quantization)

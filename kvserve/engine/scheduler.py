@@ -10,6 +10,7 @@ and tokens allow, and a request's first sample may take the slot and blocks of a
 request never waits behind another request's samples 2..n, however much they churn."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence, SequenceStatus
@@ -33,7 +34,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: list[Sequence] = []  # in no particular order: admission sorts it by rank
+        self.waiting: list[Sequence] = []  # by rank, the next to admit first
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self._num_arrivals = 0
@@ -42,12 +43,12 @@ class Scheduler:
         """A new request's first sequence."""
         seq.arrival = self._num_arrivals
         self._num_arrivals += 1
-        self.waiting.append(seq)
+        self._wait(seq)
 
     def add_sibling(self, seq: Sequence, of: Sequence) -> None:
         """A later sample of `of`'s request that found no free slot: it waits, ranked by its own index."""
         seq.arrival = of.arrival
-        self.waiting.append(seq)
+        self._wait(seq)
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """A forked sibling starts out running (in a slot free_slots counted), right after the sequence it shares
@@ -55,6 +56,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         seq.arrival = after.arrival
         self.running.insert(self.running.index(after) + 1, seq)
+
+    def _wait(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=lambda s: s.rank)
 
     @property
     def free_slots(self) -> int:
@@ -94,7 +98,7 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, copies: dict[str, list[BlockCopy]], below: tuple[int, int] | None) -> None:
-        for seq in sorted(self.waiting, key=lambda s: s.rank):
+        for seq in list(self.waiting):  # a copy: those it preempts rank below it and wait for the next step
             if below is not None and seq.rank >= below:
                 return
             if not self.free_slots and not self._preempt_for(seq, out, copies):
@@ -144,7 +148,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(victim)
+        self._wait(victim)
         if victim in out.seqs:  # it was already given tokens this step: take them back
             i = out.seqs.index(victim)
             del out.seqs[i], out.num_new_tokens[i]

@@ -111,6 +111,20 @@ def with_kv_scales(dtype: KVDtype, kv_scales: str) -> KVDtype:
     return replace(dtype, scale_scope=PER_TENSOR, scale_bytes=0)
 
 
+def latent_words(kv_lora_rank: int, qk_rope_head_dim: int) -> str:
+    """How the engine's start-up line and `kvserve plan` name what an MLA model caches."""
+    return f"latent {kv_lora_rank} + rope {qk_rope_head_dim} per token and layer"
+
+
+def expanded_kv_bytes_per_token(spec: ModelSpec, dtype: KVDtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int | None:
+    """What an MLA model's per-head K (nope + rope) and V would take per token if cached expanded, as an
+    engine without latent storage keeps them; None when the config lacks the head sizes (or it is not MLA)."""
+    if not spec.is_mla or spec.qk_nope_head_dim is None or spec.v_head_dim is None:
+        return None
+    key = dtype.vector_bytes(spec.qk_nope_head_dim + spec.qk_rope_head_dim, block_size, key=True)
+    return spec.num_kv_layers * spec.num_attention_heads * (key + dtype.vector_bytes(spec.v_head_dim, block_size))
+
+
 def kv_bytes_per_token_per_layer(spec: ModelSpec, dtype: KVDtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """One token's K and V vectors in one layer (MLA: its one latent, stored like a value)."""
     if spec.is_mla:

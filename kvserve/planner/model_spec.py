@@ -42,6 +42,8 @@ class ModelSpec:
     sliding_window: int | None = None
     kv_lora_rank: int | None = None  # MLA: the compressed latent cached instead of K and V
     qk_rope_head_dim: int | None = None  # MLA: the decoupled RoPE key cached beside the latent
+    qk_nope_head_dim: int | None = None  # MLA: per-head key part expanded from the latent (not cached)
+    v_head_dim: int | None = None  # MLA: per-head value expanded from the latent (not cached)
     linear_state_elements: int | None = None  # per linear-attention layer, when the config gives the sizes
     num_parameters: int | None = None
     weights_bytes: int | None = None  # stored size when the file tells it (GGUF), else None
@@ -74,6 +76,8 @@ class ModelSpec:
             sliding_window=_positive_int(text, "sliding_window", name) if SLIDING in layer_kinds else None,
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=_optional_int(text, "qk_rope_head_dim", name) if kv_lora_rank else None,
+            qk_nope_head_dim=_optional_int(text, "qk_nope_head_dim", name) if kv_lora_rank else None,
+            v_head_dim=_optional_int(text, "v_head_dim", name) if kv_lora_rank else None,
             linear_state_elements=_linear_state_elements(text),
             num_parameters=_optional_int(text, "num_parameters", name) or estimate_num_parameters(text),
         )

@@ -13,9 +13,11 @@ from kvserve.planner.kv_size import (
     PER_TENSOR,
     PER_VECTOR,
     KVDtype,
+    expanded_kv_bytes_per_token,
     fixed_state_bytes,
     kv_bytes_per_token,
     kv_bytes_per_token_per_layer,
+    latent_words,
     request_kv_bytes,
 )
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
@@ -97,6 +99,14 @@ def kv_notes(spec: ModelSpec, dtype: KVDtype, block_size: int) -> list[str]:
             f"{spec.num_layers_of(SLIDING)} of {spec.num_layers} layers attend to a {spec.sliding_window:,}-token "
             f"sliding window and never hold more; past it a request {past}."
         )
+    expanded = expanded_kv_bytes_per_token(spec, dtype, block_size)
+    if expanded is not None:
+        notes.append(
+            f"MLA: one {latent_words(spec.kv_lora_rank, spec.qk_rope_head_dim)} instead of per-head K and V; "
+            f"cached expanded, {spec.num_attention_heads} heads × (K {spec.qk_nope_head_dim} + "
+            f"{spec.qk_rope_head_dim} rope, V {spec.v_head_dim}) would take {expanded:,} B/token, "
+            f"{expanded / kv_bytes_per_token(spec, dtype, block_size):.1f}× as much."
+        )
     if spec.num_layers_of(LINEAR):
         state = fixed_state_bytes(spec)
         size = f"a fixed {format_bytes(state)} per request" if state else "a fixed state (size not in the config)"
@@ -176,9 +186,11 @@ def _conversation_json(conversation: ConversationPlan) -> dict:
 def render_report(report: PlanReport, console: Console) -> None:
     """The human-readable report: model, formula, per-request sizes, GPU capacity, conversation."""
     spec = report.spec
+    kv_heads = (latent_words(spec.kv_lora_rank, spec.qk_rope_head_dim) if spec.is_mla
+                else f"{spec.num_kv_heads} KV heads")
     console.print(
         f"[bold]{spec.name}[/bold] ({spec.model_type}, {spec.attention_kind}: {spec.num_attention_heads} query heads, "
-        f"{spec.num_kv_heads} KV heads, {spec.num_layers} layers, max {spec.max_position_embeddings:,} tokens)"
+        f"{kv_heads}, {spec.num_layers} layers, max {spec.max_position_embeddings:,} tokens)"
     )
     console.print(kv_formula(spec, report.kv_dtype, report.block_size), highlight=False, soft_wrap=True)
     for note in kv_notes(spec, report.kv_dtype, report.block_size):
@@ -192,8 +204,9 @@ def render_report(report: PlanReport, console: Console) -> None:
     if report.budget is not None:
         console.print(_budget_table(report))
         if report.kv_plan is not None and report.budget.error is None:
-            console.print(report.kv_plan.summary_line(kv_format_label(report.kv_dtype)), highlight=False,
-                          soft_wrap=True)
+            label = "; ".join(filter(None, [kv_format_label(report.kv_dtype), latent_words(
+                spec.kv_lora_rank, spec.qk_rope_head_dim) if spec.is_mla else None]))
+            console.print(report.kv_plan.summary_line(label or None), highlight=False, soft_wrap=True)
     if report.error:
         console.print(f"[bold red]error:[/bold red] {report.error}", highlight=False, soft_wrap=True)
 

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.kv.formats.per_token import SCALE_DTYPE, absmax_scale
 from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.planner.kv_size import latent_words
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -27,11 +28,6 @@ def check_latent_settings(format_name: str, eviction: str) -> None:
                          f"{', '.join(LATENT_FORMATS)}")
     if eviction != "none":
         raise ValueError(f"kv_eviction={eviction!r} is not supported for MLA models; they run with kv_eviction='none'")
-
-
-def latent_words(rank: int, rope_dim: int) -> str:
-    """How the start-up line and `kvserve plan` name what MLA caches."""
-    return f"latent {rank} + rope {rope_dim} per token and layer"
 
 
 class LatentKVCache(PagedKVCache):

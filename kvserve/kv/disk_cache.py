@@ -26,6 +26,7 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.kv_cache_manager import BlockLoad
 from kvserve.planner.units import format_bytes
 
 logger = logging.getLogger("kvserve")
@@ -48,6 +50,7 @@ MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokeni
 MAX_PENDING_BYTES = 256 * 2**20  # blocks copied for the writer and not yet written; more are skipped, not waited for
 WRITER_IDLE_S = 1.0  # the writer thread ends after this long without work (a later block starts a new one)
 RESCAN_S = 10.0  # when evicting, see other processes' records at most this often
+READ_THREADS = 4
 EXIT_FLUSH_S = 10.0  # at interpreter exit, wait this long for queued blocks to be written
 ERROR_KINDS = ("corrupt", "mismatch", "foreign", "read", "write")
 
@@ -152,7 +155,7 @@ def decode_record(data: bytes, fingerprint: str, key: BlockHash, parent: BlockHa
 class DiskCacheCounters:
     num_reads: int = 0  # blocks read and verified
     bytes_read: int = 0
-    read_s: float = 0.0  # reading, checking and decoding, hits only
+    read_s: float = 0.0  # wall time of admission's reads (files read, checked, decoded, put in the pool)
     num_writes: int = 0
     bytes_written: int = 0
     num_writes_skipped: int = 0  # the writer was behind by MAX_PENDING_BYTES, or a block exceeds the cap
@@ -207,7 +210,6 @@ class DiskBlockStore:
              specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor] | None:
         """The block's tensors, verified; None on a miss. A bad record is counted, logged once and removed."""
         path = self.path(key)
-        started = time.perf_counter()
         try:
             data = path.read_bytes()
         except FileNotFoundError:  # evicted, by this process or another, since the lookup saw it
@@ -221,9 +223,9 @@ class DiskBlockStore:
             self._reject(path, rejected)
             return None
         self._touch(path)
-        self.counters.num_reads += 1
-        self.counters.bytes_read += len(data)
-        self.counters.read_s += time.perf_counter() - started
+        with self._cond:  # reads run on several threads
+            self.counters.num_reads += 1
+            self.counters.bytes_read += len(data)
         return tensors
 
     def path(self, key: BlockHash) -> Path:
@@ -240,13 +242,14 @@ class DiskBlockStore:
                 self._files.move_to_end(path)
 
     def _reject(self, path: Path, rejected: RecordRejected) -> None:
-        self.counters.errors[rejected.kind] += 1
-        if rejected.kind not in self._logged:
+        with self._cond:
+            self.counters.errors[rejected.kind] += 1
+            first = rejected.kind not in self._logged
             self._logged.add(rejected.kind)
+            self._forget(path)
+        if first:
             logger.warning(f"KV disk cache: {path.name} rejected ({rejected.kind}: {rejected}); read as a miss and "
                            f"removed (later {rejected.kind} records are only counted: kvserve:kv_disk_cache_errors)")
-        with self._cond:
-            self._forget(path)
         path.unlink(missing_ok=True)
 
     # ---- writes: submit on the step thread, written on the writer thread ---------------------------------------
@@ -427,6 +430,8 @@ class DiskKVCache:
         self.cache = cache
         self.specs = cache.block_specs()
         self.num_hit_tokens = 0  # prompt tokens whose blocks came from disk (the KV manager counts them)
+        # Files are read and checked a few at a time: reading waits on the disk and sha256 releases the GIL.
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvserve-disk-reader")
 
     def contains(self, key: BlockHash) -> bool:
         return self.store.contains(key)
@@ -436,13 +441,22 @@ class DiskKVCache:
         if not self.store.writing_stopped:
             self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id)))
 
-    def load(self, block_id: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> bool:
-        """Read the record for `key` into pool block `block_id`; False (the block untouched) on any miss."""
-        tensors = self.store.read(key, parent, token_ids, self.specs)
-        if tensors is None:
-            return False
-        self.cache.import_block(block_id, tensors)
-        return True
+    def load(self, loads: Sequence[BlockLoad]) -> int:
+        """Read the records of `loads` into their pool blocks, in order up to the first miss; returns how many were
+        read (the blocks after a miss are left untouched)."""
+        started = time.perf_counter()
+        reads = self._readers.map(lambda load: self.store.read(load.key, load.parent, load.token_ids, self.specs),
+                                  loads)
+        num_loaded = 0
+        for load, tensors in zip(loads, reads):
+            if tensors is None:
+                break
+            self.cache.import_block(load.block_id, tensors)
+            num_loaded += 1
+        for _ in reads:  # the reads already under way finish before the caller reuses their blocks
+            pass
+        self.store.counters.read_s += time.perf_counter() - started
+        return num_loaded
 
     def stats(self) -> dict[str, float | int]:
         return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens}

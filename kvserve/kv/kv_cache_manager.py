@@ -33,6 +33,17 @@ class BlockCopy:
     dst: int
 
 
+@dataclass(frozen=True)
+class BlockLoad:
+    """Read one block from a lower tier (kv/disk_cache.py) into a pool block: the record's key, and the parent key
+    and token ids the record must carry."""
+
+    block_id: int
+    key: BlockHash
+    parent: BlockHash | None
+    token_ids: Sequence[int]
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -179,19 +190,15 @@ class KVCacheManager:
         # the pool's own hits are held while blocks are taken for the reads, so taking cannot evict them
         held = [b for g, first in enumerate(firsts) for b in found[g][first:num_blocks] if b is not None]
         self.pool.touch(held)
-        loaded = []
-        for i, g in wanted:
-            if self.pool.num_free_blocks == 0:
-                break
-            block = self.pool.allocate(1)[0]
-            key, parent = self._key(hashes[i], g), hashes[i - 1] if i else None
-            if not self.disk.load(block.block_id, key, parent, self._block_tokens(seq, i)):
-                self.pool.free([block])
-                break
-            self.pool.register(block, key)
-            loaded.append(block)
-        self.pool.free(reversed(held + loaded))  # tail first, as a finished request frees
-        return len(loaded)
+        wanted = wanted[: self.pool.num_free_blocks]
+        blocks = self.pool.allocate(len(wanted))
+        loads = [BlockLoad(block.block_id, self._key(hashes[i], g), hashes[i - 1] if i else None,
+                           self._block_tokens(seq, i)) for block, (i, g) in zip(blocks, wanted)]
+        num_loaded = self.disk.load(loads)
+        for block, load in zip(blocks[:num_loaded], loads):
+            self.pool.register(block, load.key)
+        self.pool.free(reversed(held + blocks))  # tail first, as a finished request frees; unread ones uncached
+        return num_loaded
 
     def _disk_prefix_length(self, hashes: list[BlockHash], found: list[list[Block | None]], num_cached: int) -> int:
         """The longest prefix (in blocks) the pool and the disk hold together; the disk is asked past the pool's hit

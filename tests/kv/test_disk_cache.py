@@ -20,6 +20,7 @@ from kvserve.kv.block_hash import hash_block
 from kvserve.kv.disk_cache import (BlockRecord, DiskBlockStore, DiskKVCache, RecordRejected, decode_record,
                                    record_metadata)
 from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.kv_cache_manager import BlockLoad
 from kvserve.kv.layout import KVLayout
 
 FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
@@ -82,7 +83,7 @@ def test_pool_to_disk_to_pool_is_bitwise_in_every_format(tmp_path, format_name, 
     tier = DiskKVCache(store(tmp_path), source)
     tier.save(3, keys[1], keys[0], tokens[1])
     assert tier.store.flush(10)
-    assert DiskKVCache(store(tmp_path), target).load(5, keys[1], keys[0], tokens[1])
+    assert DiskKVCache(store(tmp_path), target).load([BlockLoad(5, keys[1], keys[0], tokens[1])]) == 1
     assert as_bytes(target.export_block(5)) == as_bytes(source.export_block(3))
     assert len(source.export_block(3)) == len(source._block_tensors())  # int4: codes, scales and zero points
     others = [b for b in range(BLOCKS) if b != 5]

@@ -165,3 +165,10 @@ def test_options_are_validated_and_off_by_default(llama, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="cannot write there"):
         engine(llama, tmp_path / "file" / "kv")
+
+
+def test_blocks_an_eviction_policy_changed_are_never_written(llama, tmp_path):
+    llm = engine(llama, tmp_path, kv_eviction="streaming", kv_sink_tokens=4, kv_recent_tokens=32)
+    llm.generate(prompt(200), GREEDY)
+    # StreamingLLM keeps what an uncompressed run holds for the first sinks + recent = 36 tokens: 2 full blocks
+    assert written(llm).stats()["disk_cache_writes"] == 2

@@ -365,7 +365,8 @@ class DiskBlockStore:
     def _make_directory(self, fingerprint: dict[str, str]) -> None:
         """Create the directories (owner only) and prove they take a file: an unwritable one fails here, clearly."""
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # (mkdir gives parents the default mode)
+            self.directory.mkdir(mode=0o700, exist_ok=True)
             description = self.directory / "model.json"
             temp = self.directory / f"{TEMP_PREFIX}{os.getpid()}-start"
             _write_new_file(temp, json.dumps(fingerprint, indent=1, sort_keys=True).encode())

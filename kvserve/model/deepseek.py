@@ -55,11 +55,13 @@ def rope_factors(cfg: ModelConfig) -> tuple[float, float]:
 class LatentAttention:
     """One layer's MLA: projections, the cached vector, and attention expanded or absorbed."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, linears: Linears, scale: float):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, linears: Linears, scale: float,
+                 rope_attention_factor: float):
         ds: DeepseekConfig = cfg.deepseek
         a = f"{prefix}.self_attn"
         self.heads, self.nope, self.rope = cfg.num_heads, ds.qk_nope_head_dim, ds.qk_rope_head_dim
         self.rank, self.v_dim, self.scale, self.eps = ds.kv_lora_rank, ds.v_head_dim, scale, cfg.rms_norm_eps
+        self.rope_attention_factor = rope_attention_factor  # YaRN's, in the cos/sin tables
 
         def rope_rows(name: str, heads: int) -> torch.Tensor | None:
             t = w.get(name)
@@ -124,7 +126,7 @@ def latent_attention(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.
     out = q_nope.new_empty(q_nope.shape[0], attn.heads, attn.v_dim)
     for group in meta.groups[meta.layer_group[layer]]:
         absorbed = mode == "absorbed" or (mode == "auto" and group.query_index.shape[1] == 1)
-        attend = _absorbed if absorbed else _expanded
+        attend = _sink_scored if group.sink_rotation is not None else _absorbed if absorbed else _expanded
         rows = attend(attn, q_nope, q_rope, cached, layer, cache, group).reshape(-1, attn.heads, attn.v_dim)
         if group.out_rows is None and group.out_tokens is None:
             out = rows
@@ -160,6 +162,26 @@ def _absorbed(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
         out = F.scaled_dot_product_attention(queries.view(S, Q, attn.heads, -1).transpose(1, 2), keys, values,
                                              attn_mask=group.mask, is_causal=group.mask is None, scale=attn.scale,
                                              enable_gqa=True).transpose(1, 2)  # [S, Q, H, rank]
+    return attn.absorb_output(out.reshape(S * Q, attn.heads, attn.rank))
+
+
+def _sink_scored(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, cached: torch.Tensor,
+                 layer: int, cache: PagedKVCache, group: AttentionGroup) -> torch.Tensor:
+    """StreamingLLM, absorbed and written out: sink keys are scored with each query's RoPE part rotated back by the
+    gap between the sinks and its window (attention_mask.py); only the rope part carries positions in MLA."""
+    S, Q = group.query_index.shape
+    latent_q = torch.einsum("sqhn,hnr->sqhr", q_nope[group.query_index], attn.w_uk)
+    rope_q = q_rope[group.query_index]  # [S, Q, H, rope]
+    keys = cache.gather(layer, group.block_tables)[0][:, :, 0]  # [S, K, rank + rope]
+    logits = torch.einsum("sqhd,skd->shqk", torch.cat([latent_q, rope_q], -1), keys) * attn.scale
+    cos, sin = group.sink_rotation  # from the rotary tables, which carry YaRN's factor: a rotation needs none
+    factor = attn.rope_attention_factor
+    back = apply_rotary(rope_q, cos / factor, sin / factor)
+    num_sink = group.sink_keys.shape[1]
+    sink_logits = torch.einsum("sqhd,skd->shqk", torch.cat([latent_q, back], -1), keys[:, :num_sink]) * attn.scale
+    logits[..., :num_sink] = torch.where(group.sink_keys[:, None, None, :], sink_logits, logits[..., :num_sink])
+    probs = logits.masked_fill(~group.mask, float("-inf")).softmax(dim=-1)
+    out = torch.einsum("shqk,skr->sqhr", probs, keys[..., : attn.rank])
     return attn.absorb_output(out.reshape(S * Q, attn.heads, attn.rank))
 
 
@@ -259,9 +281,10 @@ class MLP:
 
 
 class DeepseekDecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int, linears: Linears, scale: float):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], layer: int, linears: Linears, scale: float,
+                 rope_attention_factor: float):
         prefix = f"model.layers.{layer}"
-        self.attn = LatentAttention(cfg, w, prefix, linears, scale)
+        self.attn = LatentAttention(cfg, w, prefix, linears, scale, rope_attention_factor)
         self.mlp = MoE(cfg.deepseek, w, prefix, linears) if cfg.deepseek.is_moe_layer(layer) else \
             MLP(w, f"{prefix}.mlp", linears)
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
@@ -305,7 +328,7 @@ class DeepseekModel:
         rope_factor, softmax_factor = rope_factors(cfg)
         scale = (ds.qk_nope_head_dim + ds.qk_rope_head_dim) ** -0.5 * softmax_factor
         self.norm = w["model.norm.weight"]
-        self.layers = [DeepseekDecoderLayer(cfg, w, i, linears, scale) for i in range(cfg.num_layers)]
+        self.layers = [DeepseekDecoderLayer(cfg, w, i, linears, scale, rope_factor) for i in range(cfg.num_layers)]
         scaling = cfg.rope_scaling and {"original_max_position_embeddings": cfg.max_position_embeddings,
                                         **cfg.rope_scaling}
         self.rotary = RotaryEmbedding(ds.qk_rope_head_dim, max_positions, cfg.rope_theta, scaling, dtype, device,

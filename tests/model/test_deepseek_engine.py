@@ -1,18 +1,21 @@
 """An MLA model in the engine: the latent cache's size is the planner's, and it composes with prefix caching,
 n > 1 copy-on-write, chunked prefill, preemption, int8/fp8 latent storage, int8 weights and --batch-invariant;
-what it cannot run is refused by name."""
+StreamingLLM equals a plain reference decoder past max_model_len; what it cannot run is refused by name."""
 from __future__ import annotations
 
 import logging
 
 import pytest
 import torch
+import transformers
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import parse_size
 from kvserve.planner.kv_size import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.planner.model_spec import ModelSpec
 from tests.engine.test_batch_invariant_mode import alone, assert_bitwise, logits_of, make, prompts_of
+from tests.engine.test_kv_eviction import engine_step_logits
 from tests.model.test_deepseek import hf_reference, make_deepseek
 
 LATENT_FORMATS = ["auto", "bfloat16", "int8", "fp8", "fp8_e5m2"]
@@ -54,8 +57,7 @@ def test_allocation_is_the_planner_s_mla_figure(v2_dir, kv_cache_dtype, caplog):
 @pytest.mark.parametrize("options, message", [
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype='int4' is not supported for MLA models; use auto, float32, "
                                   "bfloat16, float16, int8, fp8_e4m3, fp8_e5m2"),
-    (dict(kv_eviction="streaming"), "kv_eviction='streaming' is not supported for MLA models"),
-    (dict(kv_eviction="h2o"), "kv_eviction='h2o' is not supported for MLA models"),
+    (dict(kv_eviction="h2o"), "kv_eviction='h2o' is not supported for MLA models; use none or streaming"),
 ])
 def test_what_mla_cannot_run_is_refused_by_name(v2_dir, options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -148,3 +150,57 @@ def test_batch_invariant_mla_prefix_hits_n_samples_and_transformers(v3_dir):
     reference, _ = hf_reference(v3_dir, prompt, [])
     got = logits_of(make(v3_dir), [prompt], SamplingParams(max_tokens=1, prompt_logprobs=-1))[0][:-1]
     assert torch.allclose(got, reference[:-1], atol=1e-4)
+
+
+@torch.no_grad()
+def reference_streaming_logits(hf, token_ids: list[int], sinks: int, recent: int) -> torch.Tensor:
+    """StreamingLLM over transformers' DeepSeek-V3 modules, written plainly: tokens one at a time; each layer keeps
+    every token's normalized latent and its RoPE key before rotation; the query at position p attends to the first
+    `sinks` tokens and the last `recent` (itself included), keys rotated by their place in that cache and the
+    query by its own place, the last."""
+    cfg = hf.config
+    heads, nope, rope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    latents, rope_keys = [[] for _ in hf.model.layers], [[] for _ in hf.model.layers]
+    logits = []
+    for p, token in enumerate(token_ids):
+        h = hf.model.embed_tokens(torch.tensor([[token]]))
+        kept = sorted(set(range(min(sinks, p + 1))) | set(range(max(0, p - recent + 1), p + 1)))
+        n = len(kept)
+        cos, sin = hf.model.rotary_emb(h, torch.arange(n)[None])  # [1, n, rope], YaRN's factor included
+        for i, layer in enumerate(hf.model.layers):
+            attn, x = layer.self_attn, layer.input_layernorm(h)
+            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(1, heads, 1, nope + rope)
+            compressed = attn.kv_a_proj_with_mqa(x)[0, 0]
+            latents[i].append(attn.kv_a_layernorm(compressed[:rank]))
+            rope_keys[i].append(compressed[rank:])
+            k_rope = torch.stack([rope_keys[i][t] for t in kept])[None, None]  # [1, 1, n, rope]
+            q_rope = apply_rotary_pos_emb_interleave(q[..., nope:], q[..., nope:], cos[:, -1:], sin[:, -1:])[0]
+            k_rope = apply_rotary_pos_emb_interleave(k_rope, k_rope, cos, sin)[1][0, 0]  # [n, rope]
+            kv = attn.kv_b_proj(torch.stack([latents[i][t] for t in kept])).view(n, heads, -1)
+            k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+            keys = torch.cat([k_nope, k_rope[:, None].expand(n, heads, rope)], dim=-1)
+            query = torch.cat([q[0, :, 0, :nope], q_rope[0, :, 0]], dim=-1)  # [heads, nope + rope]
+            weights = torch.einsum("hd,khd->hk", query, keys) * attn.scaling
+            out = torch.einsum("hk,khd->hd", weights.softmax(-1), v)
+            h = h + attn.o_proj(out.reshape(1, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits.append(hf.lm_head(hf.model.norm(h))[0, 0])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("prompt_len, chunk", [(1, 2048), (100, 24)])
+def test_streaming_equals_a_plain_reference_decoder_past_max_model_len(v3_dir, prompt_len, chunk):
+    """Sinks 4 + window 40 on YaRN RoPE: keys are rotated once, at their positions; sink keys are scored with the
+    query's rope part rotated back (a pure rotation, YaRN's magnitude factor not applied twice)."""
+    sinks, recent, max_len = 4, 40, 64
+    prompt = prompts_of([prompt_len], seed=2)[0]
+    llm = LLM(str(v3_dir), kv_cache_memory="1MiB", max_model_len=max_len, max_num_batched_tokens=chunk,
+              kv_eviction="streaming", kv_sink_tokens=sinks, kv_recent_tokens=recent)
+    tokens, step_logits = engine_step_logits(llm, prompt, 3 * max_len)
+    assert len(prompt + tokens) > 3 * max_len and llm.stats()["num_evicted_blocks"] > 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(v3_dir, dtype=torch.float32).eval()
+    reference = reference_streaming_logits(hf, prompt + tokens, sinks, recent)
+    for i, logits in enumerate(step_logits):  # step i samples output token i from position prompt_len - 1 + i
+        assert (logits - reference[prompt_len - 1 + i]).abs().max() <= 1e-4, f"decode step {i}"
+    scored = llm.generate(prompt + tokens, SamplingParams(max_tokens=1, prompt_logprobs=-1))[0].prompt_logprobs
+    assert (scored[1:] - reference[:-1].log_softmax(-1)).abs().max() <= 1e-4  # every position, prefilled

@@ -17,14 +17,17 @@ BENCH_CONFIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, m
                     kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8,
                     n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                     max_position_embeddings=32768, bos_token_id=1, eos_token_id=2)
+MODES = ("absorbed", "expanded")
 
 
 def add_mla_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("mla", help="MLA: latent vs expanded KV bytes, absorbed vs expanded attention")
-    p.add_argument("--contexts", default="1024,4096", help="decode context lengths, comma-separated (default %(default)s)")
+    p.add_argument("--contexts", default="1024,4096",
+                   help="decode context lengths, comma-separated (default %(default)s)")
     p.add_argument("--batch", type=int, default=4, help="requests decoding at once (default %(default)s)")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per point (default %(default)s)")
-    p.add_argument("--prefill-tokens", type=int, default=1024, help="prompt of the prefill timing (default %(default)s)")
+    p.add_argument("--prefill-tokens", type=int, default=1024,
+                   help="prompt of the prefill timing (default %(default)s)")
     p.add_argument("--model", default=None, help="an MLA model directory (default: the random model above, built "
                                                  "in a temporary directory)")
     p.set_defaults(func=run_mla)
@@ -65,11 +68,11 @@ def run_mla(args: argparse.Namespace) -> int:
             console.print(f"  {name}: {per_token:,} B/token, {2**30 // per_token:,} tokens per GiB", highlight=False)
         console.print(f"  the latent holds {expanded / plan.kv_bytes_per_token:.1f}x the tokens", highlight=False)
         for context in contexts:
-            rates = {mode: _decode_rate(llm, context, args.batch, args.steps, mode) for mode in ("absorbed", "expanded")}
+            rates = {mode: _decode_rate(llm, context, args.batch, args.steps, mode) for mode in MODES}
             console.print(f"decode, {args.batch} x {context:,}-token context: absorbed {rates['absorbed']:.1f} "
                           f"tokens/s, expanded {rates['expanded']:.1f} tokens/s "
                           f"({rates['absorbed'] / rates['expanded']:.2f}x)", highlight=False)
-        rates = {mode: _prefill_rate(llm, args.prefill_tokens, mode) for mode in ("absorbed", "expanded")}
+        rates = {mode: _prefill_rate(llm, args.prefill_tokens, mode) for mode in MODES}
         console.print(f"prefill, one {args.prefill_tokens:,}-token prompt: absorbed {rates['absorbed']:,.0f} tokens/s, "
                       f"expanded {rates['expanded']:,.0f} tokens/s ({rates['expanded'] / rates['absorbed']:.2f}x)",
                       highlight=False)
@@ -83,11 +86,11 @@ def _llm(model, max_model_len: int, batch: int):
                kv_cache_memory=f"{(batch + 1) * max_model_len * 5 // 1024 + 64}MiB")
 
 
-def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+def _prompts(engine, count: int, length: int, seed: int) -> list[list[int]]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, BENCH_CONFIG["vocab_size"], (length,), generator=g).tolist() for _ in range(count)]
+    return [torch.randint(3, engine.model_config.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
 
 
 def _decode_rate(llm, context: int, batch: int, steps: int, mode: str) -> float:
@@ -97,7 +100,7 @@ def _decode_rate(llm, context: int, batch: int, steps: int, mode: str) -> float:
 
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(batch, context, seed=context)):
+    for i, prompt in enumerate(_prompts(engine, batch, context, seed=context)):
         engine.add_request(f"{mode}-{context}-{i}", prompt, params)
     while _prefilling(engine):
         engine.step()
@@ -122,7 +125,7 @@ def _prefill_rate(llm, tokens: int, mode: str) -> float:
     engine.reset_prefix_cache()
     engine.model.attention_mode = mode
     started = time.perf_counter()
-    llm.generate(_prompts(1, tokens, seed=1)[0], SamplingParams(max_tokens=1))
+    llm.generate(_prompts(engine, 1, tokens, seed=1)[0], SamplingParams(max_tokens=1))
     elapsed = time.perf_counter() - started
     engine.model.attention_mode = "auto"
     return tokens / elapsed

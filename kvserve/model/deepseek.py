@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, TileCall
+from kvserve.model.attention import AttentionGroup, AttentionMetadata
 from kvserve.model.config import DeepseekConfig, ModelConfig
 from kvserve.model.linear import Linears, load_linears, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
@@ -191,7 +191,6 @@ def _tile_attention(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.T
     one-row query of its own (model/attention.py's tile calls), so decode and prefill compute a position alike."""
     queries = meta.tiles.map(attn.absorb_query, q_nope, q_rope)  # [T, H, rank + rope]
     out = queries.new_empty(queries.shape[0], attn.heads, attn.rank)
-    call: TileCall
     for call in meta.tile_calls[meta.layer_group[layer]]:
         keys = cache.gather(layer, call.block_tables)[0].transpose(1, 2)  # [S, 1, K, rank + rope]
         (S, P), num_keys = call.query_index.shape, keys.shape[2]
@@ -273,6 +272,7 @@ class MLP:
         self.down = linears.linear(w[f"{prefix}.down_proj.weight"])
 
     def __call__(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """x [T, hidden]; `dense` is the MoE's flag, meaningless for one dense MLP."""
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -355,4 +355,5 @@ class DeepseekModel:
     @property
     def weights_nbytes(self) -> int:
         """Bytes of every weight the model holds, in the form it computes with (tied tables counted once)."""
-        return weights_nbytes(self.embed, self.lm_head, self.norm, *(p for layer in self.layers for p in layer.weight_parts()))
+        parts = (p for layer in self.layers for p in layer.weight_parts())
+        return weights_nbytes(self.embed, self.lm_head, self.norm, *parts)

@@ -38,6 +38,7 @@ from kvserve.planner.units import format_bytes
 from kvserve.sampling_params import SamplingParams, is_text
 
 logger = logging.getLogger("kvserve")
+DISK_LOAD_WAIT_S = 0.05  # an idle step waits at most this long for a prefix read from disk (requests may arrive)
 
 
 class LLMEngine:
@@ -326,6 +327,7 @@ class LLMEngine:
         the shared schedule or forward pass raises."""
         out = self.scheduler.schedule()
         if not out.seqs:
+            self.kv.wait_for_loads(DISK_LOAD_WAIT_S)  # only prefixes loading from disk: wait, not spin
             return []
         self._count_tokens(out)
         step = self.runner.run(out)

@@ -74,6 +74,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.collect_loads()  # prefixes read from disk since the last step join the prefix index
         out = SchedulerOutput()
         copies: dict[str, list[BlockCopy]] = {}
         preempted: list[Sequence] = []
@@ -101,6 +102,8 @@ class Scheduler:
         for seq in list(self.waiting):  # a copy: those it preempts rank below it and wait for the next step
             if below is not None and seq.rank >= below:
                 return
+            if seq.params.prompt_logprobs is None and self.kv.prefix_loading(seq):
+                continue  # its prefix is being read from disk: the others go on meanwhile
             if not self.free_slots and not self._preempt_for(seq, out, copies):
                 return
             while (budget := self.max_num_batched_tokens - out.num_tokens) <= 0:  # later samples' recompute took it

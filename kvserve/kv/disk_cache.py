@@ -12,7 +12,8 @@ foreign or mismatched file is a miss (counted by kind, logged once, removed), ne
 Writes run on a writer thread; the step thread only copies a new block's bytes out of the pool. A record is written
 to a temporary file and renamed into place, so a process killed mid-write leaves no partial record visible. Several
 processes may share a directory without a lock: a record is complete once visible, two writers of one key write the
-same bytes, and a record removed under a reader is a plain miss. Reads happen on admission, on the step thread."""
+same bytes, and a record removed under a reader is a plain miss. Reads start on admission and run on reader threads
+while the steps go on; the request waits, and its blocks join the pool's prefix index once they are read."""
 from __future__ import annotations
 
 import atexit
@@ -26,7 +27,8 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -442,22 +444,40 @@ class DiskKVCache:
         if not self.store.writing_stopped:
             self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id)))
 
-    def load(self, loads: Sequence[BlockLoad]) -> int:
-        """Read the records of `loads` into their pool blocks, in order up to the first miss; returns how many were
-        read (the blocks after a miss are left untouched)."""
-        started = time.perf_counter()
-        reads = self._readers.map(lambda load: self.store.read(load.key, load.parent, load.token_ids, self.specs),
-                                  loads)
-        num_loaded = 0
-        for load, tensors in zip(loads, reads):
-            if tensors is None:
-                break
-            self.cache.import_block(load.block_id, tensors)
-            num_loaded += 1
-        for _ in reads:  # the reads already under way finish before the caller reuses their blocks
-            pass
-        self.store.counters.read_s += time.perf_counter() - started
-        return num_loaded
+    def start_reading(self, loads: Sequence[BlockLoad]) -> PrefixRead:
+        """Read and check the records of `loads` on the reader threads; PrefixRead.finish puts them in the pool."""
+        return PrefixRead(self, list(loads), [self._readers.submit(self._read, load) for load in loads])
+
+    def _read(self, load: BlockLoad) -> tuple[list[torch.Tensor] | None, float]:
+        return self.store.read(load.key, load.parent, load.token_ids, self.specs), time.perf_counter()
 
     def stats(self) -> dict[str, float | int]:
         return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens}
+
+
+class PrefixRead:
+    """A prefix's records being read on the reader threads, while the engine's steps go on."""
+
+    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], reads: list[Future]):
+        self.tier = tier
+        self.loads = loads
+        self._reads = reads
+        self._started = time.perf_counter()
+
+    def done(self) -> bool:
+        return all(read.done() for read in self._reads)
+
+    def wait(self, timeout_s: float) -> None:
+        futures.wait(self._reads, timeout_s)
+
+    def finish(self) -> int:
+        """Put the records read into their pool blocks, in order up to the first miss (once done); returns how many."""
+        results = [read.result() for read in self._reads]
+        num_loaded = 0
+        for load, (tensors, _) in zip(self.loads, results):
+            if tensors is None:
+                break
+            self.tier.cache.import_block(load.block_id, tensors)
+            num_loaded += 1
+        self.tier.store.counters.read_s += max(end for _, end in results) - self._started
+        return num_loaded

@@ -15,7 +15,7 @@ from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy, StreamingPolicy
 
 if TYPE_CHECKING:
-    from kvserve.kv.disk_cache import DiskKVCache
+    from kvserve.kv.disk_cache import DiskKVCache, PrefixRead
 
 
 class CachedSequence(Protocol):
@@ -31,6 +31,17 @@ class BlockCopy:
 
     src: int
     dst: int
+
+
+@dataclass(frozen=True)
+class _DiskLoad:
+    """A prefix being read from the disk tier: the read, the pool blocks it fills and the pool's hits it holds."""
+
+    read: PrefixRead
+    blocks: list[Block]
+    held: list[Block]
+    hashes: list[BlockHash]
+    num_cached: int  # the pool's own hit, in blocks
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of each sequence already in the prefix index
         self._first_eviction: dict[str, int] = {}  # computed tokens when the sequence first dropped a block
+        self._loads: dict[str, _DiskLoad] = {}  # by request: prefixes being read from the disk tier
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_evicted_blocks = 0  # dropped by the eviction policy
@@ -152,15 +164,42 @@ class KVCacheManager:
         the window before its end; the last token is always left to compute."""
         if not self.pool.enable_prefix_caching:
             return CachedPrefix(blocks=[[] for _ in self.windows], first_logical=[0] * self.num_groups)
-        hashes = self._block_hashes(seq)[: (len(seq.token_ids) - 1) // self.block_size]
+        return self._longest_prefix(self._lookup(self._prompt_hashes(seq)))
+
+    def prefix_loading(self, seq: CachedSequence) -> bool:
+        """Whether `seq` waits for its prefix to be read from the disk tier. The read starts here when the disk
+        holds more of the prefix than the pool; reader threads read and check the records while steps go on, and
+        once they are done the blocks join the pool's prefix index, for find_cached_prefix to take."""
+        if self.disk is None or not self.pool.enable_prefix_caching:
+            return False
+        self.collect_loads()
+        if seq.request_id in self._loads:
+            return True
+        hashes = self._prompt_hashes(seq)
         found = self._lookup(hashes)
-        cached = self._longest_prefix(found)
-        if self.disk is not None and cached.num_blocks < len(hashes):
-            if self._load_from_disk(seq, hashes, found, cached.num_blocks):
-                longer = self._longest_prefix(self._lookup(hashes))
-                self.disk.num_hit_tokens += (longer.num_blocks - cached.num_blocks) * self.block_size
-                cached = longer
-        return cached
+        num_cached = self._longest_prefix(found).num_blocks
+        if num_cached < len(hashes):
+            load = self._start_disk_load(seq, hashes, found, num_cached)
+            if load is not None:
+                self._loads[seq.request_id] = load
+                return True
+        return False
+
+    def collect_loads(self) -> None:
+        """Put the finished disk reads' blocks into the pool's prefix index (on the step thread)."""
+        for request_id, load in list(self._loads.items()):
+            if load.read.done():
+                del self._loads[request_id]
+                self._finish_disk_load(load)
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """With nothing else to run: wait up to `timeout_s` for a disk read to finish (none pending: return)."""
+        if self._loads:
+            next(iter(self._loads.values())).read.wait(timeout_s)
+
+    def _prompt_hashes(self, seq: CachedSequence) -> list[BlockHash]:
+        """Keys of the prompt's blocks a hit may cover: the last token is always computed."""
+        return self._block_hashes(seq)[: (len(seq.token_ids) - 1) // self.block_size]
 
     def _lookup(self, hashes: list[BlockHash]) -> list[list[Block | None]]:
         """Each group's pool block for each key (None: not cached)."""
@@ -178,27 +217,32 @@ class KVCacheManager:
                                     firsts)
         raise AssertionError("an empty prefix is always cached")
 
-    def _load_from_disk(self, seq: CachedSequence, hashes: list[BlockHash], found: list[list[Block | None]],
-                        num_cached: int) -> int:
-        """Continue the pool's hit of `num_cached` blocks on disk: read what the longest prefix the two tiers hold
-        together needs into pool blocks, registered and left cached (unreferenced) for the lookup to take, in
-        order, stopping at the first miss. Returns the number of blocks read."""
+    def _start_disk_load(self, seq: CachedSequence, hashes: list[BlockHash], found: list[list[Block | None]],
+                         num_cached: int) -> _DiskLoad | None:
+        """Start reading what the longest prefix the pool and the disk hold together needs past the pool's hit of
+        `num_cached` blocks, into pool blocks taken now; None if the disk holds no more than the pool."""
         num_blocks = self._disk_prefix_length(hashes, found, num_cached)
         firsts = [self._first_needed(num_blocks, w) for w in self.windows]
         wanted = sorted((i, g) for g, first in enumerate(firsts) for i in range(first, num_blocks)
-                        if found[g][i] is None)
-        # the pool's own hits are held while blocks are taken for the reads, so taking cannot evict them
+                        if found[g][i] is None)[: self.pool.num_free_blocks]
+        if not wanted:
+            return None
+        # the pool's own hits are held while the read runs, so taking blocks cannot evict them
         held = [b for g, first in enumerate(firsts) for b in found[g][first:num_blocks] if b is not None]
         self.pool.touch(held)
-        wanted = wanted[: self.pool.num_free_blocks]
         blocks = self.pool.allocate(len(wanted))
         loads = [BlockLoad(block.block_id, self._key(hashes[i], g), hashes[i - 1] if i else None,
                            self._block_tokens(seq, i)) for block, (i, g) in zip(blocks, wanted)]
-        num_loaded = self.disk.load(loads)
-        for block, load in zip(blocks[:num_loaded], loads):
-            self.pool.register(block, load.key)
-        self.pool.free(reversed(held + blocks))  # tail first, as a finished request frees; unread ones uncached
-        return num_loaded
+        return _DiskLoad(self.disk.start_reading(loads), blocks, held, hashes, num_cached)
+
+    def _finish_disk_load(self, load: _DiskLoad) -> None:
+        """Blocks read up to the first miss join the prefix index; all go back to the pool (the unread uncached)."""
+        num_loaded = load.read.finish()
+        for block, block_load in zip(load.blocks[:num_loaded], load.read.loads):
+            self.pool.register(block, block_load.key)
+        self.pool.free(reversed(load.held + load.blocks))  # tail first, as a finished request frees
+        longer = self._longest_prefix(self._lookup(load.hashes)).num_blocks
+        self.disk.num_hit_tokens += max(0, longer - load.num_cached) * self.block_size
 
     def _disk_prefix_length(self, hashes: list[BlockHash], found: list[list[Block | None]], num_cached: int) -> int:
         """The longest prefix (in blocks) the pool and the disk hold together; the disk is asked past the pool's hit

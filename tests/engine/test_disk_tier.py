@@ -1,8 +1,10 @@
 """The disk tier in the engine (--kv-disk-cache): a prefix the pool evicted, or that an earlier engine computed,
 is read back bit for bit in every KV format and every layer group of a hybrid model, and greedy output is the same
 from the pool, from disk and recomputed; another model, format or cache_salt never hits; a record that fails its
-check halfway through a prefix costs only the blocks after it, and every block goes back to the pool."""
+check halfway through a prefix costs only the blocks after it, and every block goes back to the pool; other requests
+run while a prefix is read."""
 import logging
+import threading
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kv.block_hash import hash_full_blocks
+from kvserve.kv.disk_cache import DiskBlockStore
 from tests.conftest import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -172,3 +175,24 @@ def test_blocks_an_eviction_policy_changed_are_never_written(llama, tmp_path):
     llm.generate(prompt(200), GREEDY)
     # StreamingLLM keeps what an uncompressed run holds for the first sinks + recent = 36 tokens: 2 full blocks
     assert written(llm).stats()["disk_cache_writes"] == 2
+
+
+def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, monkeypatch):
+    tokens = prompt(100)
+    first = engine(llama, tmp_path)
+    reference = first.generate(tokens, GREEDY)[0]
+    written(first)
+    gate, read = threading.Event(), DiskBlockStore.read
+    monkeypatch.setattr(DiskBlockStore, "read", lambda self, *args: gate.wait(10) and read(self, *args))
+    llm = engine(llama, tmp_path).engine
+    llm.add_request("from-disk", tokens, GREEDY)
+    llm.add_request("other", prompt(40, seed=5), GREEDY)
+    finished = {}
+    while "other" not in finished:  # the reads are held back: only the other request can move
+        finished.update({out.request_id: out for out in llm.step() if out.finished})
+    assert "from-disk" not in finished and llm.requests["from-disk"].sequences[0].num_computed_tokens == 0
+    gate.set()
+    while llm.has_unfinished_requests():
+        finished.update({out.request_id: out for out in llm.step() if out.finished})
+    assert finished["from-disk"].num_cached_tokens == 96
+    assert finished["from-disk"].outputs[0].token_ids == reference.outputs[0].token_ids

@@ -83,7 +83,9 @@ def test_pool_to_disk_to_pool_is_bitwise_in_every_format(tmp_path, format_name, 
     tier = DiskKVCache(store(tmp_path), source)
     tier.save(3, keys[1], keys[0], tokens[1])
     assert tier.store.flush(10)
-    assert DiskKVCache(store(tmp_path), target).load([BlockLoad(5, keys[1], keys[0], tokens[1])]) == 1
+    read = DiskKVCache(store(tmp_path), target).start_reading([BlockLoad(5, keys[1], keys[0], tokens[1])])
+    read.wait(10)
+    assert read.done() and read.finish() == 1
     assert as_bytes(target.export_block(5)) == as_bytes(source.export_block(3))
     assert len(source.export_block(3)) == len(source._block_tensors())  # int4: codes, scales and zero points
     others = [b for b in range(BLOCKS) if b != 5]

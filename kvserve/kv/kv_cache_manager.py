@@ -129,6 +129,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of each sequence already in the prefix index
         self._first_eviction: dict[str, int] = {}  # computed tokens when the sequence first dropped a block
         self._loads: dict[str, _DiskLoad] = {}  # by request: prefixes being read from the disk tier
+        self._loaded: set[str] = set()  # requests waiting for admission whose prefix was read already
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_evicted_blocks = 0  # dropped by the eviction policy
@@ -175,6 +176,8 @@ class KVCacheManager:
         self.collect_loads()
         if seq.request_id in self._loads:
             return True
+        if seq.request_id in self._loaded:  # one read per admission: a pool too small for it must not loop
+            return False
         hashes = self._prompt_hashes(seq)
         found = self._lookup(hashes)
         num_cached = self._longest_prefix(found).num_blocks
@@ -190,6 +193,7 @@ class KVCacheManager:
         for request_id, load in list(self._loads.items()):
             if load.read.done():
                 del self._loads[request_id]
+                self._loaded.add(request_id)
                 self._finish_disk_load(load)
 
     def wait_for_loads(self, timeout_s: float) -> None:
@@ -373,6 +377,10 @@ class KVCacheManager:
     def free(self, seq: CachedSequence) -> None:
         """Return the request's blocks, tail first, so its head stays cached longest."""
         tables = self._tables.pop(seq.request_id, [])
+        self._loaded.discard(seq.request_id)
+        load = self._loads.pop(seq.request_id, None)
+        if load is not None:  # aborted while its prefix was read: the reads are dropped (they write no block)
+            self.pool.free(reversed(load.held + load.blocks))
         self._hashes.pop(seq.request_id, None)
         self._num_registered.pop(seq.request_id, None)
         self._first_eviction.pop(seq.request_id, None)

@@ -47,6 +47,13 @@ def written(llm: LLM) -> LLM:
     return llm
 
 
+def generated_and_written(llm: LLM, request: list[int] | dict):
+    """Generate greedily, then wait until the blocks are on disk."""
+    output = llm.generate(request, GREEDY)[0]
+    written(llm)
+    return output
+
+
 def prefix_keys(llm: LLM, tokens: list[int], num_blocks: int) -> list[bytes]:
     """The pool keys of a prompt's first `num_blocks` blocks, each group's (a hybrid model's end in the group)."""
     chain = hash_full_blocks(tokens[: num_blocks * 16], 16, namespace=llm.engine.config.kv_cache_format)
@@ -111,7 +118,7 @@ def test_a_prefix_the_pool_evicted_comes_back_from_disk(llama, tmp_path):
 
 def test_another_model_or_format_never_hits(llama, tmp_path, tmp_path_factory):
     tokens = prompt(100)
-    written(engine(llama, tmp_path)).generate(tokens, GREEDY)
+    generated_and_written(engine(llama, tmp_path), tokens)
     other_model = make_tiny_model(tmp_path_factory.mktemp("other"), "llama-gqa", seed=1)
     for llm in (engine(other_model, tmp_path), engine(llama, tmp_path, kv_cache_dtype="int8"),
                 engine(llama, tmp_path, dtype="bfloat16")):
@@ -121,7 +128,7 @@ def test_another_model_or_format_never_hits(llama, tmp_path, tmp_path_factory):
 
 def test_salts_stay_apart_across_a_restart(llama, tmp_path):
     tokens = prompt(100)
-    written(engine(llama, tmp_path)).generate({"prompt_token_ids": tokens, "cache_salt": "tenant-a"}, GREEDY)
+    generated_and_written(engine(llama, tmp_path), {"prompt_token_ids": tokens, "cache_salt": "tenant-a"})
     llm = engine(llama, tmp_path)
     assert llm.generate({"prompt_token_ids": tokens, "cache_salt": "tenant-b"}, GREEDY)[0].num_cached_tokens == 0
     assert llm.generate(tokens, GREEDY)[0].num_cached_tokens == 0
@@ -196,3 +203,16 @@ def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, mo
         finished.update({out.request_id: out for out in llm.step() if out.finished})
     assert finished["from-disk"].num_cached_tokens == 96
     assert finished["from-disk"].outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_a_request_aborted_while_its_prefix_is_read_gives_every_block_back(llama, tmp_path, monkeypatch):
+    tokens = prompt(100)
+    generated_and_written(engine(llama, tmp_path), tokens)
+    gate, read = threading.Event(), DiskBlockStore.read
+    monkeypatch.setattr(DiskBlockStore, "read", lambda self, *args: gate.wait(10) and read(self, *args))
+    llm = engine(llama, tmp_path).engine
+    llm.add_request("from-disk", tokens, GREEDY)
+    assert llm.step() == [] and llm.kv.pool.num_used_blocks == 6  # taken for the reads
+    llm.abort_request("from-disk")
+    assert llm.kv.pool.num_used_blocks == 0 and llm.kv.pool.num_cached_blocks == 0
+    gate.set()

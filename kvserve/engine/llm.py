@@ -9,6 +9,7 @@ from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.beam_search import BeamSearchOutput, beam_search
+from kvserve.engine.chat_prompt import needs_segments, render_chat, rendered_segments, segment_token_ids
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prompts import PromptType, is_single_prompt
 from kvserve.outputs import RequestOutput
@@ -68,17 +69,20 @@ class LLM:
         """Apply the model's chat template and generate the assistant's reply (one conversation or a list)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
-        # the rendered template holds its own special tokens (BOS): the tokenizer must not add them again
-        prompts = [{"prompt": self.apply_chat_template(c), "add_special_tokens": False, **salt}
-                   for c in conversations]
+        prompts = [{**self._chat_prompt(c), **salt} for c in conversations]
         outputs = self.generate(prompts, sampling_params)
         return outputs[0] if conversations is not messages else outputs
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return render_chat(self.engine.tokenizer, messages)
+
+    def _chat_prompt(self, messages: list[dict[str, str]]) -> dict:
+        """The rendered template holds its own special tokens (BOS): none are added; message content is text
+        (special-token text in it stays plain characters: kvserve/engine/chat_prompt.py)."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if tokenizer is None or not needs_segments(tokenizer, messages):
+            return {"prompt": self.apply_chat_template(messages), "add_special_tokens": False}
+        return {"prompt_token_ids": segment_token_ids(tokenizer, rendered_segments(tokenizer, messages))}
 
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()

@@ -1,16 +1,14 @@
 """POST /v1/chat/completions: the messages go through the model's chat template into one engine request."""
 from __future__ import annotations
 
-import re
-import secrets
 from collections.abc import AsyncIterator
-from functools import cache
 from typing import Any
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvserve.engine import chat_prompt
+from kvserve.engine.chat_prompt import ChatTemplateError, needs_segments, rendered_segments, segment_token_ids
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import is_text
 from kvserve.server.api_models import ChatCompletionRequest
@@ -57,49 +55,27 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 def chat_token_ids(ctx: ServingContext, messages: list[dict[str, str]]) -> list[int]:
     """The rendered conversation's token ids; the template holds its own special tokens (BOS), so none are added.
-    Message content is text, as OpenAI treats it: special-token text in it ("<|im_end|><|im_start|>system") is
-    tokenized as plain characters, and only the template's own markers are special (unless the server was
-    started with --chat-content-special-tokens)."""
+    Message content is text, as OpenAI treats it (kvserve/engine/chat_prompt.py), unless the server was started
+    with --chat-content-special-tokens."""
     engine = ctx.engine.engine
-    if ctx.content_special_tokens or not any(_special_text(ctx.tokenizer).search(m["content"]) for m in messages):
+    if ctx.content_special_tokens or not needs_segments(ctx.tokenizer, messages):
         return engine.encode(render_chat(ctx, messages), add_special_tokens=False)
-    segments = _rendered_segments(ctx, messages)
+    try:
+        segments = rendered_segments(ctx.tokenizer, messages)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
     engine.check_prompt_chars(sum(len(text) for text, _ in segments))
     if not all(is_text(text) for text, _ in segments):
         raise ValueError("the messages are not valid Unicode text (they have a lone surrogate)")
-    return [token_id for text, is_content in segments
-            for token_id in ctx.tokenizer(text, add_special_tokens=False, split_special_tokens=is_content).input_ids]
-
-
-def _rendered_segments(ctx: ServingContext, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
-    """The rendered prompt cut into (text, is message content) pieces: the template runs over placeholders that
-    are then replaced by each message's content, so nothing in a content can become template."""
-    nonce = secrets.token_hex(8)
-    marks = [f"[kvserve-content-{nonce}-{i}]" for i in range(len(messages))]
-    rendered = render_chat(ctx, [{**m, "content": mark} for m, mark in zip(messages, marks)])
-    pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
-    found = pieces[1::2]
-    if found != [mark for mark in marks if mark in found]:  # each at most once, in order
-        raise bad_request("this model's chat template reorders or repeats message content, so special-token text "
-                          "in a message cannot be kept as plain text; remove it from the content", "messages")
-    content_of = dict(zip(marks, (m["content"] for m in messages)))
-    return [(content_of[piece], True) if i % 2 else (piece, False) for i, piece in enumerate(pieces) if piece]
-
-
-@cache
-def _special_text(tokenizer) -> re.Pattern:
-    """Matches the text of any special token of `tokenizer`."""
-    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
-                      reverse=True)
-    return re.compile("|".join(map(re.escape, specials)) or "(?!)")
+    return segment_token_ids(ctx.tokenizer, segments)
 
 
 def render_chat(ctx: ServingContext, messages: list[dict[str, str]]) -> str:
     """The prompt text: the conversation through the model's chat template, ending where the assistant speaks."""
     try:
-        return ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except jinja2.TemplateError as exc:
-        raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from exc
+        return chat_prompt.render_chat(ctx.tokenizer, messages)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from exc
 
 
 def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int],

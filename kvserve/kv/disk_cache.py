@@ -196,8 +196,9 @@ class DiskBlockStore:
     def start_line(self, block_size: int, num_groups: int) -> str:
         """e.g. "KV disk cache: /data/kv, 20.00 GiB cap, 12,345 blocks (197,520 tokens) from earlier runs"."""
         tokens = self.num_records_at_start // num_groups * block_size
-        line = (f"KV disk cache: {self.root}, {format_bytes(self.capacity_bytes)} cap, {self.num_records_at_start:,} "
-                f"blocks ({tokens:,} tokens) from earlier runs")
+        blocks = f"{self.num_records_at_start:,} block{'' if self.num_records_at_start == 1 else 's'}"
+        line = (f"KV disk cache: {self.root}, {format_bytes(self.capacity_bytes)} cap, {blocks} ({tokens:,} tokens) "
+                "from earlier runs")
         others = len(self._files) - self.num_own_records
         if others:
             line += f"; {others:,} records of other models or formats share the cap"

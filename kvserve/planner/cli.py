@@ -88,6 +88,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="recent window kept (%(default)s)")
     evict.add_argument("--kv-budget-tokens", type=int, default=2048, metavar="N",
                        help="h2o: tokens kept in all (%(default)s)")
+    parser.add_argument("--kv-disk-cache-size", metavar="SIZE",
+                        help="also show what a disk tier of this size holds (--kv-disk-cache), e.g. 100GiB")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
     parser.add_argument("--plot", metavar="PATH",
                         help="also draw the GPU memory split and the maximum concurrency against context length for "
@@ -194,6 +196,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         contexts=_contexts(spec, args.context), weights_bytes=weights, weights_source=weights_source,
         gpu_name=args.gpu or args.gpu_memory, budget=budget, kv_plan=kv_plan, conversation=conversation,
         max_blocks_per_request=max_blocks,
+        disk_cache_bytes=parse_memory_size(args.kv_disk_cache_size) if args.kv_disk_cache_size else None,
     )
 
 

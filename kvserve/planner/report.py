@@ -17,11 +17,14 @@ from kvserve.planner.kv_size import (
     fixed_state_bytes,
     kv_bytes_per_token,
     kv_bytes_per_token_per_layer,
+    kv_layout,
     latent_words,
     request_kv_bytes,
 )
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
 from kvserve.planner.units import format_bytes
+
+DISK_RECORD_HEADER_BYTES = 1024  # a disk tier record's safetensors header: tensor shapes, keys, 16 token ids (< 1 KiB)
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,37 @@ class PlanReport:
     kv_plan: KVCachePlan | None = None
     conversation: ConversationPlan | None = None
     max_blocks_per_request: int | None = None  # a KV eviction policy's bound on one request's blocks
+    disk_cache_bytes: int | None = None  # --kv-disk-cache-size: the disk tier's cap
 
     @property
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.spec, self.kv_dtype, self.block_size)
+
+    @property
+    def disk_cache_tokens(self) -> int | None:
+        """Tokens the disk tier holds: one record per full block (and layer group), each with its header."""
+        if self.disk_cache_bytes is None:
+            return None
+        headers = DISK_RECORD_HEADER_BYTES * kv_layout(self.spec).num_groups
+        record_bytes = self.block_size * self.kv_bytes_per_token + headers
+        return self.disk_cache_bytes // record_bytes * self.block_size
+
+    def disk_cache_line(self) -> str:
+        """e.g. "disk tier (--kv-disk-cache-size 100.00 GiB): 812,345 tokens, 7.4x the pool's; 38 conversations"."""
+        line = (f"disk tier (--kv-disk-cache-size {format_bytes(self.disk_cache_bytes)}): "
+                f"{self.disk_cache_tokens:,} tokens in blocks of {self.block_size}")
+        if self.kv_plan is not None and self.kv_plan.kv_cache_tokens:
+            line += f", {self.disk_cache_tokens / self.kv_plan.kv_cache_tokens:,.1f}x the pool's"
+        if self.conversation is not None:
+            line += (f"; {self.disk_cache_tokens // self.conversation.final_tokens:,} whole conversations of "
+                     f"{self.conversation.final_tokens:,} tokens (the pool: "
+                     f"{self._pool_conversations()})")
+        return line
+
+    def _pool_conversations(self) -> str:
+        if self.kv_plan is None:
+            return "no --gpu given"
+        return f"{self.kv_plan.kv_cache_tokens // self.conversation.final_tokens:,}"
 
     @property
     def error(self) -> str | None:
@@ -169,6 +199,8 @@ def report_to_json(report: PlanReport) -> dict:
     }
     if report.conversation is not None:
         data.update(_conversation_json(report.conversation))
+    if report.disk_cache_bytes is not None:
+        data.update(disk_cache_bytes=report.disk_cache_bytes, disk_cache_tokens=report.disk_cache_tokens)
     return data
 
 
@@ -207,6 +239,8 @@ def render_report(report: PlanReport, console: Console) -> None:
             label = "; ".join(filter(None, [kv_format_label(report.kv_dtype), latent_words(
                 spec.kv_lora_rank, spec.qk_rope_head_dim) if spec.is_mla else None]))
             console.print(report.kv_plan.summary_line(label or None), highlight=False, soft_wrap=True)
+    if report.disk_cache_bytes is not None:
+        console.print(report.disk_cache_line(), highlight=False, soft_wrap=True)
     if report.error:
         console.print(f"[bold red]error:[/bold red] {report.error}", highlight=False, soft_wrap=True)
 

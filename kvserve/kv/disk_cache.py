@@ -204,7 +204,7 @@ class DiskBlockStore:
             line += f"; {others:,} records of other models or formats share the cap"
         return line
 
-    # ---- reads, on the step thread ------------------------------------------------------------------------
+    # ---- reads: lookups on the step thread, records read on the reader threads ---------------------------
     def contains(self, key: BlockHash) -> bool:
         """Whether a record for `key` is on disk now (any process's); it is verified only when read."""
         return self.path(key).exists()

@@ -228,12 +228,14 @@ class KVCacheManager:
         num_blocks = self._disk_prefix_length(hashes, found, num_cached)
         firsts = [self._first_needed(num_blocks, w) for w in self.windows]
         wanted = sorted((i, g) for g, first in enumerate(firsts) for i in range(first, num_blocks)
-                        if found[g][i] is None)[: self.pool.num_free_blocks]
-        if not wanted:
-            return None
+                        if found[g][i] is None)
         # the pool's own hits are held while the read runs, so taking blocks cannot evict them
         held = [b for g, first in enumerate(firsts) for b in found[g][first:num_blocks] if b is not None]
         self.pool.touch(held)
+        wanted = wanted[: self.pool.num_free_blocks]
+        if not wanted:
+            self.pool.free(reversed(held))
+            return None
         blocks = self.pool.allocate(len(wanted))
         loads = [BlockLoad(block.block_id, self._key(hashes[i], g), hashes[i - 1] if i else None,
                            self._block_tokens(seq, i)) for block, (i, g) in zip(blocks, wanted)]

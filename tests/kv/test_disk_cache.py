@@ -1,7 +1,8 @@
 """The disk tier's store: a block exported from the pool comes back bit for bit in every KV format; a record is
 used only if it is exactly the block asked for (corrupted, truncated, foreign and mismatched files are misses,
 counted, logged once and removed); a full disk stops writing with one warning; the cap holds, least recently used
-first; records appear only whole, even when the writing process is killed; two stores share a directory."""
+first; records appear only whole, even when the writing process is killed; two stores share a directory. The KV
+manager reads what the pool lacks into pool blocks, as many as it has free, up to the first bad record."""
 import errno
 import hashlib
 import logging
@@ -10,17 +11,18 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvserve.kv import disk_cache
-from kvserve.kv.block_hash import hash_block
+from kvserve.kv.block_hash import hash_block, hash_full_blocks
 from kvserve.kv.disk_cache import (BlockRecord, DiskBlockStore, DiskKVCache, RecordRejected, decode_record,
                                    record_metadata)
 from kvserve.kv.formats import make_kv_cache
-from kvserve.kv.kv_cache_manager import BlockLoad
+from kvserve.kv.kv_cache_manager import BlockLoad, KVCacheManager
 from kvserve.kv.layout import KVLayout
 
 FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
@@ -273,3 +275,86 @@ def test_two_stores_on_one_directory_share_records_without_corrupting_them(tmp_p
     for reader in (first, second, store(tmp_path)):
         assert all(reader.read(keys[i], keys[i - 1] if i else None, tokens[i], SPECS) is not None for i in range(40))
     assert len(list(tmp_path.glob("*/*.kvblock"))) == 40 and sum(first.counters.errors.values()) == 0
+
+
+# ---- the KV cache manager continuing the pool's hit on disk (a stand-in tier: every record present) -----------
+class StandInRead:
+    def __init__(self, loads, bad_key):
+        self.loads = loads
+        self.bad_key = bad_key
+
+    def done(self) -> bool:
+        return True
+
+    def finish(self) -> int:
+        keys = [load.key for load in self.loads]
+        return keys.index(self.bad_key) if self.bad_key in keys else len(keys)
+
+
+class StandInTier:
+    def __init__(self, bad_key: bytes | None = None):
+        self.bad_key = bad_key
+        self.num_hit_tokens = 0
+        self.reads: list[list[int]] = []
+
+    def contains(self, key: bytes) -> bool:
+        return True
+
+    def start_reading(self, loads):
+        self.reads.append([load.block_id for load in loads])
+        return StandInRead(loads, self.bad_key)
+
+
+@dataclass
+class Seq:
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+
+
+def manager_with_pool_hits(num_blocks: int, num_pool_hits: int, tier) -> tuple[KVCacheManager, Seq, list[bytes]]:
+    """A manager whose pool caches the first `num_pool_hits` blocks of a 97-token prompt (6 full blocks)."""
+    kv = KVCacheManager(num_blocks, BS, disk=tier)
+    seq = Seq("r", list(range(97)))
+    keys = hash_full_blocks(seq.token_ids, BS)
+    for block, key in zip(kv.pool.allocate(num_pool_hits), keys):
+        kv.pool.register(block, key)
+        kv.pool.free([block])
+    return kv, seq, keys
+
+
+def test_the_manager_reads_what_the_pool_lacks_and_admission_takes_it():
+    tier = StandInTier()
+    kv, seq, keys = manager_with_pool_hits(16, 2, tier)
+    assert kv.prefix_loading(seq) and kv.pool.num_used_blocks == 2 + 4  # the pool's hits held, 4 blocks read into
+    kv.collect_loads()
+    assert not kv.prefix_loading(seq) and kv.pool.num_used_blocks == 0
+    assert kv.find_cached_prefix(seq).num_blocks == 6 and tier.num_hit_tokens == 4 * BS
+
+
+def test_a_pool_short_of_blocks_reads_what_fits():
+    tier = StandInTier()
+    kv, seq, _ = manager_with_pool_hits(4, 2, tier)  # 2 free blocks once the 2 hits are held
+    assert kv.prefix_loading(seq) and len(tier.reads[0]) == 2
+    kv.collect_loads()
+    assert kv.find_cached_prefix(seq).num_blocks == 4 and kv.pool.num_used_blocks == 0
+    assert not kv.prefix_loading(seq)  # one read per admission, even though the disk holds more
+
+
+def test_a_read_failing_halfway_keeps_the_blocks_before_it_and_frees_the_rest():
+    keys = hash_full_blocks(list(range(97)), BS)
+    kv, seq, _ = manager_with_pool_hits(16, 1, StandInTier(bad_key=keys[3]))
+    assert kv.prefix_loading(seq)
+    kv.collect_loads()
+    assert kv.find_cached_prefix(seq).num_blocks == 3
+    assert kv.pool.num_used_blocks == 0 and kv.pool.num_cached_blocks == 3
+
+
+def test_freeing_a_request_whose_prefix_is_being_read_gives_its_blocks_back():
+    kv, seq, _ = manager_with_pool_hits(16, 2, StandInTier())
+    assert kv.prefix_loading(seq)
+    kv.free(seq)
+    assert kv.pool.num_used_blocks == 0 and kv.pool.num_cached_blocks == 2
+    kv.collect_loads()  # nothing left to collect
+    assert kv.pool.num_used_blocks == 0

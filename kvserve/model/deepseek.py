@@ -10,7 +10,8 @@ and layer (kv/formats/latent.py). Attention reads it two ways:
   heads attend over the cached vectors themselves as one shared key head (values: its latent part). Its cost is
   per query: the way for decode, which reads the cache once and never expands it.
 `attention_mode` "auto" takes absorbed for one-query groups and expanded for the rest (docs/benchmarks.md measures
-both). The feed-forward is a dense MLP in the first layers and a mixture of experts after: routed experts chosen
+both). StreamingLLM's sink keys are scored absorbed and written out; --batch-invariant absorbs every position over
+its own tile's keys and runs every expert on every row of a tile. The feed-forward is a dense MLP in the first layers and a mixture of experts after: routed experts chosen
 per token (V2: softmax scores, greedy or group-limited; V3: sigmoid scores with a learned bias for the choice,
 top groups by their two best experts) plus shared experts every token passes through."""
 from __future__ import annotations

@@ -19,14 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-# Common English words: with a leading space each is one token in the usual BPE vocabularies, so N words make a
-# prompt of about N tokens whatever the model. The server's usage counts the real number.
-WORDS = (
-    "the of and to in is you that it he was for on are as with his they at be this have from or one had by word "
-    "but not what all were we when your can said there use an each which she do how their if will up other about "
-    "out many then them these so some her would make like him into time has look two more write go see number no "
-    "way could people my than first water been call who its now find long down day did get come made may part"
-).split()
+from kvserve.bench.words import WORDS
 
 
 @dataclass(frozen=True)
@@ -245,7 +238,7 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (then output lengths vary)")
     p.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles (default 50,90,99)")
-    from kvserve.bench.routing import add_sessions_args  # it imports this module's WORDS
+    from kvserve.bench.routing import add_sessions_args
 
     add_sessions_args(p)
     p.set_defaults(func=run_from_args)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.bench.serve import WORDS
+from kvserve.bench.words import WORDS
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.planner.weights import estimate_num_parameters
+from kvserve.planner.parameters import estimate_num_parameters
 
 FULL = "full"  # attention over every earlier token: grows with the request
 SLIDING = "sliding"  # attention over the last `sliding_window` tokens: stops growing at the window

@@ -7,7 +7,7 @@ from kvserve.model.embedded import embedded_gguf_path
 from kvserve.planner.kv_size import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.planner.loaders import load_model_spec, load_preset_config, preset_names
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
-from kvserve.planner.weights import estimate_num_parameters
+from kvserve.planner.parameters import estimate_num_parameters
 
 REQUIRED_PRESETS = {
     "llama-3.1-8b", "llama-3.1-70b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b-v0.1", "qwen3-8b",

@@ -330,7 +330,10 @@ class LLMEngine:
             self.kv.wait_for_loads(DISK_LOAD_WAIT_S)  # only prefixes loading from disk: wait, not spin
             return []
         self._count_tokens(out)
+        started = time.perf_counter()
         step = self.runner.run(out)
+        if self.disk_cache is not None and out.admitted:  # prefill's speed: what reading from disk competes with
+            self.disk_cache.note_prefill(out.num_tokens, time.perf_counter() - started)
         logits, seqs = step.logits, step.seqs
         self.scheduler.advance(out)
         touched: dict[str, Request] = {}

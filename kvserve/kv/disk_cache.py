@@ -20,6 +20,7 @@ import atexit
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -434,6 +435,12 @@ class DiskKVCache:
         self.cache = cache
         self.specs = cache.block_specs()
         self.num_hit_tokens = 0  # prompt tokens whose blocks came from disk (the KV manager counts them)
+        self.num_recomputed_tokens = 0  # tokens on disk the engine chose to prefill instead: faster than reading
+        # measured rates (None until measured: reading is tried first), exponentially averaged
+        self.read_bytes_per_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+        self.record_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.specs)
+        self._logged_recompute = False
         # Files are read and checked a few at a time: reading waits on the disk and sha256 releases the GIL.
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvserve-disk-reader")
 
@@ -445,6 +452,27 @@ class DiskKVCache:
         if not self.store.writing_stopped:
             self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id)))
 
+    def worth_reading(self, num_records: int, num_tokens: int) -> bool:
+        """Whether reading `num_records` records is faster than prefilling the `num_tokens` they save, at the rates
+        measured so far; when it is not, the tokens are counted and the first time logged."""
+        if self.read_bytes_per_s is None or self.prefill_tokens_per_s is None:
+            return True
+        read_s = num_records * self.record_bytes / self.read_bytes_per_s
+        prefill_s = num_tokens / self.prefill_tokens_per_s
+        if read_s <= prefill_s:
+            return True
+        self.num_recomputed_tokens += num_tokens
+        if not self._logged_recompute:
+            self._logged_recompute = True
+            logger.info(f"KV disk cache: prefilling {num_tokens:,} tokens ({prefill_s:.3f} s at "
+                        f"{self.prefill_tokens_per_s:,.0f} tokens/s) rather than reading them ({read_s:.3f} s at "
+                        f"{self.read_bytes_per_s / 1e6:,.0f} MB/s); counted in kvserve:kv_disk_cache_recomputed_tokens")
+        return False
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step that prefilled `num_tokens` took `seconds` (the engine reports it: the rate loading competes with)."""
+        self.prefill_tokens_per_s = _averaged(self.prefill_tokens_per_s, num_tokens / seconds)
+
     def start_reading(self, loads: Sequence[BlockLoad]) -> PrefixRead:
         """Read and check the records of `loads` on the reader threads; PrefixRead.finish puts them in the pool."""
         return PrefixRead(self, list(loads), [self._readers.submit(self._read, load) for load in loads])
@@ -453,7 +481,13 @@ class DiskKVCache:
         return self.store.read(load.key, load.parent, load.token_ids, self.specs), time.perf_counter()
 
     def stats(self) -> dict[str, float | int]:
-        return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens}
+        return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens,
+                "disk_cache_recomputed_tokens": self.num_recomputed_tokens}
+
+
+def _averaged(average: float | None, value: float) -> float:
+    """An exponential average that follows a rate over the last ten or so measurements."""
+    return value if average is None else 0.9 * average + 0.1 * value
 
 
 class PrefixRead:
@@ -480,5 +514,9 @@ class PrefixRead:
                 break
             self.tier.cache.import_block(load.block_id, tensors)
             num_loaded += 1
-        self.tier.store.counters.read_s += max(end for _, end in results) - self._started
+        read_s = max(end for _, end in results) - self._started
+        self.tier.store.counters.read_s += read_s
+        if num_loaded:
+            self.tier.read_bytes_per_s = _averaged(self.tier.read_bytes_per_s,
+                                                   num_loaded * self.tier.record_bytes / max(read_s, 1e-6))
         return num_loaded

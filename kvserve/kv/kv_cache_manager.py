@@ -233,7 +233,8 @@ class KVCacheManager:
         held = [b for g, first in enumerate(firsts) for b in found[g][first:num_blocks] if b is not None]
         self.pool.touch(held)
         wanted = wanted[: self.pool.num_free_blocks]
-        if not wanted:
+        num_gained = max(i for i, _ in wanted) + 1 - num_cached if wanted else 0
+        if not wanted or not self.disk.worth_reading(len(wanted), num_gained * self.block_size):
             self.pool.free(reversed(held))
             return None
         blocks = self.pool.allocate(len(wanted))

@@ -53,6 +53,8 @@ DISK_GAUGES = [
 ]
 DISK_COUNTERS = [
     ("kvserve:kv_disk_cache_hit_tokens", "disk_cache_hit_tokens", "Prompt tokens whose KV blocks came from disk."),
+    ("kvserve:kv_disk_cache_recomputed_tokens", "disk_cache_recomputed_tokens",
+     "Prompt tokens on disk prefilled instead, at the measured rates faster than reading them."),
     ("kvserve:kv_disk_cache_reads", "disk_cache_reads", "KV blocks read from disk and verified."),
     ("kvserve:kv_disk_cache_read_bytes", "disk_cache_bytes_read", "Bytes read from the disk tier."),
     ("kvserve:kv_disk_cache_read_seconds", "disk_cache_read_seconds", "Time spent reading and verifying blocks."),

@@ -216,3 +216,18 @@ def test_a_request_aborted_while_its_prefix_is_read_gives_every_block_back(llama
     llm.abort_request("from-disk")
     assert llm.kv.pool.num_used_blocks == 0 and llm.kv.pool.num_cached_blocks == 0
     gate.set()
+
+
+def test_a_prefix_is_recomputed_where_that_is_faster_than_reading_it(llama, tmp_path, caplog):
+    tokens = prompt(100)
+    generated_and_written(engine(llama, tmp_path), tokens)
+    llm = engine(llama, tmp_path)
+    tier = llm.engine.disk_cache
+    tier.read_bytes_per_s, tier.prefill_tokens_per_s = 1e3, 1e6  # a slow disk beside a fast prefill
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        out = llm.generate(tokens, GREEDY)[0]
+    assert out.num_cached_tokens == 0 and llm.stats()["disk_cache_recomputed_tokens"] == 96
+    assert llm.stats()["disk_cache_reads"] == 0 and "rather than reading them" in caplog.text
+    fast = engine(llama, tmp_path)
+    fast.engine.disk_cache.read_bytes_per_s, fast.engine.disk_cache.prefill_tokens_per_s = 1e9, 1e3
+    assert fast.generate(tokens, GREEDY)[0].num_cached_tokens == 96 and fast.stats()["disk_cache_reads"] == 6

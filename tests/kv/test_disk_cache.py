@@ -300,6 +300,9 @@ class StandInTier:
     def contains(self, key: bytes) -> bool:
         return True
 
+    def worth_reading(self, num_records: int, num_tokens: int) -> bool:
+        return True
+
     def start_reading(self, loads):
         self.reads.append([load.block_id for load in loads])
         return StandInRead(loads, self.bad_key)

@@ -4,8 +4,9 @@ DeepSeek-V2-shaped model scaled so decode is memory-bound (no MLA checkpoint sma
 Printed in one run: KV bytes per token and tokens per GiB of the latent cache against the same model's per-head
 K and V cached expanded (the planner's figures, which the engine allocates); then, at each --contexts length,
 decode tokens/s of --batch requests with attention absorbed (over the latents) and expanded (the latents
-up-projected to per-head K/V every step), and prefill tokens/s of one --prefill-tokens prompt both ways. The decode
-steps of both ways start from the same prefilled blocks (the second finds them in the prefix cache)."""
+up-projected to per-head K/V every step); then prefill tokens/s of one --prefill-tokens prompt both ways, in chunks
+of each --prefill-chunks size, beside the way "auto" takes for it. The decode steps of both ways start from the
+same prefilled blocks (the second finds them in the prefix cache)."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,8 @@ def add_mla_parser(bench_subparsers) -> None:
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per point (default %(default)s)")
     p.add_argument("--prefill-tokens", type=int, default=1024,
                    help="prompt of the prefill timing (default %(default)s)")
+    p.add_argument("--prefill-chunks", default="16,64,256,1024",
+                   help="prefill chunk sizes (tokens a step), comma-separated (default %(default)s)")
     p.add_argument("--model", default=None, help="an MLA model directory (default: the random model above, built "
                                                  "in a temporary directory)")
     p.set_defaults(func=run_mla)
@@ -72,17 +75,24 @@ def run_mla(args: argparse.Namespace) -> int:
             console.print(f"decode, {args.batch} x {context:,}-token context: absorbed {rates['absorbed']:.1f} "
                           f"tokens/s, expanded {rates['expanded']:.1f} tokens/s "
                           f"({rates['absorbed'] / rates['expanded']:.2f}x)", highlight=False)
-        rates = {mode: _prefill_rate(llm, args.prefill_tokens, mode) for mode in MODES}
-        console.print(f"prefill, one {args.prefill_tokens:,}-token prompt: absorbed {rates['absorbed']:,.0f} tokens/s, "
-                      f"expanded {rates['expanded']:,.0f} tokens/s ({rates['expanded'] / rates['absorbed']:.2f}x)",
+        limit = llm.engine.model.layers[0].attn.absorbed_max_queries
+        for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
+            chunked = _llm(model, args.prefill_tokens + 1, 1, max_num_batched_tokens=chunk)
+            rates = {mode: _prefill_rate(chunked, args.prefill_tokens, mode) for mode in MODES}
+            console.print(f"prefill, one {args.prefill_tokens:,}-token prompt in chunks of {chunk:,}: absorbed "
+                          f"{rates['absorbed']:,.0f} tokens/s, expanded {rates['expanded']:,.0f} tokens/s "
+                          f"({rates['absorbed'] / rates['expanded']:.2f}x); auto: "
+                          f"{'absorbed' if chunk <= limit else 'expanded'}", highlight=False)
+        console.print(f"auto absorbs groups of up to {limit} queries per request (fewer multiply-adds)",
                       highlight=False)
     return 0
 
 
-def _llm(model, max_model_len: int, batch: int):
+def _llm(model, max_model_len: int, batch: int, max_num_batched_tokens: int | None = None):
     from kvserve.engine.llm import LLM
 
-    return LLM(str(model), max_model_len=max_model_len, max_num_seqs=batch, max_num_batched_tokens=max_model_len,
+    return LLM(str(model), max_model_len=max_model_len, max_num_seqs=batch,
+               max_num_batched_tokens=max_num_batched_tokens or max_model_len,
                kv_cache_memory=f"{(batch + 1) * max_model_len * 5 // 1024 + 64}MiB")
 
 

@@ -9,11 +9,14 @@ and layer (kv/formats/latent.py). Attention reads it two ways:
 - absorbed: W_UK moves into the query (q_nope W_UK is a query in latent space) and W_UV into the output, so all
   heads attend over the cached vectors themselves as one shared key head (values: its latent part). Its cost is
   per query: the way for decode, which reads the cache once and never expands it.
-`attention_mode` "auto" takes absorbed for one-query groups and expanded for the rest (docs/benchmarks.md measures
-both). StreamingLLM's sink keys are scored absorbed and written out; --batch-invariant absorbs every position over
-its own tile's keys and runs every expert on every row of a tile. The feed-forward is a dense MLP in the first layers and a mixture of experts after: routed experts chosen
-per token (V2: softmax scores, greedy or group-limited; V3: sigmoid scores with a learned bias for the choice,
-top groups by their two best experts) plus shared experts every token passes through."""
+`attention_mode` "auto" takes whichever needs fewer multiply-adds for the group's queries per request
+(`absorbed_max_queries`): decode and short chunks absorbed, long prefills expanded (docs/benchmarks.md measures
+both ways on both sides of the crossover). StreamingLLM's sink keys are scored absorbed and written out;
+--batch-invariant absorbs every position over its own tile's keys and runs every expert on every row of a tile.
+
+The feed-forward is a dense MLP in the first layers and a mixture of experts after: routed experts chosen per token
+(V2: softmax scores, greedy or group-limited; V3: sigmoid scores with a learned bias for the choice, top groups by
+their two best experts) plus shared experts every token passes through."""
 from __future__ import annotations
 
 import torch
@@ -53,6 +56,15 @@ def rope_factors(cfg: ModelConfig) -> tuple[float, float]:
     return rope, softmax
 
 
+def absorbed_max_queries(rank: int, nope: int, v_dim: int) -> int | float:
+    """Queries per request up to which absorbed attention needs fewer multiply-adds than expanded. Per key and head,
+    expanding costs rank x (nope + v) once for all queries; per query, key and head, absorbed attends over rank + rope
+    and sums rank values, expanded nope + rope and v: Q (2 rank - nope - v) < rank (nope + v). The rope part and
+    the per-query absorption (independent of the keys) drop out."""
+    extra_per_query = 2 * rank - nope - v_dim
+    return rank * (nope + v_dim) // extra_per_query if extra_per_query > 0 else float("inf")
+
+
 class LatentAttention:
     """One layer's MLA: projections, the cached vector, and attention expanded or absorbed."""
 
@@ -85,6 +97,7 @@ class LatentAttention:
         per_head = self.kv_b_weight.view(self.heads, self.nope + self.v_dim, self.rank)
         self.w_uk, self.w_uv = per_head[:, : self.nope], per_head[:, self.nope :]  # [H, nope, rank], [H, v, rank]
         self.o_proj = linears.linear(w[f"{a}.o_proj.weight"], bias("o_proj"))
+        self.absorbed_max_queries = absorbed_max_queries(self.rank, self.nope, self.v_dim)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Normed hidden [T, hidden] -> q_nope [T, H, nope], rotated q_rope [T, H, rope] and the cached vector
@@ -126,7 +139,8 @@ def latent_attention(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.
         return _tile_attention(attn, q_nope, q_rope, layer, cache, meta)
     out = q_nope.new_empty(q_nope.shape[0], attn.heads, attn.v_dim)
     for group in meta.groups[meta.layer_group[layer]]:
-        absorbed = mode == "absorbed" or (mode == "auto" and group.query_index.shape[1] == 1)
+        queries = group.query_index.shape[1]
+        absorbed = mode == "absorbed" or (mode == "auto" and queries <= attn.absorbed_max_queries)
         attend = _sink_scored if group.sink_rotation is not None else _absorbed if absorbed else _expanded
         rows = attend(attn, q_nope, q_rope, cached, layer, cache, group).reshape(-1, attn.heads, attn.v_dim)
         if group.out_rows is None and group.out_tokens is None:

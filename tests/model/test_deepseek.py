@@ -121,14 +121,15 @@ def record_sampled_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
     return sampled
 
 
-@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
-def test_chunked_batched_preempted_match_transformers(tmp_path, kind):
+@pytest.mark.parametrize("kind, mode", [("v2-lite", "auto"), ("v3", "auto"), ("v3", "expanded"), ("v3", "absorbed")])
+def test_chunked_batched_preempted_match_transformers(tmp_path, kind, mode):
     """Three prompts batched, prefilled in chunks of at most 16 tokens, in a pool too small for all three (so
     sequences are preempted and recomputed): every prompt position and decode step still equals transformers'."""
     path = make_deepseek(tmp_path, kind)
     block_bytes = 16 * 3 * (32 + 8) * 4  # 16 tokens x 3 layers x (latent 32 + rope 8) x float32
     engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory=9 * block_bytes, max_model_len=128,
                                     max_num_batched_tokens=16))
+    engine.model.attention_mode = mode
     prompts = {"a": random_prompt(37, seed=1), "b": random_prompt(50, seed=2), "c": random_prompt(21, seed=3)}
     sampled = record_sampled_logits(engine)
     params = SamplingParams(max_tokens=NUM_DECODE_STEPS, temperature=0, ignore_eos=True, prompt_logprobs=-1)

@@ -160,6 +160,10 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> DeepseekConfig:
     activation = cfg.get("hidden_act", "silu")
     if activation != "silu":
         raise ValueError(f"DeepSeek hidden_act {activation!r} is not supported (silu is)")
+    if cfg.get("quantization_config"):  # DeepSeek-V3's own checkpoint: fp8 blocks beside weight_scale_inv tensors
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"DeepSeek checkpoints quantized with {method!r} are not supported; convert the weights to "
+                         "bfloat16 first (kvserve loads plain safetensors weights)")
     v3 = arch == "deepseek_v3"
     return DeepseekConfig(
         q_lora_rank=cfg.get("q_lora_rank"),

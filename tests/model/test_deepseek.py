@@ -166,3 +166,16 @@ def test_config_reads_a_real_v2_lite_config():
     assert (ds.q_lora_rank, ds.kv_lora_rank, ds.qk_rope_head_dim, ds.v_head_dim) == (None, 512, 64, 128)
     assert (ds.scoring, ds.topk_method, ds.n_routed_experts, ds.num_experts_per_tok) == ("softmax", "greedy", 64, 6)
     assert not ds.is_moe_layer(0) and ds.is_moe_layer(1)
+
+
+def test_a_quantized_checkpoint_is_refused_naming_what_to_do():
+    """DeepSeek-V3's own repository holds fp8 weights with block scales, which loading as plain tensors would
+    silently misread."""
+    import json
+
+    from kvserve.planner.presets import __path__ as presets
+
+    config = json.loads((Path(presets[0]) / "deepseek-v3.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="quantized with 'fp8' are not supported; convert the weights to bfloat16"):
+        ModelConfig.from_hf(config)

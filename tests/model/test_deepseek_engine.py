@@ -10,11 +10,12 @@ import torch
 import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, BeamSearchParams, SamplingParams
 from kvserve.config import parse_size
 from kvserve.planner.kv_size import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.planner.model_spec import ModelSpec
 from tests.engine.test_batch_invariant_mode import alone, assert_bitwise, logits_of, make, prompts_of
+from tests.engine.test_beam_search import MAX_TOKENS, hf_beams
 from tests.engine.test_kv_eviction import engine_step_logits
 from tests.model.test_deepseek import hf_reference, make_deepseek
 
@@ -114,6 +115,16 @@ def test_n_samples_share_the_prompt_s_latent_blocks(v3_dir):
     alone_sampled = [llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i))[0]
                      .outputs[0].token_ids for i in range(2)]
     assert [o.token_ids for o in sampled] == alone_sampled
+
+
+def test_beam_search_matches_transformers(v3_dir):
+    """Beams fork each other's latent blocks (copy-on-write) and give transformers' hypotheses and scores."""
+    prompts = prompts_of([5, 30])
+    llm = LLM(str(v3_dir), kv_cache_memory="1MiB", max_model_len=256)
+    for prompt, result in zip(prompts, llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS))):
+        hf_sequences, hf_scores = hf_beams(v3_dir, prompt, 3, 1.0)
+        assert [h.token_ids for h in result.sequences] == hf_sequences
+        assert [h.score for h in result.sequences] == pytest.approx(hf_scores, rel=1e-4)
 
 
 def test_int8_weights_run_the_experts_and_keep_tokens_batched(v3_dir):

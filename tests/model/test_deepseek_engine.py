@@ -133,15 +133,15 @@ def test_int8_weights_run_the_experts_and_keep_tokens_batched(v3_dir):
     assert tokens_of(llm, prompts) == [tokens_of(llm, [p])[0] for p in prompts]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_batch_invariant_mla_is_bitwise_batched_chunked_and_preempted(v3_dir, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype, quantization", [("auto", "none"), ("int8", "none"), ("auto", "int8")])
+def test_batch_invariant_mla_is_bitwise_batched_chunked_and_preempted(v3_dir, kv_cache_dtype, quantization):
     """--batch-invariant: every position absorbed over its own tile's keys, experts run densely on fixed tiles."""
+    options = dict(kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     prompts = prompts_of([1, 16, 17, 33, 70])
-    expected = alone(v3_dir, prompts, kv_cache_dtype=kv_cache_dtype)
-    assert_bitwise(logits_of(make(v3_dir, kv_cache_dtype=kv_cache_dtype), prompts), expected)
-    block_bytes = make(v3_dir, kv_cache_dtype=kv_cache_dtype).engine.cache_plan.kv_bytes_per_token * 16
-    tight = make(v3_dir, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=24, max_model_len=128,
-                 kv_cache_memory=10 * block_bytes)
+    expected = alone(v3_dir, prompts, **options)
+    assert_bitwise(logits_of(make(v3_dir, **options), prompts), expected)
+    block_bytes = make(v3_dir, **options).engine.cache_plan.kv_bytes_per_token * 16
+    tight = make(v3_dir, max_num_batched_tokens=24, max_model_len=128, kv_cache_memory=10 * block_bytes, **options)
     assert_bitwise(logits_of(tight, prompts), expected)
     assert tight.stats()["num_preemptions"] > 0
 

@@ -38,7 +38,6 @@ class DeepseekConfig:
     n_routed_experts: int
     n_shared_experts: int
     num_experts_per_tok: int
-    moe_intermediate_size: int
     first_k_dense_replace: int  # the first k layers keep a dense MLP
     moe_layer_freq: int  # after those, every moe_layer_freq-th layer is MoE
     routed_scaling_factor: float
@@ -175,7 +174,6 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> DeepseekConfig:
         n_routed_experts=cfg.get("n_routed_experts") or 0,
         n_shared_experts=cfg.get("n_shared_experts") or 0,
         num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
-        moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
         first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
         moe_layer_freq=cfg.get("moe_layer_freq", 1),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),

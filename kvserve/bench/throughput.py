@@ -180,6 +180,9 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="kvserve's weights, e.g. none int8 (or none,int8); one run per value (default: none)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="FORMAT",
                    help="kvserve's KV storage, e.g. auto,fp8,int8,int4; one run per value (default: auto)")
+    p.add_argument("--batch-invariant", nargs="+", default=["off"], metavar="MODE",
+                   help="kvserve's --batch-invariant: off, on, or off on (one run per value) to price the mode "
+                        "against the default in the same run (default: off)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the kvserve configurations N times, interleaved (round by round), and show each one's "
                         "median run and its ratio to the first configuration in every round, so that a slow spell "
@@ -203,11 +206,13 @@ class _Config:
     dtype: str
     quantization: str
     kv_cache_dtype: str
+    batch_invariant: bool = False
 
     @property
     def name(self) -> str:
         extras = ([f"{self.quantization} weights"] if self.quantization != "none" else []) + \
-            ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else [])
+            ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else []) + \
+            (["batch-invariant"] if self.batch_invariant else [])
         return f"kvserve ({', '.join([self.dtype, *extras])})"
 
 
@@ -228,8 +233,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"kvserve bench throughput: unknown workload {unknown[0]!r}; choose from "
                          f"{', '.join(WORKLOADS)}")
-    configs = [_Config(d, q, kv) for d in args.dtypes for q in _names(args.quantization)
-               for kv in _names(args.kv_cache_dtype)]
+    modes = _names(args.batch_invariant)
+    if set(modes) - {"off", "on"}:
+        raise SystemExit(f"kvserve bench throughput: --batch-invariant takes off and/or on, got {args.batch_invariant}")
+    configs = [_Config(d, q, kv, mode == "on") for d in args.dtypes for q in _names(args.quantization)
+               for kv in _names(args.kv_cache_dtype) for mode in modes]
     for c in configs:  # bad values fail here, naming the choices, before anything loads
         try:
             EngineConfig(dtype=c.dtype, quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype)
@@ -299,7 +307,7 @@ class _KvserveRuns:
 
         llm = LLM(self.args.model, dtype=config.dtype, quantization=config.quantization,
                   kv_cache_dtype=config.kv_cache_dtype, max_model_len=self.max_len, kv_cache_memory=self.kv_memory,
-                  max_num_seqs=self.num_seqs)
+                  max_num_seqs=self.num_seqs, batch_invariant=config.batch_invariant)
         if not self.prompts:
             self._describe(llm.engine)
         for name, workload in self.workloads.items():

@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile with torch.compile (decode attention over an int8 or int4 KV cache then runs "
                         "as plain PyTorch ops, slower)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's logits bitwise independent of its batch, chunking, prefix hits and preemption "
+                        "(fixed token tiles, attention per query tile; costs speed: docs/benchmarks.md)")
     g.add_argument("--kv-disk-cache", default=None, metavar="DIR",
                    help="also keep full prefix blocks as files in DIR, read back after the pool evicted them or the "
                         "process restarted (docs/prefix_caching.md; default: off)")

@@ -1,9 +1,10 @@
 """A decoder's matmuls and embedding table, as the model dtype or as int8 (EngineConfig.quantization).
 
 int8 is W8A8: weights in int8 with one float32 scale per output channel, and each call quantizes its input per
-row (token), y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] qw[n, k]. The integer sums are exact, so a token's output
-is the same whichever tokens share its step (batch invariance), and every kernel route gives the same numbers:
-the route (kvserve/model/int8_kernels.py) is only a question of speed.
+row (token), y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] qw[n, k]. The integer sums are exact, so every kernel route
+gives the same numbers whichever tokens share the call: the route (kvserve/model/int8_kernels.py) is only a
+question of speed. (The rotation below is a float matmul: bitwise batch invariance also needs it in fixed tiles,
+kvserve/batch_invariant.py.)
 
 Both sides are rotated first (x W^T = (x R)(W R)^T for an orthonormal R, kvserve/rotation.py): a decoder's
 activations have a few channels far larger than the rest, which set the per-token scale and leave the others a

@@ -167,3 +167,15 @@ def test_eviction_is_refused_in_the_mode(model_dir, policy):
 def test_the_flag_must_be_a_bool(model_dir):
     with pytest.raises(ValueError, match="batch_invariant must be True or False, got 'yes'"):
         make(model_dir, batch_invariant="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8", "kv_cache_dtype": "fp8"}], ids=["float32", "int8-fp8"])
+def test_the_embedded_model_is_bitwise_the_same_alone_or_batched(options):
+    llm = LLM(batch_invariant=True, max_model_len=512, kv_cache_memory="64MiB", **options)
+    texts = ["The capital of France is", "A KV cache stores", "Once upon a time, in a village by the sea, there",
+             "def fibonacci(n):\n    "]
+    prompts = [llm.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [logits_of(llm, [p], params)[0] for p in prompts]
+    assert_bitwise(logits_of(llm, prompts, params), expected)

@@ -68,13 +68,15 @@ def run_mla(args: argparse.Namespace) -> int:
         console.print(f"{spec.name if args.model else 'random DeepSeek-V2-shaped model'}: {spec.num_layers} layers, "
                       f"{spec.num_attention_heads} heads, hidden {spec.hidden_size:,}; {plan.kv_dtype.name}")
         for name, per_token in (("latent (kvserve)", plan.kv_bytes_per_token), ("expanded per-head K/V", expanded)):
-            console.print(f"  {name}: {per_token:,} B/token, {2**30 // per_token:,} tokens per GiB", highlight=False)
-        console.print(f"  the latent holds {expanded / plan.kv_bytes_per_token:.1f}x the tokens", highlight=False)
+            console.print(f"  {name}: {per_token:,} B/token, {2**30 // per_token:,} tokens per GiB", highlight=False,
+                          soft_wrap=True)
+        console.print(f"  the latent holds {expanded / plan.kv_bytes_per_token:.1f}x the tokens", highlight=False,
+                      soft_wrap=True)
         for context in contexts:
             rates = {mode: _decode_rate(llm, context, args.batch, args.steps, mode) for mode in MODES}
             console.print(f"decode, {args.batch} x {context:,}-token context: absorbed {rates['absorbed']:.1f} "
                           f"tokens/s, expanded {rates['expanded']:.1f} tokens/s "
-                          f"({rates['absorbed'] / rates['expanded']:.2f}x)", highlight=False)
+                          f"({rates['absorbed'] / rates['expanded']:.2f}x)", highlight=False, soft_wrap=True)
         limit = llm.engine.model.layers[0].attn.absorbed_max_queries
         for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
             chunked = _llm(model, args.prefill_tokens + 1, 1, max_num_batched_tokens=chunk)
@@ -82,9 +84,9 @@ def run_mla(args: argparse.Namespace) -> int:
             console.print(f"prefill, one {args.prefill_tokens:,}-token prompt in chunks of {chunk:,}: absorbed "
                           f"{rates['absorbed']:,.0f} tokens/s, expanded {rates['expanded']:,.0f} tokens/s "
                           f"({rates['absorbed'] / rates['expanded']:.2f}x); auto: "
-                          f"{'absorbed' if chunk <= limit else 'expanded'}", highlight=False)
+                          f"{'absorbed' if chunk <= limit else 'expanded'}", highlight=False, soft_wrap=True)
         console.print(f"auto absorbs groups of up to {limit} queries per request (fewer multiply-adds)",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
     return 0
 
 

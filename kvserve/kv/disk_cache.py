@@ -475,7 +475,8 @@ class DiskKVCache:
 
     def start_reading(self, loads: Sequence[BlockLoad]) -> PrefixRead:
         """Read and check the records of `loads` on the reader threads; PrefixRead.finish puts them in the pool."""
-        return PrefixRead(self, list(loads), [self._readers.submit(self._read, load) for load in loads])
+        started = time.perf_counter()  # before the first read starts: a read may end before PrefixRead exists
+        return PrefixRead(self, list(loads), [self._readers.submit(self._read, load) for load in loads], started)
 
     def _read(self, load: BlockLoad) -> tuple[list[torch.Tensor] | None, float]:
         return self.store.read(load.key, load.parent, load.token_ids, self.specs), time.perf_counter()
@@ -493,11 +494,11 @@ def _averaged(average: float | None, value: float) -> float:
 class PrefixRead:
     """A prefix's records being read on the reader threads, while the engine's steps go on."""
 
-    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], reads: list[Future]):
+    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], reads: list[Future], started_s: float):
         self.tier = tier
         self.loads = loads
         self._reads = reads
-        self._started = time.perf_counter()
+        self._started = started_s  # perf_counter() when the reads were submitted
 
     def done(self) -> bool:
         return all(read.done() for read in self._reads)

@@ -159,9 +159,12 @@ def _expanded(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
               cache: PagedKVCache, group: AttentionGroup) -> torch.Tensor:
     keys, values = attn.expand(_keys_of(cached, layer, cache, group))  # [S, K, H, nope + rope], [S, K, H, v]
     queries = torch.cat([q_nope, q_rope], dim=-1)[group.query_index]  # [S, Q, H, nope + rope]
+    # values zero-padded to the keys' width: with equal widths the CPU takes its flash kernel (measured 5x faster
+    # on a 4,096-token prompt, and no [Q, K] score matrix per head); the padding's outputs are dropped
+    values = F.pad(values, (0, keys.shape[-1] - values.shape[-1]))
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=group.mask, is_causal=group.mask is None, scale=attn.scale)
-    return out.transpose(1, 2)  # [S, Q, H, v]
+    return out.transpose(1, 2)[..., : attn.v_dim]  # [S, Q, H, v]
 
 
 def _absorbed(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, cached: torch.Tensor, layer: int,
@@ -169,15 +172,15 @@ def _absorbed(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
     S, Q = group.query_index.shape
     queries = attn.absorb_query(q_nope[group.query_index].flatten(0, 1), q_rope[group.query_index].flatten(0, 1))
     keys = _keys_of(cached, layer, cache, group).transpose(1, 2)  # [S, 1, K, rank + rope]: one head for all
-    values = keys[..., : attn.rank]
+    values = keys  # the latent part is the value; reading the rope part too keeps widths equal (the flash kernel)
     if Q == 1:  # decode: the heads are the one key head's query rows, under one mask row
         out = F.scaled_dot_product_attention(queries.view(S, 1, attn.heads, -1), keys, values, attn_mask=group.mask,
-                                             scale=attn.scale)  # [S, 1, H, rank]
+                                             scale=attn.scale)  # [S, 1, H, rank + rope]
     else:
         out = F.scaled_dot_product_attention(queries.view(S, Q, attn.heads, -1).transpose(1, 2), keys, values,
                                              attn_mask=group.mask, is_causal=group.mask is None, scale=attn.scale,
-                                             enable_gqa=True).transpose(1, 2)  # [S, Q, H, rank]
-    return attn.absorb_output(out.reshape(S * Q, attn.heads, attn.rank))
+                                             enable_gqa=True).transpose(1, 2)  # [S, Q, H, rank + rope]
+    return attn.absorb_output(out[..., : attn.rank].reshape(S * Q, attn.heads, attn.rank))
 
 
 def _sink_scored(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, cached: torch.Tensor,

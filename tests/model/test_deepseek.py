@@ -102,8 +102,8 @@ def test_absorbed_equals_expanded(tmp_path, kind):
     for prompt_logits, step_logits, tokens in runs.values():
         assert_matches(prompt_logits, step_logits, tokens, reference, generated, len(prompt))
     (absorbed_prompt, absorbed_steps, _), (expanded_prompt, expanded_steps, _) = runs.values()
-    assert (absorbed_prompt - expanded_prompt).abs().max() <= 1e-5
-    assert max((a - e).abs().max() for a, e in zip(absorbed_steps, expanded_steps)) <= 1e-5
+    assert (absorbed_prompt - expanded_prompt).abs().max() <= 5e-5
+    assert max((a - e).abs().max() for a, e in zip(absorbed_steps, expanded_steps)) <= 5e-5
 
 
 def record_sampled_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:

@@ -163,3 +163,18 @@ def serve_tiny(model_dir: Path, engine_options: dict, **app_options):
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), **{**engine_options, **app_options.pop("engine", {})}))
     return ServerThread(build_app(engine, **app_options))
+
+
+def fail_at_token(monkeypatch, position: int) -> None:
+    """Fault injection: a request whose stop strings include "BOOM" raises when its detokenizer takes token
+    `position` (1: the first)."""
+    from kvserve.engine.detokenizer import Detokenizer
+
+    update = Detokenizer.update
+
+    def failing_update(self, token_ids):
+        if "BOOM" in self.stop and len(token_ids) == position:
+            raise RuntimeError(f"injected fault at token {position}")
+        update(self, token_ids)
+
+    monkeypatch.setattr(Detokenizer, "update", failing_update)

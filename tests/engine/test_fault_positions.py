@@ -5,10 +5,9 @@ first token once left first_token_time unset and killed the server's engine thre
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.request import Request
 from kvserve.engine.sequence import Sequence
-from tests.conftest import make_tiny_model, save_char_tokenizer
+from tests.conftest import fail_at_token, make_tiny_model, save_char_tokenizer
 
 MAX_TOKENS = 5
 GOOD = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -50,14 +49,7 @@ def assert_failed_alone(llm: LLM, outputs, alone: list[int], message: str) -> No
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("position", range(1, MAX_TOKENS + 1))  # 1: the first token, MAX_TOKENS: the last
 def test_a_fault_at_any_token_fails_that_request_alone(llm, alone, monkeypatch, position, n):
-    update = Detokenizer.update
-
-    def failing_update(self, token_ids):
-        if "BOOM" in self.stop and len(token_ids) == position:
-            raise RuntimeError(f"injected fault at token {position}")
-        update(self, token_ids)
-
-    monkeypatch.setattr(Detokenizer, "update", failing_update)
+    fail_at_token(monkeypatch, position)
     outputs = llm.generate(["good prompt", "bad prompt"], [GOOD, bad_params(n)])
     assert_failed_alone(llm, outputs, alone, f"injected fault at token {position}")
     assert outputs[1].metrics.first_token_time is not None  # a token was sampled for it

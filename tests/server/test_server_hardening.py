@@ -22,7 +22,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.server.app import build_app
 from kvserve.server.hosts import parse_allowed_hosts
 from kvserve.server.launch import ServerThread
-from tests.conftest import make_tiny_chat_model, scrape_metrics, serve_tiny
+from tests.conftest import fail_at_token, make_tiny_chat_model, scrape_metrics, serve_tiny
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -361,14 +361,7 @@ def test_max_waiting_counts_every_sample(model_dir):
 
 @pytest.mark.parametrize("position", [1, 2, 3, 4])  # of max_tokens=4: the first token, the last, and between
 def test_a_fault_at_any_token_fails_that_request_alone(server, offline, monkeypatch, position):
-    update = Detokenizer.update
-
-    def failing_update(self, token_ids):
-        if "BOOM" in self.stop and len(token_ids) == position:
-            raise RuntimeError(f"injected fault at token {position}")
-        update(self, token_ids)
-
-    monkeypatch.setattr(Detokenizer, "update", failing_update)
+    fail_at_token(monkeypatch, position)
     bad = {"prompt": "fail me", "stop": ["BOOM"], **GREEDY, "max_tokens": 4}
     failed = httpx.post(server.url + "/v1/completions", json=bad, timeout=30)
     with httpx.stream("POST", server.url + "/v1/completions", json={**bad, "stream": True}, timeout=30) as stream:

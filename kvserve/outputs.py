@@ -38,7 +38,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found cached (pool and disk tier)
+    num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier (--kv-disk-cache)
     metrics: RequestMetrics | None = None
     # per prompt token (None for the first): {token id: logprob} with the top-k and the actual token; or, when
     # SamplingParams(prompt_logprobs=-1), one [prompt_len, vocab] float32 tensor whose first row is NaN

@@ -296,6 +296,7 @@ class LLMEngine:
             token_ids[-1] = last_token_id
         request = Request(new_request_id, parent_request.prompt, parent_request.prompt_token_ids, parent.params,
                           num_cached_tokens=parent_request.num_cached_tokens,
+                          num_disk_cached_tokens=parent_request.num_disk_cached_tokens,
                           metrics=dataclasses.replace(parent_request.metrics))
         child = self._new_sequence(request, 0, token_ids, parent.max_tokens, parent.cache_salt)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -414,6 +415,7 @@ class LLMEngine:
             request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
             if seq.index == 0 and seq.num_preemptions == 0:
                 request.num_cached_tokens = seq.num_computed_tokens
+                request.num_disk_cached_tokens = self.kv.disk_hit_tokens(seq, seq.num_computed_tokens)
 
     def _fork_for_n(self, logits: torch.Tensor, seqs: list[Sequence],
                     failed: dict[str, Request]) -> tuple[torch.Tensor, list[Sequence]]:

@@ -19,6 +19,7 @@ class Request:
     params: SamplingParams
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those the disk tier brought into the pool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
     error: str | None = None  # why it failed inside a step (its sequences finished with "error")
 
@@ -50,6 +51,7 @@ class Request:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            num_disk_cached_tokens=self.num_disk_cached_tokens,
             metrics=self.metrics,
             error=self.error,
         )
@@ -61,7 +63,7 @@ class Request:
                    for seq in sorted(self.sequences, key=lambda s: s.index)]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,
-                             metrics=self.metrics, error=self.error)
+                             num_disk_cached_tokens=self.num_disk_cached_tokens, metrics=self.metrics, error=self.error)
 
     def _prompt_logprobs(self) -> list[dict[int, float] | None] | torch.Tensor | None:
         if self.params.prompt_logprobs is None or not self.sequences:

@@ -129,7 +129,9 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of each sequence already in the prefix index
         self._first_eviction: dict[str, int] = {}  # computed tokens when the sequence first dropped a block
         self._loads: dict[str, _DiskLoad] = {}  # by request: prefixes being read from the disk tier
-        self._loaded: set[str] = set()  # requests waiting for admission whose prefix was read already
+        # requests waiting for admission whose prefix was read already: the pool's hit before the read and the
+        # prefix the pool held after it, in blocks (what admission's hit owes to the disk tier)
+        self._loaded: dict[str, tuple[int, int]] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_evicted_blocks = 0  # dropped by the eviction policy
@@ -193,8 +195,7 @@ class KVCacheManager:
         for request_id, load in list(self._loads.items()):
             if load.read.done():
                 del self._loads[request_id]
-                self._loaded.add(request_id)
-                self._finish_disk_load(load)
+                self._loaded[request_id] = (load.num_cached, self._finish_disk_load(load))
 
     def wait_for_loads(self, timeout_s: float) -> None:
         """With nothing else to run: wait up to `timeout_s` for a disk read to finish (none pending: return)."""
@@ -242,14 +243,24 @@ class KVCacheManager:
                            self._block_tokens(seq, i)) for block, (i, g) in zip(blocks, wanted)]
         return _DiskLoad(self.disk.start_reading(loads), blocks, held, hashes, num_cached)
 
-    def _finish_disk_load(self, load: _DiskLoad) -> None:
-        """Blocks read up to the first miss join the prefix index; all go back to the pool (the unread uncached)."""
+    def disk_hit_tokens(self, seq: CachedSequence, num_cached_tokens: int) -> int:
+        """How many of the `num_cached_tokens` an admission found cached came from the disk tier (the rest were the
+        pool's own): the part of the hit past the pool's own hit and within what the read brought in."""
+        if seq.request_id not in self._loaded:
+            return 0
+        before, after = (n * self.block_size for n in self._loaded[seq.request_id])
+        return max(0, min(num_cached_tokens, after) - before)
+
+    def _finish_disk_load(self, load: _DiskLoad) -> int:
+        """Blocks read up to the first miss join the prefix index; all go back to the pool (the unread uncached).
+        Returns the prefix the pool now holds, in blocks."""
         num_loaded = load.read.finish()
         for block, block_load in zip(load.blocks[:num_loaded], load.read.loads):
             self.pool.register(block, block_load.key)
         self.pool.free(reversed(load.held + load.blocks))  # tail first, as a finished request frees
         longer = self._longest_prefix(self._lookup(load.hashes)).num_blocks
         self.disk.num_hit_tokens += max(0, longer - load.num_cached) * self.block_size
+        return longer
 
     def _disk_prefix_length(self, hashes: list[BlockHash], found: list[list[Block | None]], num_cached: int) -> int:
         """The longest prefix (in blocks) the pool and the disk hold together; the disk is asked past the pool's hit
@@ -380,7 +391,7 @@ class KVCacheManager:
     def free(self, seq: CachedSequence) -> None:
         """Return the request's blocks, tail first, so its head stays cached longest."""
         tables = self._tables.pop(seq.request_id, [])
-        self._loaded.discard(seq.request_id)
+        self._loaded.pop(seq.request_id, None)
         load = self._loads.pop(seq.request_id, None)
         if load is not None:  # aborted while its prefix was read: the reads are dropped (they write no block)
             self.pool.free(reversed(load.held + load.blocks))

@@ -121,7 +121,8 @@ class SharedView:
 
 class StatsHistory:
     """The engine's stats sampled every `interval_s` while the app runs, `max_samples` kept: usage, queue
-    lengths, and the token and prefix-hit rates over each interval."""
+    lengths, and the token and prefix-hit rates over each interval; with a disk tier, its fill and the share of
+    looked-up prompt tokens it supplied."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], interval_s: float = HISTORY_INTERVAL_S,
                  max_samples: int = HISTORY_SAMPLES):
@@ -157,6 +158,12 @@ class StatsHistory:
             queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
             if queries:
                 sample["prefix_cache_hit_rate"] = (stats["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries
+                if "disk_cache_hit_tokens" in stats:  # the share of looked-up prompt tokens the disk tier supplied
+                    sample["disk_cache_hit_rate"] = (stats["disk_cache_hit_tokens"]
+                                                     - before["disk_cache_hit_tokens"]) / queries
+        if "disk_cache_capacity_bytes" in stats:  # --kv-disk-cache: how full the tier is, and its hits
+            sample["disk_cache_fill"] = stats["disk_cache_bytes"] / max(stats["disk_cache_capacity_bytes"], 1)
+            sample.setdefault("disk_cache_hit_rate", None)
         self._previous = (now, stats)
         self._samples.append(sample)
 

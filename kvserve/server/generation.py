@@ -182,11 +182,15 @@ class EventStreamResponse(StreamingResponse):
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    disk = sum(o.num_disk_cached_tokens for o in outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+        "prompt_tokens_details": {"cached_tokens": cached},
+        # kvserve's extension: where the cached tokens came from (the pool, or the disk tier read into it)
+        "kvserve_cached_tokens_by_tier": {"pool": cached - disk, "disk": disk},
     }
 
 

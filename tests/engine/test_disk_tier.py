@@ -79,12 +79,25 @@ def test_a_restarted_engine_reads_the_prefix_back_bitwise_with_the_same_output(l
     second = engine(llama, tmp_path, kv_cache_dtype=kv_cache_dtype)
     from_disk = second.generate(tokens, GREEDY)[0]
     assert (recomputed.num_cached_tokens, from_pool.num_cached_tokens, from_disk.num_cached_tokens) == (0, 96, 96)
+    assert (from_pool.num_disk_cached_tokens, from_disk.num_disk_cached_tokens) == (0, 96)
     assert from_disk.outputs[0].token_ids == from_pool.outputs[0].token_ids == recomputed.outputs[0].token_ids
     stats = second.stats()
     assert stats["disk_cache_hit_tokens"] == 96 and stats["disk_cache_reads"] == 6
     assert stats["num_prefill_tokens"] == 4  # the last prompt token and the partial block's
     keys = prefix_keys(first, tokens, 6)
     assert pool_bytes(second, keys) == pool_bytes(first, keys) and len(pool_bytes(second, keys)) == 6
+
+
+def test_a_hit_is_split_by_tier_between_the_pool_and_the_disk(llama, tmp_path):
+    tokens = prompt(100)
+    generated_and_written(engine(llama, tmp_path), tokens)
+    llm = engine(llama, tmp_path)
+    head = llm.generate(tokens[:50], GREEDY)[0]  # reads 3 blocks from disk; they stay in the pool
+    whole = llm.generate(tokens, GREEDY)[0]  # the pool holds those 3, the disk the next 3
+    assert (head.num_cached_tokens, head.num_disk_cached_tokens) == (48, 48)
+    assert (whole.num_cached_tokens, whole.num_disk_cached_tokens) == (96, 48)
+    again = llm.generate(tokens, GREEDY)[0]  # all in the pool now
+    assert (again.num_cached_tokens, again.num_disk_cached_tokens) == (96, 0)
 
 
 def test_every_layer_group_of_a_hybrid_model_is_restored(gemma_hybrid, tmp_path):

@@ -149,6 +149,22 @@ def test_history_rates_cover_the_time_between_samples():
     assert history.samples_after(12.0)[0]["prefix_cache_hit_rate"] is None
 
 
+def test_history_shows_the_disk_tiers_fill_and_hit_rate():
+    stats = dict(kv_cache_usage=0.0, num_running=0, num_waiting=0, num_prefill_tokens=0, num_decode_tokens=0,
+                 prefix_cache_queries=0, prefix_cache_hits=0, disk_cache_bytes=0, disk_cache_capacity_bytes=1000,
+                 disk_cache_hit_tokens=0)
+    history = StatsHistory(lambda: dict(stats))
+    history.sample(10.0)
+    stats.update(prefix_cache_queries=200, prefix_cache_hits=150, disk_cache_hit_tokens=100, disk_cache_bytes=250)
+    history.sample(11.0)
+    first, second = history.samples_after(0)
+    assert (first["disk_cache_fill"], first["disk_cache_hit_rate"]) == (0.0, None)
+    assert (second["disk_cache_fill"], second["disk_cache_hit_rate"]) == (0.25, 0.5)
+    without = StatsHistory(lambda: {k: v for k, v in stats.items() if not k.startswith("disk")})
+    without.sample(1.0)
+    assert not any(key.startswith("disk") for key in without.samples_after(0)[0])
+
+
 def test_kv_blocks_pollers_share_one_view_at_most_every_max_age(model_dir):
     # Sixteen pollers back to back once took a view each on the engine thread, between every two steps.
     engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))

@@ -177,3 +177,32 @@ def test_the_page_draws_the_blocks_requests_hold(browser, model_dir, tmp_path):
     page.close()
     assert problems == []
     assert requested and all(url.startswith(server.url) for url in requested)  # nothing from elsewhere
+
+
+def test_the_page_shows_the_disk_tier(browser, model_dir, tmp_path):
+    """With --kv-disk-cache the page adds the tier's fill and hit rate, as cards and as a chart."""
+    options = dict(ENGINE_OPTIONS, kv_disk_cache=str(tmp_path / "kv"), kv_disk_cache_size="64MiB")
+    first = LLMEngine(EngineConfig(model=str(model_dir), **options))
+    first.add_request("warm", {"prompt_token_ids": SYSTEM + [7] * 20})
+    while first.has_unfinished_requests():
+        first.step()
+    assert first.disk_cache.store.flush(10)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **options))  # a restart: the prefix is on disk only
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    problems = []
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    with ServerThread(build_app(engine)) as server:
+        complete(server.url, SYSTEM + [9] * 20)  # its first 48 tokens (the system prompt) come from disk
+        stats = server_view(server.url)["stats"]
+        assert stats["disk_cache_hit_tokens"] == 48 and stats["disk_cache_blocks"] >= 4
+        page.goto(server.url + "/dashboard")
+        page.wait_for_function("""() => Array.from(document.querySelectorAll('#counters .label'))
+                                  .some((e) => e.textContent === 'Disk hit rate')""", timeout=10_000)
+        cards = dict(zip(page.locator("#counters .label").all_inner_texts(),
+                         page.locator("#counters .sub").all_inner_texts()))
+        assert cards["Disk hit rate"].startswith(f"48 of {stats['prefix_cache_queries']} prompt tokens")
+        assert cards["Disk tier"].startswith(f"{stats['disk_cache_blocks']} blocks")
+        page.wait_for_function("""() => Array.from(document.querySelectorAll('#charts .name'))
+                                  .some((e) => e.textContent === 'Disk tier')""", timeout=10_000)
+    page.close()
+    assert problems == []

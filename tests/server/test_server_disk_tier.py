@@ -28,6 +28,8 @@ def test_a_restarted_server_answers_from_disk_and_says_so(tmp_path):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == (prompt_tokens - 1) // 16 * 16 > 0
+    assert first["usage"]["kvserve_cached_tokens_by_tier"] == {"pool": 0, "disk": 0}
+    assert second["usage"]["kvserve_cached_tokens_by_tier"] == {"pool": 0, "disk": cached}
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     # the writer may finish after the stats a scrape reads were published (after each step): only "some"
     assert first_metrics["kvserve:kv_disk_cache_writes_total"] > 0 and metrics["kvserve:kv_disk_cache_blocks"] > 0

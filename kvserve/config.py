@@ -4,6 +4,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,67 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return getattr(torch, canonical_dtype(name))
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding without a draft model (kvserve/engine/speculative.py), in vLLM's names and shape:
+    `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`.
+    ngram proposes what followed the latest earlier occurrence of the last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) in the request's own prompt and output; suffix matches the longest suffix (up to
+    suffix_decoding_max_tree_depth tokens) in the request and in the last suffix_decoding_max_cached_requests
+    requests' outputs, and proposes up to suffix_decoding_max_spec_factor tokens per matched token."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is not supported; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is more than "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        factor = self.suffix_decoding_max_spec_factor
+        if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"speculative_config suffix_decoding_max_spec_factor must be a positive number, "
+                             f"got {factor!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict, or its JSON text (the CLI's --speculative-config); None stays None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc.msg}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object like "
+                             f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r}')
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; the keys are {', '.join(known)}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config needs a method: one of {', '.join(SPECULATIVE_METHODS)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the user asked for. `None` means: take it from the model (max_model_len) or a documented default."""
@@ -78,8 +140,11 @@ class EngineConfig:
     batch_invariant: bool = False  # logits bitwise independent of the batch (kvserve/batch_invariant.py)
     kv_disk_cache: str | None = None  # a directory: full prefix blocks kept on disk too (kvserve/kv/disk_cache.py)
     kv_disk_cache_size: int | str = "20GiB"  # the disk tier's cap, least recently used records removed first
+    # speculative decoding (kvserve/engine/speculative.py): a SpeculativeConfig, its dict, or its JSON text
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         canonical_dtype(self.dtype)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
@@ -99,6 +164,10 @@ class EngineConfig:
         if self.batch_invariant and self.kv_eviction != "none":
             raise ValueError(f"batch_invariant=True does not cover kv_eviction={self.kv_eviction!r}: its scored "
                              "attention and dropped blocks depend on the step; use kv_eviction='none'")
+        if self.speculative_config is not None and self.kv_eviction != "none":
+            raise ValueError(f"speculative_config does not combine with kv_eviction={self.kv_eviction!r}: rejected "
+                             "tokens would have been scored and their blocks' evictions decided; use "
+                             "kv_eviction='none'")
         if self.kv_cache_format == "int4" and self.block_size % 2:
             raise ValueError(f"kv_cache_dtype='int4' packs two tokens of a block per byte: block_size must be even, "
                              f"got {self.block_size}")

@@ -40,6 +40,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens found cached (pool and disk tier)
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier (--kv-disk-cache)
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for it (all n samples) ...
+    num_accepted_tokens: int = 0  # ... and of those, accepted
     metrics: RequestMetrics | None = None
     # per prompt token (None for the first): {token id: logprob} with the top-k and the actual token; or, when
     # SamplingParams(prompt_logprobs=-1), one [prompt_len, vocab] float32 tensor whose first row is NaN

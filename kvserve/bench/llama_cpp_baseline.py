@@ -6,7 +6,7 @@ at once (one llama_decode per step over prompt chunks and one new token per deco
 continuous batching does, and as llama-server -np N does.
 
 llama-cpp-python is the optional `[bench]` extra: it compiles llama.cpp at install time, for minutes.
-Child protocol: JSON {"prompts", "output_len", "n_ctx", "n_threads", "batched"} on stdin, JSON {"seconds",
+Child protocol: JSON {"prompts", "output_len", "n_ctx", "n_threads", "batched"[, "lookup"]} on stdin, JSON {"seconds",
 "outputs"} on stdout."""
 from __future__ import annotations
 
@@ -25,12 +25,20 @@ def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def generate_sequentially(prompts: list[list[int]], output_len: int, n_ctx: int, n_threads: int) -> dict:
+def generate_sequentially(prompts: list[list[int]], output_len: int, n_ctx: int, n_threads: int,
+                          lookup: bool = False) -> dict:
+    """`lookup`: with llama-cpp-python's prompt lookup decoding (LlamaPromptLookupDecoding, its defaults: 2-grams,
+    10 draft tokens), llama.cpp's own speculation without a draft model."""
     from llama_cpp import Llama
 
     from kvserve.model.embedded import embedded_gguf_path
 
-    llama = Llama(str(embedded_gguf_path()), n_ctx=n_ctx, n_threads=n_threads, verbose=False)
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding()
+    llama = Llama(str(embedded_gguf_path()), n_ctx=n_ctx, n_threads=n_threads, verbose=False, draft_model=draft)
     outputs, start = [], time.perf_counter()
     for prompt in prompts:  # its Python API serves one sequence at a time
         tokens = []
@@ -89,10 +97,11 @@ def generate_batched(prompts: list[list[int]], output_len: int, n_ctx: int, n_th
     return {"seconds": seconds, "outputs": outputs}
 
 
-def run_in_child(prompts: list[list[int]], output_len: int, n_ctx: int, n_threads: int, batched: bool = False) -> dict:
+def run_in_child(prompts: list[list[int]], output_len: int, n_ctx: int, n_threads: int, batched: bool = False,
+                 lookup: bool = False) -> dict:
     """Result dict, or {"error": why} when llama.cpp is missing or its process dies."""
     job = json.dumps({"prompts": prompts, "output_len": output_len, "n_ctx": n_ctx, "n_threads": n_threads,
-                      "batched": batched})
+                      "batched": batched, **({"lookup": True} if lookup else {})})
     proc = subprocess.run([sys.executable, "-m", "kvserve.bench.llama_cpp_baseline"], input=job,
                           capture_output=True, text=True)
     if proc.returncode != 0:

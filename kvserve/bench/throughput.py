@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.bench.rewrite import RewriteWorkload
 from kvserve.plots import check_plot_path, plot_throughput
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class Workload:
     seed: int = 0
     name: str = "decode-heavy"
 
-    def prompts(self, vocab_size: int) -> list[list[int]]:
+    def prompts(self, vocab_size: int, tokenizer=None) -> list[list[int]]:
         import torch
 
         g = torch.Generator().manual_seed(self.seed)
@@ -55,7 +56,8 @@ class Workload:
 
 PREFILL_HEAVY = Workload(12, 50, 400, 48, name="prefill-heavy")
 LONG_CONTEXT = Workload(16, 4096, 4096, 32, name="long-context")
-WORKLOADS = ("decode", "prefill", "long-context")
+WORKLOADS = ("decode", "prefill", "long-context", "rewrite")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class RunResult:
     decode_seconds: float = 0.0  # ... and the time of those steps (kvserve only)
     steps: Counter = field(default_factory=Counter)  # (tokens, sampled rows) -> steps of that shape (kvserve)
     prefill_tokens: int = 0  # prompt tokens computed, not found in the prefix cache (kvserve)
+    draft_tokens: int = 0  # speculative decoding (kvserve): draft tokens verified ...
+    accepted_tokens: int = 0  # ... accepted ...
+    drafts: int = 0  # ... in this many verifications
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,6 +95,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     steps: Counter = Counter()
     decode_tokens, decode_seconds = 0, 0.0
     prefill_start = engine.num_prefill_tokens
+    spec_start = _spec_counts(engine)
     start = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
@@ -112,8 +118,25 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
             decode_seconds += step_seconds
     seconds = time.perf_counter() - start
     tokens = [outputs[i] for i in ids]
+    spec = [b - a for a, b in zip(spec_start, _spec_counts(engine))]
     return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
-                     engine.num_prefill_tokens - prefill_start)
+                     engine.num_prefill_tokens - prefill_start, *spec)
+
+
+def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
+    """One request after another (a single stream over several prompts), summed."""
+    runs = [run_kvserve(llm, [prompt], output_len, name) for prompt in prompts]
+    total = lambda field_name: sum(getattr(r, field_name) for r in runs)  # noqa: E731
+    return RunResult(name, total("output_tokens"), total("seconds"), [r.outputs[0] for r in runs],
+                     total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
+                     total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"))
+
+
+def _spec_counts(engine) -> tuple[int, int, int]:
+    if engine.speculator is None:
+        return 0, 0, 0
+    stats = engine.speculator.stats
+    return stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
@@ -135,13 +158,13 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, batch_siz
 
 
 def run_llama_cpp(prompts: list[list[int]], output_len: int, n_ctx: int, name: str,
-                  batched: bool = False) -> RunResult | str:
-    """A RunResult, or the reason llama.cpp could not run here."""
+                  batched: bool = False, lookup: bool = False) -> RunResult | str:
+    """A RunResult, or the reason llama.cpp could not run here. `lookup`: serial, with its prompt lookup decoding."""
     import torch
 
     from kvserve.bench.llama_cpp_baseline import run_in_child
 
-    result = run_in_child(prompts, output_len, n_ctx, torch.get_num_threads(), batched)
+    result = run_in_child(prompts, output_len, n_ctx, torch.get_num_threads(), batched, lookup)
     if "error" in result:
         return result["error"]
     return RunResult(name, sum(map(len, result["outputs"])), result["seconds"], result["outputs"])
@@ -183,6 +206,10 @@ def add_throughput_parser(bench_subparsers) -> None:
     p.add_argument("--batch-invariant", nargs="+", default=["off"], metavar="MODE",
                    help="kvserve's --batch-invariant: off, on, or off on (one run per value) to price the mode "
                         "against the default in the same run (default: off)")
+    p.add_argument("--speculative", nargs="+", default=["off"], metavar="METHOD",
+                   help="kvserve's --speculative-config method: off, ngram, suffix (one run per value; default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per step with --speculative ngram/suffix (default %(default)s)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the kvserve configurations N times, interleaved (round by round), and show each one's "
                         "median run and its ratio to the first configuration in every round, so that a slow spell "
@@ -207,13 +234,22 @@ class _Config:
     quantization: str
     kv_cache_dtype: str
     batch_invariant: bool = False
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
 
     @property
     def name(self) -> str:
         extras = ([f"{self.quantization} weights"] if self.quantization != "none" else []) + \
             ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else []) + \
-            (["batch-invariant"] if self.batch_invariant else [])
+            (["batch-invariant"] if self.batch_invariant else []) + \
+            ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else [])
         return f"kvserve ({', '.join([self.dtype, *extras])})"
+
+    @property
+    def speculative_config(self) -> dict | None:
+        if self.speculative == "off":
+            return None
+        return {"method": self.speculative, "num_speculative_tokens": self.num_speculative_tokens}
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -236,16 +272,23 @@ def run_throughput(args: argparse.Namespace) -> int:
     modes = _names(args.batch_invariant)
     if set(modes) - {"off", "on"}:
         raise SystemExit(f"kvserve bench throughput: --batch-invariant takes off and/or on, got {args.batch_invariant}")
-    configs = [_Config(d, q, kv, mode == "on") for d in args.dtypes for q in _names(args.quantization)
-               for kv in _names(args.kv_cache_dtype) for mode in modes]
+    methods = _names(args.speculative)
+    if set(methods) - set(SPECULATIVE_METHODS):
+        raise SystemExit(f"kvserve bench throughput: --speculative takes {', '.join(SPECULATIVE_METHODS)}, got "
+                         f"{args.speculative}")
+    configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens) for d in args.dtypes
+               for q in _names(args.quantization) for kv in _names(args.kv_cache_dtype) for mode in modes
+               for method in methods]
     for c in configs:  # bad values fail here, naming the choices, before anything loads
         try:
-            EngineConfig(dtype=c.dtype, quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype)
+            EngineConfig(dtype=c.dtype, quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype,
+                         speculative_config=c.speculative_config)
         except ValueError as exc:
             raise SystemExit(f"kvserve bench throughput: {exc}") from exc
     console = Console(width=170)
     workloads = {"decode": Workload(args.num_requests, args.min_prompt_len, args.max_prompt_len, args.output_len,
-                                    args.seed), "prefill": PREFILL_HEAVY, "long-context": LONG_CONTEXT}
+                                    args.seed), "prefill": PREFILL_HEAVY, "long-context": LONG_CONTEXT,
+                 "rewrite": RewriteWorkload()}
     workloads = {name: workloads[name] for name in dict.fromkeys(_names(args.workloads))}
     kv_memory = args.kv_cache_memory or (LONG_CONTEXT_KV_MEMORY if "long-context" in workloads else None)
     console.print(f"torch threads: {torch.get_num_threads()}; greedy, EOS ignored; CPU: {_cpu_name()}")
@@ -271,18 +314,25 @@ def run_throughput(args: argparse.Namespace) -> int:
                 rows.append(run_llama_cpp(prompts[name], workload.output_len, n_ctx, "llama.cpp (serial)"))
                 rows.append(run_llama_cpp(prompts[name], workload.output_len, n_ctx, "llama.cpp (batched)", True))
         _report_workload(console, args, workload, rows, len(configs), runs.model_config, hf is not None)
+        _print_speculation(console, rows)
         _print_rounds(console, rounds[name])
     if singles:
-        single = prompts[next(iter(prompts))][:1]
+        single = runs.single_prompts()
         output_len = next(iter(workloads.values())).output_len
         if hf is not None:
             for use_cache in (True, False):
                 singles.append(run_transformers(hf, single, output_len, 1, pad_id, use_cache,
                                                 "transformers" if use_cache else "transformers, no KV cache"))
         if run_llama:
-            singles.append(run_llama_cpp(single, output_len, len(single[0]) + output_len, "llama.cpp"))
-        _print_table(console, f"Single stream ({len(single[0])}-token prompt, {output_len} new tokens; tokens/s "
-                              "incl. prefill)", singles)
+            n_ctx = max(map(len, single)) + output_len
+            singles.append(run_llama_cpp(single, output_len, n_ctx, "llama.cpp"))
+            if "off" not in methods or len(methods) > 1:  # against kvserve's speculation: llama.cpp's own
+                singles.append(run_llama_cpp(single, output_len, n_ctx, "llama.cpp + prompt lookup", lookup=True))
+        shape = (f"{len(single[0])}-token prompt" if len(single) == 1 else
+                 f"{len(single)} prompts of {min(map(len, single))}-{max(map(len, single))} tokens one after another")
+        _print_table(console, f"Single stream ({shape}, {output_len} new tokens each; tokens/s incl. prefill)",
+                     singles)
+        _print_speculation(console, singles)
         _print_rounds(console, rounds["single stream"])
     if args.plot:
         plot_throughput(args.plot, _speeds(batched[next(iter(workloads))]), _speeds(singles))
@@ -307,7 +357,8 @@ class _KvserveRuns:
 
         llm = LLM(self.args.model, dtype=config.dtype, quantization=config.quantization,
                   kv_cache_dtype=config.kv_cache_dtype, max_model_len=self.max_len, kv_cache_memory=self.kv_memory,
-                  max_num_seqs=self.num_seqs, batch_invariant=config.batch_invariant)
+                  max_num_seqs=self.num_seqs, batch_invariant=config.batch_invariant,
+                  speculative_config=config.speculative_config)
         if not self.prompts:
             self._describe(llm.engine)
         for name, workload in self.workloads.items():
@@ -318,8 +369,8 @@ class _KvserveRuns:
         if "single" not in self.args.skip:
             first = next(iter(self.workloads))
             llm.reset_prefix_cache()
-            self.singles.append(_maybe_profiled(self.args.profile, self.console, "single stream", run_kvserve, llm,
-                                                self.prompts[first][:1], self.workloads[first].output_len,
+            self.singles.append(_maybe_profiled(self.args.profile, self.console, "single stream", run_kvserve_serial,
+                                                llm, self.single_prompts(), self.workloads[first].output_len,
                                                 config.name))
         del llm
         gc.collect()
@@ -334,12 +385,17 @@ class _KvserveRuns:
             rows[:] = [sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2] for runs in per_config if runs]
         return rounds
 
+    def single_prompts(self) -> list[list[int]]:
+        """The single stream's prompts: the first workload's first; every document of the rewrite workload."""
+        first = next(iter(self.workloads))
+        return self.prompts[first] if first == "rewrite" else self.prompts[first][:1]
+
     def _describe(self, engine) -> None:
         self.model_path, self.model_config = engine.model_path, engine.model_config
         tokenizer = engine.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         for name, workload in self.workloads.items():
-            self.prompts[name] = workload.prompts(engine.model_config.vocab_size)
+            self.prompts[name] = workload.prompts(engine.model_config.vocab_size, tokenizer)
             self.console.print(workload.describe(self.prompts[name]))
 
 
@@ -368,6 +424,19 @@ def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, 
                       "batched: all requests in one llama_decode per step (its batch API)")
     if "roofline" not in args.skip:
         _print_roofline(console, rows[:num_kvserve], model_config)
+
+
+def _print_speculation(console, rows: list[RunResult | str]) -> None:
+    """Speculative rows: acceptance, mean accepted length, and whether the tokens match the first kvserve row's."""
+    ran = [r for r in rows if isinstance(r, RunResult) and r.name.startswith("kvserve")]
+    for r in ran:
+        if not r.drafts:
+            continue
+        same = agreement(r, ran[0]) if r is not ran[0] else 1.0
+        console.print(f"{r.name}: {r.accepted_tokens:,} of {r.draft_tokens:,} draft tokens accepted "
+                      f"({r.accepted_tokens / max(r.draft_tokens, 1):.0%}) in {r.drafts:,} verifications: "
+                      f"{1 + r.accepted_tokens / r.drafts:.2f} tokens per drafted step; greedy output identical to "
+                      f"{ran[0].name} for {same:.0%} of requests")
 
 
 def _print_roofline(console, runs: list[RunResult], model_config) -> None:

@@ -102,8 +102,12 @@ def beam_search(engine: LLMEngine, prompts: PromptType | Seq[PromptType],
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from exc
             searches.append(_Search(params, eos, num_candidates, [_Beam(request_id, [], 0.0)]))
+        if engine.speculator is not None:  # beams step one token at a time: no drafts meanwhile
+            engine.speculator.paused = True
         _run(engine, searches, ids)
     finally:
+        if engine.speculator is not None:
+            engine.speculator.paused = False
         for search in searches:
             for beam in search.beams:
                 engine.abort_request(beam.request_id)

@@ -56,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
                         "process restarted (docs/prefix_caching.md; default: off)")
     g.add_argument("--kv-disk-cache-size", default=defaults.kv_disk_cache_size, metavar="SIZE",
                    help="cap of --kv-disk-cache, e.g. 20GiB; least recently used blocks go first (default %(default)s)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding without a draft model, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
+                        '\'{"method": "suffix", ...}\' (vLLM\'s names; docs/speculative.md; default: off)')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -20,6 +20,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.engine.speculative import Speculator
 from kvserve.kv.disk_cache import DiskBlockStore, DiskKVCache, model_fingerprint
 from kvserve.kv.eviction import AttentionScores, make_policy
 from kvserve.kv.formats import make_kv_cache
@@ -115,7 +116,11 @@ class LLMEngine:
         windows = self.layout.windows
         self._full_group = windows.index(None) if None in windows else 0  # whose tokens "num_tokens_stored" counts
         self._sliding_group = next((g for g, w in enumerate(windows) if w is not None), None)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.speculator = (Speculator(config.speculative_config, self.cache)
+                           if config.speculative_config is not None else None)
+        if self.speculator is not None:
+            logger.info(self.speculator.describe())
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.speculator)
         self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores, tiles)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
@@ -352,7 +357,34 @@ class LLMEngine:
             touched[request.request_id] = request
             if request.error is None:
                 self._append(request, seq, sampled, now)
+        for seq, rows in step.draft_logits:
+            request = self.requests[_request_id(seq)]
+            touched[request.request_id] = request
+            if request.error is None:
+                self._verify(request, seq, rows, out.drafts[seq.request_id], now)
         return [self._output(request, now) for request in touched.values()]
+
+    def _verify(self, request: Request, seq: Sequence, logits: torch.Tensor, draft: list[int], now: float) -> None:
+        """Speculative decoding (engine/speculative.py): take the accepted draft tokens and the one sampled after
+        them, then roll the K/V back to the accepted tokens."""
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        last = seq.num_computed_tokens  # the position of the last token, computed this step with the draft
+        try:
+            samples, num_accepted = self.speculator.sample_drafted(logits, seq, draft, self.generator)
+            num_appended = 0
+            for sampled in samples:
+                seq.append_token(*sampled)
+                num_appended += 1
+                if seq.is_finished:
+                    break
+            self.num_decode_tokens += num_appended
+            # valid K/V: the last token and the accepted drafts that were kept (a stop may end the sequence sooner)
+            self.scheduler.accept(seq, last + 1 + min(num_accepted, num_appended))
+        except Exception as exc:
+            self._fail_request(request, exc)
+            return
+        if seq.is_finished:
+            self.scheduler.finish(seq)
 
     def _guarded(self, request: Request, touched: dict[str, Request], work, *args) -> None:
         """Run `work(*args)`, one request's own work; if it raises, that request alone fails (and is output)."""
@@ -405,6 +437,8 @@ class LLMEngine:
     def _count_tokens(self, out: SchedulerOutput) -> None:
         now = time.time()
         for seq, n in zip(out.seqs, out.num_new_tokens):
+            if seq.request_id in out.drafts:  # counted once verified: the tokens it keeps (_verify)
+                continue
             is_decode = n == 1 and seq.num_output_tokens > 0 and seq not in out.admitted
             if is_decode:
                 self.num_decode_tokens += n
@@ -495,9 +529,16 @@ class LLMEngine:
         if self._sliding_group is not None:  # a sliding layer holds only its window's tokens
             sliding["num_tokens_stored_sliding"] = sum(self.kv.num_stored_tokens(s, self._sliding_group) for s in live)
         disk = self.disk_cache.stats() if self.disk_cache is not None else {}
+        spec = {}
+        if self.speculator is not None:
+            counts = self.speculator.stats
+            spec = {"spec_decode_num_drafts": counts.num_drafts, "spec_decode_num_draft_tokens": counts.num_draft_tokens,
+                    "spec_decode_num_accepted_tokens": counts.num_accepted_tokens,
+                    "spec_decode_accepted_by_position": list(counts.accepted_by_position)}
         return {
             **sliding,
             **disk,
+            **spec,
             "num_blocks": pool.num_blocks,
             "block_size": self.kv.block_size,
             "num_free_blocks": pool.num_free_blocks,

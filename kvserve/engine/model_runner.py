@@ -1,7 +1,7 @@
 """One forward pass for a scheduled step: flatten the batch, describe it for attention, return logits to sample."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class StepLogits:
     logits: torch.Tensor  # [N, V] float32, row i for seqs[i]: the distribution its next token is sampled from
     seqs: list[Sequence]
     prompt_logits: list[tuple[Sequence, torch.Tensor]]  # [n, V] logits of the next n unscored prompt tokens
+    # speculative decoding: [1 + k, V] logits of a drafted sequence's last token and its k draft tokens
+    draft_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -81,7 +83,9 @@ class ModelRunner:
             scored = self._prompt_rows(seq, c)
             if scored is not None:
                 prompt_logits.append((seq, self._logits(hidden[scored[0] : scored[1]])))
-        return StepLogits(self._logits(hidden[rows]), [seq for seq, _ in sampling], prompt_logits)
+        draft_logits = [(seq, self._logits(hidden[c.offset : c.offset + c.num_tokens]))
+                        for seq, c in zip(out.seqs, chunks) if seq.request_id in out.drafts]
+        return StepLogits(self._logits(hidden[rows]), [seq for seq, _ in sampling], prompt_logits, draft_logits)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tiles.map(self.model.compute_logits, hidden).cpu()
@@ -106,7 +110,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             tables = [self.kv.block_table(seq.request_id, g) for g in range(num_groups)]
             chunks.append(_Chunk(len(tokens), n, start + n, tables, [self._slots(t, start, n) for t in tables]))
-            tokens.extend(seq.token_ids[start : start + n])
+            draft = out.drafts.get(seq.request_id, [])  # verified after the sequence's last token
+            tokens.extend((seq.token_ids + draft if draft else seq.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
         slot_mappings, groups = [], []
         for g in range(num_groups):

@@ -52,6 +52,8 @@ class Request:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             num_disk_cached_tokens=self.num_disk_cached_tokens,
+            num_draft_tokens=sum(s.num_draft_tokens for s in self.sequences),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in self.sequences),
             metrics=self.metrics,
             error=self.error,
         )

@@ -14,6 +14,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.engine.speculative import Speculator
 from kvserve.kv.kv_cache_manager import BlockCopy, KVCacheManager
 
 
@@ -23,6 +24,9 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)  # parallel to seqs
     block_copies: list[BlockCopy] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # first scheduled this step (some from preemption)
+    # speculative decoding: draft tokens each drafted sequence verifies after its last token, by request id (its
+    # num_new_tokens counts them; its computed tokens advance only by the accepted ones, after sampling)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -30,8 +34,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 speculator: Speculator | None = None):
         self.kv = kv
+        self.speculator = speculator  # proposes draft tokens for decoding sequences (engine/speculative.py)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # by rank, the next to admit first
@@ -78,12 +84,18 @@ class Scheduler:
         out = SchedulerOutput()
         copies: dict[str, list[BlockCopy]] = {}
         preempted: list[Sequence] = []
+        num_decoding = sum(_decoding(s) for s in self.running)
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.rank)):
             budget = self.max_num_batched_tokens - out.num_tokens
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            while (result := self.kv.allocate(seq, n)) is None:
+            draft = (self.speculator.propose(seq, budget - 1, num_decoding)
+                     if self.speculator is not None and _decoding(seq) else [])
+            while (result := self.kv.allocate(seq, n + len(draft))) is None:
+                if draft:  # short of blocks: verify nothing rather than preempt anyone
+                    draft = []
+                    continue
                 victim = max(self.running, key=lambda s: s.rank)
                 self._preempt(victim, out, copies)
                 preempted.append(victim)
@@ -91,8 +103,10 @@ class Scheduler:
                     break
             if result is not None:
                 out.seqs.append(seq)
-                out.num_new_tokens.append(n)
+                out.num_new_tokens.append(n + len(draft))
                 copies[seq.request_id] = result
+                if draft:
+                    out.drafts[seq.request_id] = draft
         # A sequence preempted for blocks would only push out another if admitted now: admit only those above it.
         self._admit(out, copies, min((s.rank for s in preempted), default=None))
         out.block_copies = [c for seq in out.seqs for c in copies.get(seq.request_id, ())]
@@ -156,19 +170,36 @@ class Scheduler:
             i = out.seqs.index(victim)
             del out.seqs[i], out.num_new_tokens[i]
             copies.pop(victim.request_id, None)
+            out.drafts.pop(victim.request_id, None)
             if victim in out.admitted:
                 out.admitted.remove(victim)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """After the forward pass: the scheduled tokens now have K/V in the cache."""
+        """After the forward pass: the scheduled tokens now have K/V in the cache (a drafted sequence's, once its
+        draft is verified: `accept`)."""
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
+            if seq.request_id not in out.drafts:
+                seq.num_computed_tokens += n
+                self.kv.cache_full_blocks(seq)
+
+    def accept(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """After verifying a draft: the sequence's K/V is valid for its first `num_computed_tokens` tokens (its last
+        token and the accepted drafts); the blocks only rejected drafts were written to go back to the pool."""
+        seq.num_computed_tokens = num_computed_tokens
+        self.kv.trim(seq)
+        self.kv.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and give its blocks back."""
+        if self.speculator is not None:
+            self.speculator.finish(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+
+
+def _decoding(seq: Sequence) -> bool:
+    """A running sequence whose next step computes its newest sampled token alone (what a draft can follow)."""
+    return seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0

@@ -40,6 +40,8 @@ class Sequence:
     forked: bool = False  # True once the n-1 siblings of sample 0 exist
     num_preemptions: int = 0
     arrival: int = 0  # when its request reached the scheduler (0, 1, 2, ...); a request's samples share it
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it, and of those, accepted
+    num_accepted_tokens: int = 0
 
     @property
     def rank(self) -> tuple[int, int]:

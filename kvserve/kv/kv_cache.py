@@ -56,6 +56,12 @@ class PagedKVCache:
         """Prepare attention before the first step, for a model with `num_query_heads` query heads (a format that
         compiles its decode attention compiles it here)."""
 
+    def max_draft_tokens(self, position: int) -> int | None:
+        """How many speculative tokens may follow the token at `position` in one step, to be written again if they
+        are rejected (engine/speculative.py); None: any number. Formats whose slots hold each token alone allow
+        any; one that finalizes a block's bytes when the block fills (int4) keeps drafts out of a block's last slot."""
+        return None
+
     def begin_step(self, freed_blocks: list[int], copies: list[tuple[int, int]],
                    slot_mappings: Sequence[torch.Tensor]) -> None:
         """Once per step, before the layers run: blocks freed since the last step (their contents are gone),

@@ -322,6 +322,15 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new[g]), first_new[g])
         return copies
 
+    def trim(self, seq: CachedSequence) -> None:
+        """Give back the blocks past the sequence's computed tokens (speculative decoding: the blocks that only
+        rejected draft tokens were written to). Slots of rejected tokens in a kept block are simply written again."""
+        keep = blocks_needed(seq.num_computed_tokens, self.block_size)
+        for table in self._tables.get(seq.request_id, []):
+            cut = bisect.bisect_left(table.logical, keep)
+            if cut < len(table.blocks):
+                self.pool.free(reversed(table.drop(list(range(cut, len(table.blocks))))))
+
     def cache_full_blocks(self, seq: CachedSequence) -> None:
         """Register the blocks that became full since the last call, so later requests can reuse them."""
         if not self.pool.enable_prefix_caching:

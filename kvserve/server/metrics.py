@@ -66,6 +66,14 @@ DISK_COUNTERS = [
 ]
 DISK_ERROR_PREFIX = "disk_cache_errors_"
 
+# speculative decoding's (--speculative-config), vLLM's names
+SPEC_COUNTERS = [
+    ("kvserve:spec_decode_num_drafts", "spec_decode_num_drafts", "Drafts verified (one per drafted sequence and step)."),
+    ("kvserve:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    ("kvserve:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Draft tokens accepted (each saves a decode step)."),
+]
+
 
 class _EngineStatsCollector:
     def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]], kv_info: dict[str, str]):
@@ -89,6 +97,20 @@ class _EngineStatsCollector:
             yield family
         if "disk_cache_bytes" in stats:
             yield from self._disk_metrics(stats)
+        if "spec_decode_num_drafts" in stats:
+            yield from self._spec_metrics(stats)
+
+    def _spec_metrics(self, stats: dict[str, Any]):
+        for name, key, help_text in SPEC_COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([self._model_name], stats[key])
+            yield family
+        by_position = CounterMetricFamily("kvserve:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by their position in the draft (0 first).",
+                                          labels=["model_name", "position"])
+        for position, value in enumerate(stats["spec_decode_accepted_by_position"]):
+            by_position.add_metric([self._model_name, str(position)], value)
+        yield by_position
 
     def _disk_metrics(self, stats: dict[str, Any]):
         for name, key, help_text in DISK_GAUGES:

@@ -1,5 +1,7 @@
 """`kvserve bench throughput` without llama-cpp-python (the `[bench]` extra): it says so and runs the rest; one
 row per kvserve configuration (dtype x weights x KV format), a roofline line, and bad values named."""
+import re
+
 import pytest
 
 from kvserve.bench import llama_cpp_baseline, throughput
@@ -73,8 +75,47 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     ("--repeat", "0", "--repeat must be at least 1, got 0"),
     ("--quantization", "int4", "quantization='int4' is not supported; choose one of none, int8"),
     ("--kv-cache-dtype", "int3", "kv_cache_dtype='int3' is not supported"),
-    ("--workloads", "chat", "unknown workload 'chat'; choose from decode, prefill, long-context"),
+    ("--workloads", "chat", "unknown workload 'chat'; choose from decode, prefill, long-context, rewrite"),
+    ("--speculative", "eagle", "--speculative takes off, ngram, suffix"),
+    ("--num-speculative-tokens", "0", "num_speculative_tokens must be a positive integer"),
 ])
 def test_bad_values_are_named_before_anything_loads(option, value, message):
-    with pytest.raises(SystemExit, match=message):
-        main(["bench", "throughput", option, value])
+    argv = ["bench", "throughput", option, value]
+    if option == "--num-speculative-tokens":
+        argv += ["--speculative", "ngram"]
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(argv)
+
+
+def test_the_rewrite_workload_asks_to_correct_real_documents_of_the_stated_lengths():
+    from kvserve.bench.rewrite import INSTRUCTION, RewriteWorkload
+    from kvserve.model.loader import resolve_model
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
+    workload = RewriteWorkload()
+    documents = workload.documents(tokenizer)
+    lengths = [len(tokenizer(d, add_special_tokens=False).input_ids) for d in documents]
+    assert len(documents) == 8 and all(300 <= n for n in lengths) and lengths == sorted(lengths)
+    assert len(set(documents)) == 8
+    prompts = workload.prompts(49152, tokenizer)
+    text = tokenizer.decode(prompts[0])
+    assert INSTRUCTION.strip() in text and documents[0][:100] in text and "<|im_start|>assistant" in text
+    assert max(map(len, prompts)) + workload.output_len <= workload.max_len
+
+
+@pytest.mark.slow
+def test_speculation_rows_say_how_much_was_accepted(monkeypatch, capsys):
+    from kvserve.bench.rewrite import RewriteWorkload
+
+    monkeypatch.setattr(throughput, "RewriteWorkload", lambda: RewriteWorkload(2, 60, 90, 24))
+    argv = ["bench", "throughput", "--workloads", "rewrite", "--dtypes", "float32", "--skip", "transformers",
+            "llama.cpp", "roofline", "--speculative", "off", "ngram"]
+
+    assert main(argv) == 0
+
+    out = capsys.readouterr().out
+    assert "│ kvserve (float32, ngram k=4) " in out and "Single stream (2 prompts of" in out
+    line = next(x for x in out.splitlines() if x.startswith("kvserve (float32, ngram k=4): "))
+    assert "draft tokens accepted" in line and "identical to kvserve (float32) for 100%" in line

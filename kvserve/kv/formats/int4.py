@@ -78,6 +78,12 @@ class Int4KVCache(PagedKVCache):
             warm_up_decode(self, self.fused_decode, num_query_heads, extra_keys=self.block_size + 1)
             self._own_rows = {}
 
+    def max_draft_tokens(self, position: int) -> int:
+        """A draft token in a block's last slot would quantize the block with a token that may be rejected (a
+        filled block is never written again): drafts stop one slot short of the block's end."""
+        offset = position % self.block_size
+        return self.block_size - 1 if offset == self.block_size - 1 else self.block_size - 2 - offset
+
     @property
     def staging_rows(self) -> int:
         return self.staging_k.shape[1]

@@ -38,7 +38,8 @@ def config_from_args(args: argparse.Namespace) -> ScaleOutConfig:
         router=args.router, imbalance_threshold=args.imbalance_threshold, replica_cpus=args.replica_cpus,
         replica_gpus=args.replica_gpus, ray_address=args.ray_address, host=args.host, port=args.port,
         api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-        shutdown_timeout_s=args.shutdown_timeout_s, access_log=args.access_log,
+        shutdown_timeout_s=args.shutdown_timeout_s, access_log=args.access_log, max_body_bytes=args.max_body_bytes,
+        allowed_hosts=tuple(args.allowed_hosts), chat_content_special_tokens=args.chat_content_special_tokens,
     )
 
 

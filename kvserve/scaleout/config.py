@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING
+from kvserve.server.body import DEFAULT_MAX_BODY_BYTES
 
 ROUTER_NAMES = ("prefix", "pow2", "round-robin")
 DEFAULT_IMBALANCE_THRESHOLD = 8  # ongoing requests between the busiest and the idlest replica
@@ -24,6 +25,9 @@ class ScaleOutConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     max_waiting: int = DEFAULT_MAX_WAITING  # per replica, as in the single server
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # each replica's app, as the single server's options
+    allowed_hosts: tuple[str, ...] = ()
+    chat_content_special_tokens: bool = False
     shutdown_timeout_s: float = 30.0
     access_log: bool = True
     app_name: str = "kvserve"

@@ -179,9 +179,10 @@ class ServerMetrics:
                 metrics = output.metrics
                 if metrics is not None and metrics.first_token_time is not None:
                     self._ttft.observe(metrics.first_token_time - metrics.arrival_time)
-        elif longest > progress.num_tokens:
+        elif longest > progress.num_tokens:  # one gap per new token (speculative decoding adds several per step)
             gap_s = (now - progress.last_token_s) / (longest - progress.num_tokens)
-            self._itl.observe(gap_s)
+            for _ in range(longest - progress.num_tokens):
+                self._itl.observe(gap_s)
         self._generation_tokens.inc(total - progress.num_tokens_all)
         progress.last_token_s, progress.num_tokens, progress.num_tokens_all = now, longest, total
         if output.finished:

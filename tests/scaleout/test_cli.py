@@ -29,6 +29,24 @@ def test_serve_lets_each_replica_queue_what_the_single_server_queues():
     assert config.max_ongoing_requests == 10 + config.engine.max_num_seqs
 
 
+def test_each_replica_gets_the_single_servers_app_options(monkeypatch):
+    """--allowed-hosts, --chat-content-special-tokens and --max-body-size reach every replica's build_app."""
+    from kvserve.scaleout import cli as scaleout_cli
+
+    seen = {}
+
+    def run_on_ray(args):
+        seen["config"] = scaleout_cli.config_from_args(args)
+        return 0
+
+    monkeypatch.setattr("kvserve.server.cli.run_on_ray", run_on_ray)
+    assert main(["serve", "--replicas", "2", "--allowed-hosts", "kv.example.com", "--chat-content-special-tokens",
+                 "--max-body-size", "1MiB"]) == 0
+    config = seen["config"]
+    assert config.allowed_hosts == ("kv.example.com",) and config.chat_content_special_tokens
+    assert config.max_body_bytes == 2**20
+
+
 # What Serve reports when every EngineReplica constructor raised (shape of Ray 2.60's deployment status message)
 SERVE_REPORT = """EngineReplica: The deployment failed to start 6 times in a row. This may be due to a problem with its \
 constructor or initial health check failing. See controller logs for details. Error:

@@ -179,9 +179,11 @@ def test_the_page_draws_the_blocks_requests_hold(browser, model_dir, tmp_path):
     assert requested and all(url.startswith(server.url) for url in requested)  # nothing from elsewhere
 
 
-def test_the_page_shows_the_disk_tier(browser, model_dir, tmp_path):
-    """With --kv-disk-cache the page adds the tier's fill and hit rate, as cards and as a chart."""
-    options = dict(ENGINE_OPTIONS, kv_disk_cache=str(tmp_path / "kv"), kv_disk_cache_size="64MiB")
+def test_the_page_shows_the_disk_tier_and_speculation(browser, model_dir, tmp_path):
+    """With --kv-disk-cache the page adds the tier's fill and hit rate, as cards and as a chart; with
+    --speculative-config, a card of the draft tokens accepted."""
+    options = dict(ENGINE_OPTIONS, kv_disk_cache=str(tmp_path / "kv"), kv_disk_cache_size="64MiB",
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     first = LLMEngine(EngineConfig(model=str(model_dir), **options))
     first.add_request("warm", {"prompt_token_ids": SYSTEM + [7] * 20})
     while first.has_unfinished_requests():
@@ -202,6 +204,8 @@ def test_the_page_shows_the_disk_tier(browser, model_dir, tmp_path):
                          page.locator("#counters .sub").all_inner_texts()))
         assert cards["Disk hit rate"].startswith(f"48 of {stats['prefix_cache_queries']} prompt tokens")
         assert cards["Disk tier"].startswith(f"{stats['disk_cache_blocks']} blocks")
+        drafted = f"{stats['spec_decode_num_accepted_tokens']} of {stats['spec_decode_num_draft_tokens']} · "
+        assert cards["Draft tokens accepted"].startswith(drafted)
         page.wait_for_function("""() => Array.from(document.querySelectorAll('#charts .name'))
                                   .some((e) => e.textContent === 'Disk tier')""", timeout=10_000)
     page.close()

@@ -56,6 +56,9 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
+# Speculation stops once more sequences than this decode in one step: there the step is bound by its matmuls, and
+# verifying k more tokens per sequence costs nearly k more decode steps' compute (docs/speculative.md measures it).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class SpeculativeConfig:
     ngram proposes what followed the latest earlier occurrence of the last n tokens (n from prompt_lookup_max down to
     prompt_lookup_min) in the request's own prompt and output; suffix matches the longest suffix (up to
     suffix_decoding_max_tree_depth tokens) in the request and in the last suffix_decoding_max_cached_requests
-    requests' outputs, and proposes up to suffix_decoding_max_spec_factor tokens per matched token."""
+    requests' outputs, and proposes up to suffix_decoding_max_spec_factor tokens per matched token. Nothing is
+    proposed in a step where more than disable_by_batch_size sequences decode."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -74,13 +78,14 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is not supported; choose one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "disable_by_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")

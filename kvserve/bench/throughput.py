@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.bench.rewrite import RewriteWorkload
+from kvserve.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from kvserve.plots import check_plot_path, plot_throughput
 
 if TYPE_CHECKING:
@@ -210,6 +211,9 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="kvserve's --speculative-config method: off, ngram, suffix (one run per value; default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="draft tokens per step with --speculative ngram/suffix (default %(default)s)")
+    p.add_argument("--disable-by-batch-size", type=int, nargs="+", default=[DEFAULT_DISABLE_BY_BATCH_SIZE],
+                   metavar="N", help="speculate only while at most N sequences decode in a step (default "
+                                     "%(default)s); one run per value, to measure where speculation stops paying")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the kvserve configurations N times, interleaved (round by round), and show each one's "
                         "median run and its ratio to the first configuration in every round, so that a slow spell "
@@ -236,20 +240,24 @@ class _Config:
     batch_invariant: bool = False
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @property
     def name(self) -> str:
         extras = ([f"{self.quantization} weights"] if self.quantization != "none" else []) + \
             ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else []) + \
             (["batch-invariant"] if self.batch_invariant else []) + \
-            ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else [])
+            ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else []) + \
+            ([f"off above {self.disable_by_batch_size}"] if self.disable_by_batch_size != DEFAULT_DISABLE_BY_BATCH_SIZE
+             and self.speculative != "off" else [])
         return f"kvserve ({', '.join([self.dtype, *extras])})"
 
     @property
     def speculative_config(self) -> dict | None:
         if self.speculative == "off":
             return None
-        return {"method": self.speculative, "num_speculative_tokens": self.num_speculative_tokens}
+        return {"method": self.speculative, "num_speculative_tokens": self.num_speculative_tokens,
+                "disable_by_batch_size": self.disable_by_batch_size}
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -276,9 +284,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     if set(methods) - set(SPECULATIVE_METHODS):
         raise SystemExit(f"kvserve bench throughput: --speculative takes {', '.join(SPECULATIVE_METHODS)}, got "
                          f"{args.speculative}")
-    configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens) for d in args.dtypes
+    configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit) for d in args.dtypes
                for q in _names(args.quantization) for kv in _names(args.kv_cache_dtype) for mode in modes
-               for method in methods]
+               for method in methods
+               for limit in (args.disable_by_batch_size if method != "off" else [DEFAULT_DISABLE_BY_BATCH_SIZE])]
     for c in configs:  # bad values fail here, naming the choices, before anything loads
         try:
             EngineConfig(dtype=c.dtype, quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype,

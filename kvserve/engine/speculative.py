@@ -35,11 +35,6 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.sampling_params import SamplingParams
 
-# Speculation stops once this many sequences decode in one step: there the step is bound by its matmuls, and
-# verifying k more tokens per sequence costs nearly k more decode steps' compute (docs/speculative.md measures it).
-MAX_SPECULATIVE_BATCH = 8
-
-
 class _NgramIndex:
     """For each n in `sizes`: every n-gram of a token list that has a next token, mapped to where its latest
     occurrence's continuation starts. Grows with the list (an append-only list, as a sequence's tokens are)."""
@@ -131,10 +126,10 @@ class SpeculationStats:
 class Speculator:
     """Proposes drafts for decoding sequences and samples the verification rows; the engine rolls the KV back."""
 
-    def __init__(self, config: SpeculativeConfig, cache: PagedKVCache, max_batch: int = MAX_SPECULATIVE_BATCH):
+    def __init__(self, config: SpeculativeConfig, cache: PagedKVCache):
         self.config = config
         self.cache = cache
-        self.max_batch = max_batch
+        self.max_batch = config.disable_by_batch_size
         self.paused = False  # beam search steps one token at a time
         self.stats = SpeculationStats()
         if config.method == "ngram":
@@ -154,7 +149,7 @@ class Speculator:
             how = (f"suffix match up to {c.suffix_decoding_max_tree_depth} tokens over the request and the last "
                    f"{c.suffix_decoding_max_cached_requests} outputs")
         return (f"speculative decoding: {c.method}, up to {c.num_speculative_tokens} draft tokens ({how}), while at "
-                f"most {self.max_batch} sequences decode in a step")
+                f"most {self.max_batch} sequences decode in a step (disable_by_batch_size)")
 
     def propose(self, seq: Sequence, max_tokens: int, num_decoding: int) -> list[int]:
         """Draft tokens to verify after `seq`'s last token this step: at most `max_tokens` (the step's token budget

@@ -76,7 +76,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 1000
+    # its index holds max_tree_depth entries per output token: 100 outputs of 500 tokens take ~135 MiB
+    suffix_decoding_max_cached_requests: int = 100
     suffix_decoding_max_spec_factor: float = 1.0
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 

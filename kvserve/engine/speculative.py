@@ -41,7 +41,9 @@ class _NgramIndex:
 
     def __init__(self, sizes: range):
         self.sizes = sizes
-        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        # keyed by the n-gram's hash, not the n-gram: a fifth of the memory, and a collision costs only a draft
+        # that verification rejects
+        self.maps: dict[int, dict[int, int]] = {n: {} for n in sizes}
         self.num_indexed = 0  # n-grams ending before this index are in the maps
 
     def update(self, tokens: list[int], offset: int = 0) -> None:
@@ -50,55 +52,55 @@ class _NgramIndex:
         for end in range(self.num_indexed, len(tokens) - 1):
             for n in self.sizes:
                 if end + 1 >= n:
-                    self.maps[n][tuple(tokens[end + 1 - n : end + 1])] = offset + end + 1
+                    self.maps[n][hash(tuple(tokens[end + 1 - n : end + 1]))] = offset + end + 1
         self.num_indexed = max(self.num_indexed, len(tokens) - 1)
 
     def find(self, tokens: list[int], n: int) -> int | None:
         """Where the continuation of the latest earlier occurrence of `tokens`' last n tokens starts."""
-        return self.maps[n].get(tuple(tokens[-n:])) if len(tokens) >= n else None
+        return self.maps[n].get(hash(tuple(tokens[-n:]))) if len(tokens) >= n else None
 
 
 class _RecentOutputs:
     """The last `capacity` finished requests' output tokens in one n-gram index (suffix decoding's global tree).
-    Entries of requests pushed out are ignored when found and dropped when the index is rebuilt."""
+    Entries of requests pushed out are ignored when found, and dropped when they outnumber the live ones."""
 
     def __init__(self, capacity: int, depth: int):
         self.capacity = capacity
         self.sizes = range(1, depth + 1)
-        self.outputs: deque[tuple[int, list[int]]] = deque()  # (first corpus position, tokens)
+        self.outputs: deque[tuple[int, list[int], int]] = deque()  # (first corpus position, tokens, index entries)
         self.next_position = 0
         self.index = _NgramIndex(self.sizes)
-        self.num_entries = 0
+        self.num_entries = self.num_live_entries = 0
 
     def add(self, tokens: list[int]) -> None:
         if len(tokens) < 2:
             return
-        self.outputs.append((self.next_position, tokens))
-        index = _NgramIndex(self.sizes)
-        index.update(tokens, offset=self.next_position)
-        for n, entries in index.maps.items():
-            self.index.maps[n].update(entries)
-            self.num_entries += len(entries)
+        added = self._index(self.next_position, tokens)
+        self.outputs.append((self.next_position, tokens, added))
+        self.num_live_entries += added
         self.next_position += len(tokens) + 1  # a gap: no continuation runs from one output into the next
         while len(self.outputs) > self.capacity:
-            self.outputs.popleft()
-        if self.num_entries > 4 * self.capacity * 64:  # mostly stale: rebuild from what is kept
-            self._rebuild()
+            self.num_live_entries -= self.outputs.popleft()[2]
+        if self.num_entries > 2 * self.num_live_entries:  # mostly stale: rebuild from what is kept
+            self.index, self.num_entries = _NgramIndex(self.sizes), 0
+            for position, kept, _ in self.outputs:
+                self._index(position, kept)
 
-    def _rebuild(self) -> None:
-        self.index, self.num_entries = _NgramIndex(self.sizes), 0
-        for position, tokens in self.outputs:
-            index = _NgramIndex(self.sizes)
-            index.update(tokens, offset=position)
-            for n, entries in index.maps.items():
-                self.index.maps[n].update(entries)
-                self.num_entries += len(entries)
+    def _index(self, position: int, tokens: list[int]) -> int:
+        index = _NgramIndex(self.sizes)
+        index.update(tokens, offset=position)
+        added = 0
+        for n, entries in index.maps.items():
+            self.index.maps[n].update(entries)
+            added += len(entries)
+        self.num_entries += added
+        return added
 
     def continuation(self, tokens: list[int], n: int, k: int) -> list[int]:
         position = self.index.find(tokens, n)
         if position is None or not self.outputs or position < self.outputs[0][0]:
             return []
-        for first, output in reversed(self.outputs):
+        for first, output, _ in reversed(self.outputs):
             if first <= position < first + len(output):
                 return output[position - first : position - first + k]
         return []

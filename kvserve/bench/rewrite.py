@@ -3,15 +3,16 @@ in full, where the answer repeats the prompt (what prompt lookup and suffix deco
 
 Eight documents of 300-800 tokens, cut at paragraph ends from the English prose CPython ships (`pydoc_data`, the
 default text of `kvserve eval`), each with a few deterministic typos (two letters swapped in every 25th word of
-five letters or more), sent through the model's chat template with an instruction to correct them and output the
-corrected text. The outputs are the model's own (greedy); EOS is ignored as in the other workloads, so every
+five letters or more), followed by an instruction to rewrite the text correcting them, through the model's chat
+template. The outputs are the model's own (greedy); EOS is ignored as in the other workloads, so every
 engine produces the same number of tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-INSTRUCTION = ("Correct the spelling mistakes in the following text. Output the corrected text in full and "
-               "nothing else.\n\n")
+# after the text: SmolLM2-135M answers an instruction placed first with loops of its own ("The corrected text
+# is: ..."); placed after the text, it rewrites the text, quoting its spans
+INSTRUCTION = "\n\nRewrite the text above, correcting its spelling mistakes."
 TYPO_EVERY = 25  # words
 
 
@@ -45,12 +46,12 @@ class RewriteWorkload:
             raise ValueError("the rewrite workload needs the model's tokenizer (and chat template)")
         prompts = []
         for document in self.documents(tokenizer):
-            messages = [{"role": "user", "content": INSTRUCTION + document}]
+            messages = [{"role": "user", "content": document + INSTRUCTION}]
             if getattr(tokenizer, "chat_template", None):
                 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                 prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
             else:
-                prompts.append(tokenizer(INSTRUCTION + document).input_ids)
+                prompts.append(tokenizer(document + INSTRUCTION).input_ids)
         return prompts
 
     @property

@@ -26,6 +26,7 @@ from kvserve.plots import check_plot_path, plot_throughput
 if TYPE_CHECKING:
     import torch
 
+LOOKUP_ROOM = 16  # context llama-cpp-python's prompt lookup needs past the last token (its 10 drafts and 1)
 LONG_CONTEXT_KV_MEMORY = "4GiB"  # 16 x 4,128 tokens of SmolLM2's float32 KV (45 KiB/token) is 2.9 GiB
 
 
@@ -131,6 +132,13 @@ def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str
     return RunResult(name, total("output_tokens"), total("seconds"), [r.outputs[0] for r in runs],
                      total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
                      total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"))
+
+
+def _reset(llm) -> None:
+    """Before a timed run: no cached prefix, and no earlier run's answers for suffix decoding to find."""
+    llm.reset_prefix_cache()
+    if llm.engine.speculator is not None:
+        llm.engine.speculator.forget_outputs()
 
 
 def _spec_counts(engine) -> tuple[int, int, int]:
@@ -336,7 +344,9 @@ def run_throughput(args: argparse.Namespace) -> int:
             n_ctx = max(map(len, single)) + output_len
             singles.append(run_llama_cpp(single, output_len, n_ctx, "llama.cpp"))
             if "off" not in methods or len(methods) > 1:  # against kvserve's speculation: llama.cpp's own
-                singles.append(run_llama_cpp(single, output_len, n_ctx, "llama.cpp + prompt lookup", lookup=True))
+                # (its draft's logits need room past the last token: 10 draft tokens + 1)
+                singles.append(run_llama_cpp(single, output_len, n_ctx + LOOKUP_ROOM, "llama.cpp + prompt lookup",
+                                             lookup=True))
         shape = (f"{len(single[0])}-token prompt" if len(single) == 1 else
                  f"{len(single)} prompts of {min(map(len, single))}-{max(map(len, single))} tokens one after another")
         _print_table(console, f"Single stream ({shape}, {output_len} new tokens each; tokens/s incl. prefill)",
@@ -372,12 +382,12 @@ class _KvserveRuns:
             self._describe(llm.engine)
         for name, workload in self.workloads.items():
             run_kvserve(llm, self.prompts[name][:2], 4)  # warm-up
-            llm.reset_prefix_cache()  # every timed run prefills its prompts in full, as the other engines do
+            _reset(llm)  # every timed run prefills its prompts in full, as the other engines do
             self.batched[name].append(_maybe_profiled(self.args.profile, self.console, name, run_kvserve, llm,
                                                       self.prompts[name], workload.output_len, config.name))
         if "single" not in self.args.skip:
             first = next(iter(self.workloads))
-            llm.reset_prefix_cache()
+            _reset(llm)
             self.singles.append(_maybe_profiled(self.args.profile, self.console, "single stream", run_kvserve_serial,
                                                 llm, self.single_prompts(), self.workloads[first].output_len,
                                                 config.name))

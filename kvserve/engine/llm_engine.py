@@ -362,10 +362,6 @@ class LLMEngine:
             touched[request.request_id] = request
             if request.error is None:
                 self._verify(request, seq, rows, out.drafts[seq.request_id], now)
-        if self.speculator is not None:  # what a step of this many tokens costs, for weighing drafts
-            decode_only = not out.admitted and all(n == 1 or s.request_id in out.drafts
-                                                   for s, n in zip(out.seqs, out.num_new_tokens))
-            self.speculator.note_step(out.num_tokens, time.perf_counter() - started, decode_only)
         return [self._output(request, now) for request in touched.values()]
 
     def _verify(self, request: Request, seq: Sequence, logits: torch.Tensor, draft: list[int], now: float) -> None:

@@ -85,8 +85,6 @@ class Scheduler:
         copies: dict[str, list[BlockCopy]] = {}
         preempted: list[Sequence] = []
         num_decoding = sum(_decoding(s) for s in self.running)
-        if self.speculator is not None:
-            self.speculator.begin_step(num_decoding)
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.rank)):
             budget = self.max_num_batched_tokens - out.num_tokens
             if seq.status is not SequenceStatus.RUNNING or budget == 0:

@@ -106,64 +106,6 @@ class _RecentOutputs:
         return []
 
 
-class DraftPolicy:
-    """How many draft tokens pay for themselves, from what the engine measured: decode steps' seconds by their
-    number of tokens, and how often draft tokens were accepted (per sequence, pulled toward all sequences' rate).
-
-    A draft of m tokens accepted token by token with probability a adds a + a^2 + ... + a^m tokens to the step on
-    average; it is kept only where that raises the step's tokens per second, t(T + m) against t(T) for a step of T
-    tokens. On a CPU whose BLAS runs a few rows much slower than one (the AVX2-only AMD EPYC: 2-5 rows of SmolLM2's
-    linears cost 2.5-3x one row) that rules out most drafts of a weakly predictable text; where a few rows cost
-    about what one does, most drafts stay. A step size not measured yet is assumed to cost what the largest one
-    measured below it cost, so it gets tried and measured; every EXPLORE_EVERY-th decision drafts in full, so the
-    measurements follow the contexts as they grow."""
-
-    EXPLORE_EVERY = 50
-    PRIOR_WEIGHT = 4.0  # a sequence's acceptance starts as this many draft tokens at the global rate
-
-    def __init__(self):
-        self.step_seconds: dict[int, float] = {}  # decode-only steps: tokens in the step -> seconds (EMA)
-        self.accepted, self.trials = 1.0, 2.0  # all sequences: accepted draft tokens, and accepted + first rejections
-        self.num_decisions = 0
-
-    def note_step(self, num_tokens: int, seconds: float) -> None:
-        before = self.step_seconds.get(num_tokens)
-        self.step_seconds[num_tokens] = seconds if before is None else 0.8 * before + 0.2 * seconds
-
-    def note_draft(self, num_proposed: int, num_accepted: int) -> None:
-        self.accepted += num_accepted
-        self.trials += num_accepted + (num_accepted < num_proposed)
-
-    def acceptance(self, accepted: float, trials: float) -> float:
-        """The chance that a draft token is accepted, given a sequence's own counts (a geometric model)."""
-        overall = self.accepted / self.trials
-        return (accepted + self.PRIOR_WEIGHT * overall) / (trials + self.PRIOR_WEIGHT)
-
-    def seconds(self, num_tokens: int) -> float | None:
-        """A step of `num_tokens`: measured, or as the largest measured step below it (None: nothing measured)."""
-        if num_tokens in self.step_seconds:
-            return self.step_seconds[num_tokens]
-        below = [n for n in self.step_seconds if n < num_tokens]
-        return self.step_seconds[max(below)] if below else None
-
-    def choose(self, num_step_tokens: int, expected_tokens: float, draft_len: int, acceptance: float) -> int:
-        """How many of a draft's `draft_len` tokens to verify in a step already holding `num_step_tokens` tokens
-        that are expected to yield `expected_tokens`."""
-        self.num_decisions += 1
-        if self.num_decisions % self.EXPLORE_EVERY == 0:
-            return draft_len
-        now = self.seconds(num_step_tokens)
-        if now is None:
-            return draft_len
-        best, best_rate, gained = 0, expected_tokens / now, 0.0
-        for m in range(1, draft_len + 1):
-            gained += acceptance**m
-            rate = (expected_tokens + gained) / self.seconds(num_step_tokens + m)
-            if rate > best_rate:
-                best, best_rate = m, rate
-        return best
-
-
 @dataclass
 class SpeculationStats:
     """Counters in vLLM's terms: drafts verified, tokens proposed, tokens accepted (and by draft position)."""
@@ -192,9 +134,6 @@ class Speculator:
         self.max_batch = config.disable_by_batch_size
         self.paused = False  # beam search steps one token at a time
         self.stats = SpeculationStats()
-        self.policy = DraftPolicy()
-        self._step = (0, 0.0)  # this step so far: its tokens and the tokens they are expected to yield
-        self._counts: dict[str, list[float]] = {}  # per sequence: accepted draft tokens, accepted + rejections
         if config.method == "ngram":
             self._sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
             self._recent = None
@@ -214,33 +153,17 @@ class Speculator:
         return (f"speculative decoding: {c.method}, up to {c.num_speculative_tokens} draft tokens ({how}), while at "
                 f"most {self.max_batch} sequences decode in a step (disable_by_batch_size)")
 
-    def begin_step(self, num_step_tokens: int) -> None:
-        """The scheduler starts a step whose other work is `num_step_tokens` tokens (each expected to yield one)."""
-        self._step = (num_step_tokens, float(num_step_tokens))
-
-    def note_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
-        """A step ran: its time, if it was decodes (and drafts) only, is what drafts are weighed against."""
-        if decode_only:
-            self.policy.note_step(num_tokens, seconds)
-
     def propose(self, seq: Sequence, max_tokens: int, num_decoding: int) -> list[int]:
         """Draft tokens to verify after `seq`'s last token this step: at most `max_tokens` (the step's token budget
         left), none while more than max_batch sequences decode, none past max_tokens or a block its format
-        finalizes, and only as many as the measured step times and acceptance say pay (DraftPolicy)."""
+        finalizes."""
         if self.paused or num_decoding > self.max_batch:
             return []
         limit = min(self.config.num_speculative_tokens, max_tokens, seq.max_tokens - seq.num_output_tokens - 1)
         room = self.cache.max_draft_tokens(len(seq.token_ids) - 1)
         if room is not None:
             limit = min(limit, room)
-        draft = self.lookup(seq, limit)[:limit] if limit > 0 else []
-        if draft:
-            accepted, trials = self._counts.get(seq.request_id, (0.0, 0.0))
-            acceptance = self.policy.acceptance(accepted, trials)
-            num_tokens, expected = self._step
-            draft = draft[: self.policy.choose(num_tokens, expected, len(draft), acceptance)]
-            self._step = (num_tokens + len(draft), expected + sum(acceptance**m for m in range(1, len(draft) + 1)))
-        return draft
+        return self.lookup(seq, limit)[:limit] if limit > 0 else []
 
     def lookup(self, seq: Sequence, limit: int) -> list[int]:
         """The method's proposal of up to `limit` tokens to follow `seq`'s tokens (empty: no match)."""
@@ -263,10 +186,15 @@ class Speculator:
             return limit
         return min(limit, max(1, int(self.config.suffix_decoding_max_spec_factor * matched)))
 
+    def forget_outputs(self) -> None:
+        """Drop what suffix decoding keeps of finished requests (benchmarks: a timed run must not find the answers
+        an earlier run of the same prompts left)."""
+        if self._recent is not None:
+            self._recent = _RecentOutputs(self._recent.capacity, len(self._recent.sizes))
+
     def finish(self, seq: Sequence) -> None:
         """Forget a finished sequence's index; suffix decoding keeps its output for later requests."""
         self._indexes.pop(seq.request_id, None)
-        self._counts.pop(seq.request_id, None)
         if self._recent is not None and seq.num_output_tokens:
             self._recent.add(list(seq.output_token_ids))
 
@@ -285,10 +213,6 @@ class Speculator:
         while accepted < len(draft) and samples[accepted][0] == draft[accepted]:
             accepted += 1
         self.stats.record(len(draft), accepted)
-        self.policy.note_draft(len(draft), accepted)
-        counts = self._counts.setdefault(seq.request_id, [0.0, 0.0])
-        counts[0] += accepted
-        counts[1] += accepted + (accepted < len(draft))
         seq.num_draft_tokens += len(draft)
         seq.num_accepted_tokens += accepted
         return samples[: accepted + 1], accepted

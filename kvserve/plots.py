@@ -96,6 +96,46 @@ def plot_multiturn(path: str | Path, prompt_tokens: Sequence[int], prefilled_cac
     return _save(fig, path)
 
 
+def plot_tiers(path: str | Path, title: str, returning_ttft_s: dict[str, Sequence[tuple[int, float]]],
+               prefilled_tokens: dict[str, int], new_input_tokens: int) -> Path:
+    """Left: time to first token of each returning turn against its history length, one colour per run (a dot a
+    turn, a line through each history length's median). Right: prompt tokens computed per run against the new
+    input tokens (first prompts and questions), which any run must compute."""
+    from statistics import median
+
+    from matplotlib.ticker import StrMethodFormatter
+
+    fig = _figure(11, 4.2)
+    ttft, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+    colors = [BASELINE_COLOR, KVSERVE_COLOR, "#2da44e", *DTYPE_COLORS[1:]]
+    for index, (name, points) in enumerate(returning_ttft_s.items()):
+        color, style = colors[index % len(colors)], LINE_STYLES[index % len(LINE_STYLES)]
+        ttft.scatter([h for h, _ in points], [s * 1e3 for _, s in points], color=color, s=10, alpha=0.35,
+                     linewidths=0)
+        histories = sorted({h for h, _ in points})
+        medians = [median(s * 1e3 for h, s in points if h == history) for history in histories]
+        ttft.plot(histories, medians, color=color, linestyle=style, marker="o", markersize=4, label=name)
+    ttft.set(xlabel="history tokens (cached or recomputed)", ylabel="time to first token, ms", ylim=(0, None),
+             title="Returning turns: time to first token")
+    ttft.legend(fontsize=8)
+    ttft.grid(True, alpha=0.3)
+    names = list(prefilled_tokens)
+    values = [prefilled_tokens[n] for n in names]
+    drawn = bars.bar(range(len(names)), values, color=[colors[i % len(colors)] for i in range(len(names))])
+    bars.bar_label(drawn, labels=[f"{v:,}\n{v / new_input_tokens:.2f}x" for v in values], padding=3, fontsize=8)
+    bars.axhline(new_input_tokens, color="#57606a", linewidth=1, linestyle="--",
+                 label=f"new input tokens ({new_input_tokens:,})")
+    bars.legend(fontsize=8, loc="upper right")
+    bars.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names], fontsize=8)
+    bars.set(ylabel="prompt tokens computed", ylim=(0, max(values + [new_input_tokens]) * 1.2),
+             title="Prompt tokens computed")
+    bars.spines[["top", "right"]].set_visible(False)
+    for ax in (ttft, bars):
+        ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    fig.suptitle(title, fontsize=11)
+    return _save(fig, path)
+
+
 def plot_throughput(path: str | Path, batched: dict[str, float], single: dict[str, float]) -> Path:
     """Output tokens/s of each engine that ran: batched, and for one stream (`single` may be empty)."""
     panels = [("Batched", batched)] + ([("Single stream", single)] if single else [])

@@ -2,7 +2,8 @@
 refused before anything is drawn, with an error that names it."""
 import pytest
 
-from kvserve.plots import check_plot_path, plot_multiturn, plot_plan, plot_quality_vs_bytes, plot_throughput
+from kvserve.plots import (check_plot_path, plot_multiturn, plot_plan, plot_quality_vs_bytes, plot_throughput,
+                           plot_tiers)
 from tests.conftest import image_size
 
 CURVES = {"bf16, 128 KiB/token": [(256, 160.0), (8192, 5.0), (131072, 0.3)], "fp8": [(256, 320.0), (131072, 0.6)]}
@@ -13,6 +14,9 @@ SPLIT = [("weights", 15 * 2**30), ("other", 3 * 2**29), ("KV cache", 5 * 2**30),
     (lambda path: plot_plan(path, "a GPU", SPLIT, CURVES, 131072), (11, 4.2)),
     (lambda path: plot_plan(path, "weights too big", SPLIT[:1], {}, 8192), (11, 4.2)),
     (lambda path: plot_multiturn(path, [40, 56, 72], [40, 24, 24], [40, 56, 72]), (8, 4.2)),
+    (lambda path: plot_tiers(path, "tiers", {"pool only": [(216, 0.5), (216, 0.7), (432, 0.9)],
+                                             "disk tier": [(216, 0.2)]}, {"pool only": 1200, "disk tier": 420}, 400),
+     (11, 4.2)),
     (lambda path: plot_throughput(path, {"kvserve (float32)": 61.0, "transformers": 48.0}, {}), (9, 1.2 + 0.84)),
     (lambda path: plot_quality_vs_bytes(path, "SmolLM2", {"Δppl (%)": [("bf16", 4096, 0.0), ("int4", 1152, 0.7)],
                                                            "KLD": [("bf16", 4096, 0.0), ("int4", 1152, 0.01)]}),

@@ -17,30 +17,10 @@ import argparse
 import gc
 from dataclasses import dataclass
 
+from kvserve.bench.conversation import Conversation
+from kvserve.bench.tiers import add_tier_arguments, run_tiers_from_args
 from kvserve.plots import check_plot_path, plot_multiturn
 from kvserve.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class Conversation:
-    first_tokens: int = 1200
-    question_tokens: int = 200
-    answer_tokens: int = 500
-    turns: int = 10
-    seed: int = 0
-
-    @property
-    def max_len_tokens(self) -> int:
-        """The last turn's prompt plus its answer."""
-        return self.first_tokens + (self.turns - 1) * (self.question_tokens + self.answer_tokens) + self.answer_tokens
-
-    def questions(self, vocab_size: int) -> list[list[int]]:
-        """Turn 1's prompt, then each later turn's new question, as random ids clear of the special tokens."""
-        import torch
-
-        g = torch.Generator().manual_seed(self.seed)
-        lengths = [self.first_tokens] + [self.question_tokens] * (self.turns - 1)
-        return [torch.randint(100, vocab_size - 100, (n,), generator=g).tolist() for n in lengths]
 
 
 @dataclass(frozen=True)
@@ -138,8 +118,6 @@ def _print_table(console, cached: list[Turn], baseline: list[Turn]) -> None:
 
 
 def add_multiturn_parser(bench_subparsers) -> None:
-    from kvserve.bench.tiers import TierWorkload  # here: tiers imports this module
-
     c = Conversation()
     p = bench_subparsers.add_parser("multiturn", help="a growing conversation with and without prefix caching")
     p.add_argument("--first", type=int, default=c.first_tokens, help="turn 1's prompt tokens")
@@ -152,18 +130,9 @@ def add_multiturn_parser(bench_subparsers) -> None:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--plot", metavar="PATH",
-                   help="also draw the tokens prefilled per turn, with and without prefix caching (.png or .svg)")
-    tiers = p.add_argument_group("tiers", "--tiers: many conversations round-robin on a small pool, without and with "
-                                 "a disk tier, and with a restart (kvserve/bench/tiers.py)")
-    tiers.add_argument("--tiers", action="store_true", help="run the tier comparison instead of one conversation")
-    tiers.add_argument("--conversations", type=int, default=TierWorkload.conversations)
-    tiers.add_argument("--restart-after", type=int, default=TierWorkload.restart_after,
-                       help="the restarted run's engine restarts after this turn (default %(default)s)")
-    tiers.add_argument("--pool-share", type=float, default=TierWorkload.pool_share,
-                       help="the pool holds this share of all conversations' tokens (default %(default)s)")
-    tiers.add_argument("--kv-cache-dtype", default="auto")
-    tiers.add_argument("--kv-disk-cache", default=None, metavar="DIR",
-                       help="where the tier runs keep their records (default: a temporary directory, removed after)")
+                   help="also draw the tokens prefilled per turn, with and without prefix caching; with --tiers, "
+                        "each run's TTFT per returning turn and its tokens prefilled (.png or .svg)")
+    add_tier_arguments(p)
     p.set_defaults(func=_run_from_args)
 
 
@@ -172,7 +141,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"kvserve bench multiturn: --{name} must be at least 1, got {getattr(args, name)}")
     if args.tiers:
-        return _run_tiers_from_args(args)
+        return run_tiers_from_args(args)
     conversation = Conversation(args.first, args.question, args.answer, args.turns, args.seed)
     try:
         if args.plot:
@@ -183,21 +152,6 @@ def _run_from_args(args: argparse.Namespace) -> int:
             plot_multiturn(args.plot, [t.prompt_tokens for t in cached], [t.prefilled_tokens for t in cached],
                            [t.prefilled_tokens for t in baseline])
             print(f"plot written to {args.plot}")
-    except ValueError as exc:
-        raise SystemExit(f"kvserve bench multiturn: {exc}") from exc
-    return 0
-
-
-def _run_tiers_from_args(args: argparse.Namespace) -> int:
-    from kvserve.bench.tiers import TierWorkload, run_tiers
-
-    if not 1 <= args.restart_after < args.turns or args.conversations < 1 or not 0 < args.pool_share <= 1:
-        raise SystemExit("kvserve bench multiturn --tiers: needs 1 <= --restart-after < --turns, --conversations >= "
-                         "1 and 0 < --pool-share <= 1")
-    workload = TierWorkload(args.conversations, args.turns, args.first, args.question, args.answer,
-                            args.restart_after, args.pool_share, args.seed)
-    try:
-        run_tiers(workload, args.model, args.kv_cache_dtype, args.kv_disk_cache)
     except ValueError as exc:
         raise SystemExit(f"kvserve bench multiturn: {exc}") from exc
     return 0

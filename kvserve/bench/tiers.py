@@ -10,9 +10,14 @@ questions), the share of returning turns' prompts found cached, their time to fi
 those with at least 2,000 tokens of history), the bytes the tier read and wrote, and its read rate (reading,
 checking and decoding records) against a plain sequential read of a file in the same directory, in the same run.
 Before the restart the records' pages are dropped from the page cache (posix_fadvise DONTNEED), so the restarted
-engine reads from the disk, not from memory."""
+engine reads from the disk, not from memory. `--plot` draws each way's TTFT per returning turn against its history
+and its prompt tokens computed against the new input.
+
+`kvserve bench multiturn` adds these options to its own (`add_tier_arguments`) and hands a --tiers run here
+(`run_tiers_from_args`)."""
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -23,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.bench.multiturn import Conversation
+from kvserve.bench.conversation import Conversation
+from kvserve.plots import check_plot_path, plot_tiers
 from kvserve.sampling_params import SamplingParams
 
 LONG_HISTORY_TOKENS = 2000
@@ -74,6 +80,44 @@ class TierRun:
             self.bytes_read += stats["disk_cache_bytes_read"]
             self.bytes_written += stats["disk_cache_bytes_written"]
             self.read_s += stats["disk_cache_read_seconds"]
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --tiers options, a group of `kvserve bench multiturn`'s parser (which also gives the shape: --first,
+    --question, --answer, --turns, --seed, --model, --plot)."""
+    w = TierWorkload()
+    tiers = parser.add_argument_group("tiers", "--tiers: many conversations round-robin on a small pool, without "
+                                      "and with a disk tier, and with a restart (kvserve/bench/tiers.py)")
+    tiers.add_argument("--tiers", action="store_true", help="run the tier comparison instead of one conversation")
+    tiers.add_argument("--conversations", type=int, default=w.conversations)
+    tiers.add_argument("--restart-after", type=int, default=w.restart_after,
+                       help="the restarted run's engine restarts after this turn (default %(default)s)")
+    tiers.add_argument("--pool-share", type=float, default=w.pool_share,
+                       help="the pool holds this share of all conversations' tokens (default %(default)s)")
+    tiers.add_argument("--kv-cache-dtype", default="auto")
+    tiers.add_argument("--kv-disk-cache", default=None, metavar="DIR",
+                       help="where the tier runs keep their records (default: a temporary directory, removed after)")
+
+
+def run_tiers_from_args(args: argparse.Namespace) -> int:
+    if not 1 <= args.restart_after < args.turns or args.conversations < 1 or not 0 < args.pool_share <= 1:
+        raise SystemExit("kvserve bench multiturn --tiers: needs 1 <= --restart-after < --turns, --conversations >= "
+                         "1 and 0 < --pool-share <= 1")
+    workload = TierWorkload(args.conversations, args.turns, args.first, args.question, args.answer,
+                            args.restart_after, args.pool_share, args.seed)
+    try:
+        if args.plot:
+            check_plot_path(args.plot)
+        runs = run_tiers(workload, args.model, args.kv_cache_dtype, args.kv_disk_cache)
+        if args.plot:
+            title = (f"{workload.conversations} conversations × {workload.turns} turns, round-robin, on a pool "
+                     f"holding {workload.pool_share:.0%} of them (--kv-cache-dtype {args.kv_cache_dtype})")
+            ttfts = {run.name: [(t.history_tokens, t.ttft_s) for t in run.returning] for run in runs}
+            plot_tiers(args.plot, title, ttfts, {run.name: run.prefilled_tokens for run in runs}, runs[0].new_tokens)
+            print(f"plot written to {args.plot}")
+    except ValueError as exc:
+        raise SystemExit(f"kvserve bench multiturn: {exc}") from exc
+    return 0
 
 
 def run_tiers(workload: TierWorkload, model: str | None = None, kv_cache_dtype: str = "auto",

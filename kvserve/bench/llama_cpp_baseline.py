@@ -38,7 +38,9 @@ def generate_sequentially(prompts: list[list[int]], output_len: int, n_ctx: int,
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding()
-    llama = Llama(str(embedded_gguf_path()), n_ctx=n_ctx, n_threads=n_threads, verbose=False, draft_model=draft)
+    # a draft model needs every position's logits (logits_all), else llama-cpp-python fails to store them
+    llama = Llama(str(embedded_gguf_path()), n_ctx=n_ctx, n_threads=n_threads, verbose=False, draft_model=draft,
+                  logits_all=lookup)
     outputs, start = [], time.perf_counter()
     for prompt in prompts:  # its Python API serves one sequence at a time
         tokens = []

@@ -5,9 +5,11 @@ first; records appear only whole, even when the writing process is killed; two s
 manager reads what the pool lacks into pool blocks, as many as it has free, up to the first bad record."""
 import errno
 import hashlib
+import json
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -60,10 +62,10 @@ def chain(num_blocks: int, salt: str | None = None) -> tuple[list[bytes], list[l
 def record(i: int, keys, tokens, nbytes: int = 4096) -> BlockRecord:
     g = torch.Generator().manual_seed(i)
     payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-    return BlockRecord(keys[i], keys[i - 1] if i else None, tuple(tokens[i]), [payload])
+    return BlockRecord(keys[i], keys[i - 1] if i else None, tuple(tokens[i]), list(payload.chunk(2)))
 
 
-SPECS = [(torch.uint8, (4096,))]
+SPECS = [(torch.uint8, (2048,))] * 2
 
 
 def written(s: DiskBlockStore, *records: BlockRecord) -> None:
@@ -131,8 +133,34 @@ def damage_foreign(path: Path) -> None:
     path.write_bytes(os.urandom(5000))
 
 
+def damage_cut_in_header(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:40])  # the header's length field says more than the file holds
+
+
+def damage_offsets(path: Path) -> None:
+    """A well-formed header whose first tensor claims bytes past the end of the file."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header["t0"]["data_offsets"] = [0, 10**9]
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length :])
+
+
+def damage_swap_tensors(path: Path) -> None:
+    """Tensors t0 and t1 (same dtype and size) swapped in the header: every byte intact, in the wrong place."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header["t0"]["data_offsets"], header["t1"]["data_offsets"] = header["t1"]["data_offsets"], header["t0"][
+        "data_offsets"]
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length :])
+
+
 @pytest.mark.parametrize("damage, kind", [(damage_truncate, "corrupt"), (damage_flip, "corrupt"),
-                                          (damage_foreign, "foreign")])
+                                          (damage_foreign, "foreign"), (damage_cut_in_header, "foreign"),
+                                          (damage_offsets, "corrupt"), (damage_swap_tensors, "corrupt")])
 def test_damaged_records_are_misses_counted_logged_once_and_removed(tmp_path, caplog, damage, kind):
     keys, tokens = chain(3)
     s = store(tmp_path)
@@ -158,7 +186,7 @@ def test_a_record_is_used_only_for_its_own_parent_tokens_and_model(tmp_path):
     with pytest.raises(RecordRejected, match="parent") as wrong_parent:
         decode_record(data, s.fingerprint, keys[1], keys[1], tokens[1], SPECS)
     with pytest.raises(RecordRejected, match="dtypes or shapes"):
-        decode_record(data, s.fingerprint, keys[1], keys[0], tokens[1], [(torch.uint8, (2048,))])
+        decode_record(data, s.fingerprint, keys[1], keys[0], tokens[1], [(torch.uint8, (4096,))])
     with pytest.raises(RecordRejected, match="another model") as other_model:
         decode_record(data, fingerprint("model-b")["digest"], keys[1], keys[0], tokens[1], SPECS)
     assert (wrong_tokens.value.kind, wrong_parent.value.kind, other_model.value.kind) == ("mismatch",) * 2 + (

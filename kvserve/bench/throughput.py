@@ -215,6 +215,9 @@ def add_throughput_parser(bench_subparsers) -> None:
     p.add_argument("--batch-invariant", nargs="+", default=["off"], metavar="MODE",
                    help="kvserve's --batch-invariant: off, on, or off on (one run per value) to price the mode "
                         "against the default in the same run (default: off)")
+    p.add_argument("--compile-decode", nargs="+", default=["off"], metavar="MODE",
+                   help="kvserve's --compile-decode: off (eager decode steps), on (one compiled graph), or off on: "
+                        "eager and compiled rows in the same run (default: off)")
     p.add_argument("--speculative", nargs="+", default=["off"], metavar="METHOD",
                    help="kvserve's --speculative-config method: off, ngram, suffix (one run per value; default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
@@ -249,6 +252,7 @@ class _Config:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    compile_decode: bool = False
 
     @property
     def name(self) -> str:
@@ -257,7 +261,8 @@ class _Config:
             (["batch-invariant"] if self.batch_invariant else []) + \
             ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else []) + \
             ([f"off above {self.disable_by_batch_size}"] if self.disable_by_batch_size != DEFAULT_DISABLE_BY_BATCH_SIZE
-             and self.speculative != "off" else [])
+             and self.speculative != "off" else []) + \
+            (["compiled decode"] if self.compile_decode else [])
         return f"kvserve ({', '.join([self.dtype, *extras])})"
 
     @property
@@ -288,14 +293,18 @@ def run_throughput(args: argparse.Namespace) -> int:
     modes = _names(args.batch_invariant)
     if set(modes) - {"off", "on"}:
         raise SystemExit(f"kvserve bench throughput: --batch-invariant takes off and/or on, got {args.batch_invariant}")
+    compile_modes = _names(args.compile_decode)
+    if not compile_modes or set(compile_modes) - {"off", "on"}:
+        raise SystemExit(f"kvserve bench throughput: --compile-decode takes off and/or on, got {args.compile_decode}")
     methods = _names(args.speculative)
     if set(methods) - set(SPECULATIVE_METHODS):
         raise SystemExit(f"kvserve bench throughput: --speculative takes {', '.join(SPECULATIVE_METHODS)}, got "
                          f"{args.speculative}")
-    configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit) for d in args.dtypes
-               for q in _names(args.quantization) for kv in _names(args.kv_cache_dtype) for mode in modes
-               for method in methods
-               for limit in (args.disable_by_batch_size if method != "off" else [DEFAULT_DISABLE_BY_BATCH_SIZE])]
+    configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit, compiled == "on")
+               for d in args.dtypes for q in _names(args.quantization) for kv in _names(args.kv_cache_dtype)
+               for mode in modes for method in methods
+               for limit in (args.disable_by_batch_size if method != "off" else [DEFAULT_DISABLE_BY_BATCH_SIZE])
+               for compiled in compile_modes]
     for c in configs:  # bad values fail here, naming the choices, before anything loads
         try:
             EngineConfig(dtype=c.dtype, quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype,
@@ -377,7 +386,7 @@ class _KvserveRuns:
         llm = LLM(self.args.model, dtype=config.dtype, quantization=config.quantization,
                   kv_cache_dtype=config.kv_cache_dtype, max_model_len=self.max_len, kv_cache_memory=self.kv_memory,
                   max_num_seqs=self.num_seqs, batch_invariant=config.batch_invariant,
-                  speculative_config=config.speculative_config)
+                  speculative_config=config.speculative_config, compile_decode=config.compile_decode)
         if not self.prompts:
             self._describe(llm.engine)
         for name, workload in self.workloads.items():

@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile with torch.compile (decode attention over an int8 or int4 KV cache then runs "
                         "as plain PyTorch ops, slower)")
+    g.add_argument("--compile-decode", action="store_true",
+                   help="run decode steps as one graph compiled by torch.compile at start (float32/bf16/fp16 KV; "
+                        "minutes to compile the first time, then cached on disk: docs/benchmarks.md)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's logits bitwise independent of its batch, chunking, prefix hits and preemption "
                         "(fixed token tiles, attention per query tile; costs speed: docs/benchmarks.md)")

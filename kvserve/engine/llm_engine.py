@@ -12,6 +12,7 @@ import torch
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.config import EngineConfig
+from kvserve.engine.compiled_step import CompiledDecode, unsupported
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
@@ -121,11 +122,30 @@ class LLMEngine:
         if self.speculator is not None:
             logger.info(self.speculator.describe())
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.speculator)
-        self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores, tiles)
+        self.runner = ModelRunner(self.model, self.cache, self.kv, config.device, self.scores, tiles,
+                                  self._compiled_decode())
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+
+    def _compiled_decode(self) -> CompiledDecode | None:
+        """Decode steps as one compiled graph, compiled now (engine/compiled_step.py); None: they run eagerly."""
+        config = self.config
+        if not config.compile_decode:
+            return None
+        reason = unsupported(
+            self.model, self.cache, config.batch_invariant, self.eviction.needs_attention_scores,
+            self.eviction.unbounded_length)
+        if reason is not None:
+            logger.info(f"decode steps: eager ({reason})")
+            return None
+        compiled = CompiledDecode(self.model, self.cache)
+        if not compiled.warm_up():
+            return None
+        logger.info(f"decode steps: one compiled graph (torch.compile, --compile-decode; any batch size and context "
+                    f"length) in {compiled.compile_seconds:.1f} s; prefill and mixed steps run eagerly")
+        return compiled
 
     def _open_disk_cache(self, model_path: Path) -> DiskKVCache:
         """The disk tier, its records named for everything that decides a block's bytes (kv/disk_cache.py)."""

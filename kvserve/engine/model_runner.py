@@ -7,6 +7,7 @@ import torch
 
 from kvserve.batch_invariant import RowTiles
 from kvserve.engine.attention_tiles import TileChunk, tile_calls
+from kvserve.engine.compiled_step import CompiledDecode
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.attention_mask import GroupChunk, group_keys
@@ -58,7 +59,8 @@ def _buckets(chunks: list[_Chunk], group: int) -> list[list[_Chunk]]:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu",
-                 scores: AttentionScores | None = None, tiles: RowTiles | None = None):
+                 scores: AttentionScores | None = None, tiles: RowTiles | None = None,
+                 compiled: CompiledDecode | None = None):
         self.model = model
         self.cache = cache
         self.kv = kv
@@ -66,6 +68,8 @@ class ModelRunner:
         self.device = device
         self.scores = scores  # H2O's accumulated attention, when the eviction policy needs it
         self.tiles = tiles or RowTiles()  # batch-invariant mode: fixed token tiles and per-tile attention
+        self.compiled = compiled  # decode steps as one compiled graph (engine/compiled_step.py)
+        self.num_compiled_steps = 0
 
     def run(self, out: SchedulerOutput) -> StepLogits:
         """Logits of the sequences whose last known token was computed this step, and of the prompt positions
@@ -75,7 +79,12 @@ class ModelRunner:
         self.cache.begin_step(freed, [(c.src, c.dst) for c in out.block_copies], meta.slot_mappings)
         if self.scores is not None:
             self.scores.reset(freed)
-        hidden = self.model.forward(input_ids, meta, self.cache)
+        hidden = None
+        if self.compiled is not None and self.compiled.eligible(meta):
+            hidden = self.compiled.forward(input_ids, meta)
+            self.num_compiled_steps += hidden is not None
+        if hidden is None:
+            hidden = self.model.forward(input_ids, meta, self.cache)
         sampling = [(seq, c) for seq, c in zip(out.seqs, chunks) if c.context_len == len(seq.token_ids)]
         rows = torch.tensor([c.offset + c.num_tokens - 1 for _, c in sampling], dtype=torch.long, device=self.device)
         prompt_logits = []
@@ -114,11 +123,13 @@ class ModelRunner:
             tokens.extend((seq.token_ids + draft if draft else seq.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
         slot_mappings, groups = [], []
+        # the compiled decode step attends over the whole batch in one call (one graph for every step)
+        one_call = self.compiled is not None and not out.drafts and all(c.num_tokens == 1 for c in chunks)
         for g in range(num_groups):
             slot_mappings.append(self._tensor([slot for c in chunks for slot in c.slots[g]]))
             if self.tiles:
                 continue
-            buckets = _buckets([c for c in chunks if c.num_tokens == 1], g) + \
+            buckets = [chunks] if one_call else _buckets([c for c in chunks if c.num_tokens == 1], g) + \
                 _buckets([c for c in chunks if c.num_tokens > 1], g)
             groups.append([self._group(bucket, g, whole_batch=len(bucket) == len(chunks)) for bucket in buckets])
         meta = AttentionMetadata(positions=self._tensor(positions), slot_mappings=slot_mappings, groups=groups,

@@ -156,6 +156,20 @@ class PagedKVCache:
         return tensor[row].view(self.num_blocks, -1).index_select(0, blocks)
 
 
+@torch.library.custom_op("kvserve::write_rows", mutates_args=("dst",))
+def write_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[index] = src along the first dimension, in place: the pool's write as one opaque op in a compiled graph.
+    Traced as plain index_copy_, the pool is a mutated graph input that Inductor copies whole at every step (the
+    pool, not the tokens: 1 GiB for SmolLM2's default pool); a custom op that declares what it mutates is written
+    in place."""
+    dst.index_copy_(0, index, src)
+
+
+@write_rows.register_fake
+def _write_rows_fake(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    return None
+
+
 def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[...] = src, one block's rows in every layer. On a CPU through numpy, on one thread: torch splits a copy
     this size over its threads, and on a busy machine waits for a descheduled one (28 MB/s instead of 3.7 GB/s
@@ -183,6 +197,11 @@ class FullPrecisionKVCache(PagedKVCache):
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
 
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # the compiled decode step (engine/compiled_step.py): see write_rows
+            slots = slot_mapping + row * self.k.shape[1]
+            torch.ops.kvserve.write_rows(self.k.view(-1, *self.k.shape[2:]), slots, k.to(self.storage_dtype))
+            torch.ops.kvserve.write_rows(self.v.view(-1, *self.v.shape[2:]), slots, v.to(self.storage_dtype))
+            return
         self.k[row].index_copy_(0, slot_mapping, k.to(self.storage_dtype))
         self.v[row].index_copy_(0, slot_mapping, v.to(self.storage_dtype))
 

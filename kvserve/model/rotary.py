@@ -70,7 +70,8 @@ class RotaryEmbedding:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin as [T, 1, head_dim], ready to broadcast over heads. Positions past the table (a streaming
         sequence grows without end) are computed on the spot, in float64 so large angles stay exact."""
-        if len(positions) and int(positions.max()) >= len(self.cos):
+        # (the compiled decode step never sees such positions: engine/compiled_step.py leaves unbounded streams eager)
+        if not torch.compiler.is_compiling() and len(positions) and int(positions.max()) >= len(self.cos):
             freqs = positions.double()[:, None].cpu() * self.inv_freq.double()[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos = (emb.cos() * self.attention_factor).to(dtype=self.cos.dtype, device=self.cos.device)

@@ -1,0 +1,146 @@
+"""One compiled graph per decode step: the model's whole forward pass for a batch of one-token decodes, traced by
+`torch.compile` (Inductor) once at engine start, so a step runs a few fused kernels instead of some 125 eager ops
+per layer, each dispatched from Python.
+
+What it compiles is `model.forward` itself, the code every other step runs eagerly, called with the step's
+`AttentionMetadata`: for a decode step the runner puts every sequence of a layer group in one attention call, so
+the metadata has the same structure at every step (one group per layer group, one query per sequence, a block
+table and a mask) and only its sizes change. Those are dynamic in the graph, so a new batch size or context length
+runs the same graph: no recompilation while serving (`torch._dynamo` specializes sizes 0 and 1, so one sequence
+and several are two graphs, both compiled at start).
+
+A step the graph does not cover runs eagerly, the same as with `--enforce-eager`: prefill and mixed steps, drafts
+being verified, batch-invariant mode (its fixed tiles), formats that attend over their stored form with their own
+compiled kernel (int8, int4) or keep full-precision staging, H2O's attention scores, StreamingLLM's re-rotated
+sinks, and models other than the Llama and Gemma 3 families. The start-up line says which it is.
+
+Inductor caches what it generates on disk (its FX graph and AOT caches, keyed by the graph, the torch version and
+the CPU's instruction set), so a second start of the same model and configuration loads the kernels instead of
+generating and compiling them. The compiled graph fuses elementwise work (norms, RoPE, activations), which rounds
+differently from eager by a few float32 ulps: tests/engine/test_compiled_step.py states the tolerance."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
+from kvserve.model.attention import AttentionGroup, AttentionMetadata
+
+logger = logging.getLogger("kvserve")
+
+WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 compiles the same dynamic graph)
+
+
+def unsupported(model, cache: PagedKVCache, batch_invariant: bool, needs_scores: bool,
+                unbounded_positions: bool) -> str | None:
+    """Why no decode step of this engine can run compiled (None: decode steps can)."""
+    if type(model).__name__ not in ("LlamaModel", "Gemma3Model"):
+        return f"{type(model).__name__} is not compiled (Llama and Gemma 3 families only)"
+    if batch_invariant:
+        return "--batch-invariant runs fixed tiles eagerly"
+    if cache.fused_decode is not None or cache.exact_own_block:
+        return f"the {cache.format_name} KV cache attends with its own compiled decode kernel"
+    if not isinstance(cache, FullPrecisionKVCache):
+        return f"the {cache.format_name} KV cache is not compiled (float32, bfloat16 and float16 are)"
+    if needs_scores:
+        return "H2O's attention scores are computed eagerly"
+    if unbounded_positions:
+        return "a streaming sequence's positions outgrow the RoPE table, computed eagerly"
+    return None
+
+
+class CompiledDecode:
+    """`model.forward` compiled for decode steps; `eligible(meta)` says whether a step's metadata fits the graph."""
+
+    def __init__(self, model, cache: PagedKVCache):
+        self.model = model
+        self.cache = cache
+        self.failed: str | None = None
+        # traced under no_grad rather than forward's inference_mode: AOTAutograd cannot mutate the pool's
+        # (normal) tensors through inference-mode views
+        raw_forward = getattr(type(model).forward, "__wrapped__", type(model).forward)
+
+        def decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
+            return raw_forward(model, input_ids, meta, cache)
+
+        self._forward = torch.compile(decode_forward, dynamic=False)  # only the step's sizes vary: see _mark
+        self.compile_seconds = 0.0
+
+    @staticmethod
+    def eligible(meta: AttentionMetadata) -> bool:
+        """One decode call per layer group, for the whole batch in order, over stored keys only."""
+        for groups in meta.groups:
+            if len(groups) != 1:
+                return False
+            g = groups[0]
+            if g.fresh or g.out_rows is not None or g.query_index.shape[1] != 1 or g.mask is None or \
+                    g.residual_blocks is not None or g.key_slots is not None or g.sink_rotation is not None:
+                return False
+        return meta.tile_calls is None and meta.scores is None
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The step's final hidden states, or None when the graph failed (the runner then runs eagerly)."""
+        if self.failed is not None:
+            return None
+        try:
+            _mark_dynamic(input_ids, meta)
+            with torch.no_grad():
+                return self._forward(input_ids, meta, self.cache)
+        except Exception as exc:  # an Inductor or compiler failure on this machine: eager from now on
+            self._fail(exc)
+            return None
+
+    def warm_up(self) -> bool:
+        """Compile at start: a one-sequence and a two-sequence decode step over the pool's first blocks (what they
+        write there is put back after). Returns whether it compiled."""
+        started = time.perf_counter()
+        saved = [t.clone() for t in self.cache._block_tensors()]
+        try:
+            for num_seqs in (1, 2):
+                input_ids, meta = self._warm_up_step(num_seqs)
+                _mark_dynamic(input_ids, meta)
+                self.cache.begin_step([], [], meta.slot_mappings)
+                with torch.no_grad():
+                    self._forward(input_ids, meta, self.cache)
+        except Exception as exc:
+            self._fail(exc)
+        finally:
+            for tensor, before in zip(self.cache._block_tensors(), saved):
+                tensor.copy_(before)
+        self.compile_seconds = time.perf_counter() - started
+        return self.failed is None
+
+    def _warm_up_step(self, num_seqs: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """A decode step of `num_seqs` sequences, each at the last slot of blocks 0..WARM_UP_BLOCKS-1."""
+        cache, dev = self.cache, self.cache.device
+        num_blocks = min(WARM_UP_BLOCKS, cache.num_blocks)
+        position = num_blocks * cache.block_size - 1
+        tables = torch.arange(num_blocks, device=dev).expand(num_seqs, num_blocks).contiguous()
+        mask = torch.ones(num_seqs, 1, 1, num_blocks * cache.block_size, dtype=torch.bool, device=dev)
+        group = AttentionGroup(torch.arange(num_seqs, device=dev)[:, None], tables, mask, None, None)
+        slots = torch.full((num_seqs,), position, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(positions=slots.clone(), slot_mappings=[slots] * cache.layout.num_groups,
+                                 groups=[[group]] * cache.layout.num_groups, layer_group=cache.layout.group_of)
+        return torch.zeros(num_seqs, dtype=torch.long, device=dev), meta
+
+    def _fail(self, exc: Exception) -> None:
+        self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        logger.warning(f"compiled decode step failed ({self.failed}); decode steps run eagerly from now on")
+
+
+def _mark_dynamic(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+    """The step's sizes are symbols in the graph (the weights' are not): the number of sequences S, where it is
+    above 1 (one sequence is its own graph), and the block-table width B of each layer group."""
+    if input_ids.shape[0] > 1:
+        for tensor in (input_ids, meta.positions, *meta.slot_mappings):
+            torch._dynamo.mark_dynamic(tensor, 0)
+    for groups in meta.groups:
+        g = groups[0]
+        if input_ids.shape[0] > 1:
+            torch._dynamo.mark_dynamic(g.query_index, 0)
+            torch._dynamo.mark_dynamic(g.block_tables, 0)
+            torch._dynamo.mark_dynamic(g.mask, 0)
+        torch._dynamo.mark_dynamic(g.block_tables, 1)
+        torch._dynamo.mark_dynamic(g.mask, 3)

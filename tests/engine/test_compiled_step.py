@@ -1,0 +1,119 @@
+"""The compiled decode step (kvserve/engine/compiled_step.py): decode steps run as one graph and give eager's
+tokens, and logprobs within a float32 tolerance (the graph fuses norms, RoPE and activations, which rounds a few
+ulps differently; the matmuls and attention are the same kernels); batch sizes and context lengths the warm-up
+never saw run the same graph (no recompilation); steps the graph does not cover run eagerly and the start-up line
+says why; a graph that fails falls back to eager, with one warning, and serving goes on."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvserve.engine import compiled_step
+from kvserve.engine.llm import LLM
+from kvserve.sampling_params import SamplingParams
+from tests.conftest import make_tiny_model
+
+COMPILED = dict(compile_decode=True)
+COMMON = dict(kv_cache_memory="2MiB", max_model_len=512)
+LOGPROB_TOLERANCE = 1e-4  # float32 rounding of fused elementwise ops through two layers, in nats
+PROMPTS = [list(range(3, 40)), list(range(5, 90)), list(range(7, 20)), list(range(11, 28))]
+
+
+def logprobs(output) -> list[float]:
+    return [step[token] for o in output.outputs for step, token in zip(o.logprobs, o.token_ids)]
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "gemma3-mqa"])
+def engines(request, tmp_path_factory):
+    """An eager and a compiled engine on one tiny model (gemma3-mqa: a sliding and a full-attention layer, two
+    layer groups with their own block tables)."""
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), kind=request.param)
+    eager = LLM(str(path), **COMMON, enforce_eager=True)
+    compiled = LLM(str(path), **COMMON, **COMPILED)
+    assert compiled.engine.runner.compiled is not None, "the decode step did not compile"
+    return eager, compiled
+
+
+def compare(eager: LLM, compiled: LLM, prompts, params: SamplingParams) -> None:
+    before = compiled.engine.runner.num_compiled_steps
+    expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
+    assert compiled.engine.runner.num_compiled_steps > before, "no step ran compiled"
+    for e, g in zip(expected, got):
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in e.outputs]
+        assert max(abs(a - b) for a, b in zip(logprobs(e), logprobs(g))) <= LOGPROB_TOLERANCE
+
+
+def test_decode_steps_match_eager_alone_and_batched(engines):
+    eager, compiled = engines
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    compare(eager, compiled, PROMPTS[:1], params)
+    compare(eager, compiled, PROMPTS, params)
+
+
+def test_prefix_hits_chunked_prefill_beside_decodes_and_n_greater_than_one(engines):
+    eager, compiled = engines
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    compare(eager, compiled, [PROMPTS[1] + [5, 6, 7], PROMPTS[1] + [8, 9]], params)  # the second hits the first's blocks
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2, logprobs=1)
+    compare(eager, compiled, PROMPTS[:2], sampled)
+
+
+def test_new_batch_sizes_and_context_lengths_run_the_same_graph(engines):
+    _, compiled = engines
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)  # contexts cross several blocks
+    for num_seqs in (1, 3, 5):
+        compiled.generate([list(range(2 + i, 60 + 7 * i)) for i in range(num_seqs)], params)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
+
+
+def test_preemption_mid_decode_matches_eager(tmp_path):
+    path = make_tiny_model(tmp_path)
+    tight = dict(kv_cache_memory="48KiB", max_model_len=96)  # 96 tokens: the four requests cannot all stay
+    eager = LLM(str(path), **tight, enforce_eager=True)
+    compiled = LLM(str(path), **tight, **COMPILED)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    compare(eager, compiled, [p[:30] for p in PROMPTS], params)
+    assert compiled.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("options, reason", [
+    (dict(kv_cache_dtype="int8"), "the int8 KV cache attends with its own compiled decode kernel"),
+    (dict(kv_cache_dtype="fp8"), "the fp8_e4m3 KV cache is not compiled"),
+    (dict(batch_invariant=True), "--batch-invariant runs fixed tiles eagerly"),
+    (dict(kv_eviction="h2o", kv_budget_tokens=64, kv_recent_tokens=32), "H2O's attention scores"),
+    (dict(kv_eviction="streaming", kv_recent_tokens=64), "a streaming sequence's positions outgrow"),
+])
+def test_what_the_graph_does_not_cover_runs_eagerly_and_says_why(tmp_path, caplog, options, reason):
+    path = make_tiny_model(tmp_path)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        llm = LLM(str(path), **COMMON, **COMPILED, **options)
+    assert llm.engine.runner.compiled is None
+    assert f"decode steps: eager ({reason}" in caplog.text
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+
+
+def test_compile_decode_and_enforce_eager_contradict(tmp_path):
+    with pytest.raises(ValueError, match="compile_decode=True contradicts enforce_eager=True"):
+        LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_decode=True, enforce_eager=True)
+
+
+def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_path, caplog, monkeypatch):
+    path = make_tiny_model(tmp_path)
+    eager = LLM(str(path), **COMMON, enforce_eager=True)
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("C++ compiler not found")
+        return run
+
+    monkeypatch.setattr(compiled_step.torch, "compile", broken_compile)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        llm = LLM(str(path), **COMMON, **COMPILED)
+    assert llm.engine.runner.compiled is None
+    assert caplog.text.count("compiled decode step failed (RuntimeError: C++ compiler not found)") == 1
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
+        [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]

@@ -3,11 +3,13 @@
 per layer, each dispatched from Python.
 
 What it compiles is `model.forward` itself, the code every other step runs eagerly, called with the step's
-`AttentionMetadata`: for a decode step the runner puts every sequence of a layer group in one attention call, so
-the metadata has the same structure at every step (one group per layer group, one query per sequence, a block
-table and a mask) and only its sizes change. Those are dynamic in the graph, so a new batch size or context length
-runs the same graph: no recompilation while serving (`torch._dynamo` specializes sizes 0 and 1, so one sequence
-and several are two graphs, both compiled at start).
+`AttentionMetadata`. It covers the decode steps whose sequences the runner attends in one call per layer group
+(all of them have similar context lengths, `model_runner.MIN_BUCKET_FILL`; a single stream always): their metadata
+has the same structure at every step (one group per layer group, one query per sequence, a block table and a
+mask) and only its sizes change. Those are symbols in the graph, so a new batch size or context length runs the
+same graph: no recompilation while serving (one sequence and several are two graphs, both compiled at start).
+Decode steps whose lengths differ more run eagerly in several calls: forcing them into one padded call measured
+slower (`kvserve bench throughput --compile-decode off on`, docs/benchmarks.md).
 
 A step the graph does not cover runs eagerly, the same as with `--enforce-eager`: prefill and mixed steps, drafts
 being verified, batch-invariant mode (its fixed tiles), formats that attend over their stored form with their own
@@ -70,7 +72,8 @@ class CompiledDecode:
 
     @staticmethod
     def eligible(meta: AttentionMetadata) -> bool:
-        """One decode call per layer group, for the whole batch in order, over stored keys only."""
+        """One decode call per layer group, for the whole batch in order, over stored keys only (the runner made
+        one because the batch's context lengths are alike)."""
         for groups in meta.groups:
             if len(groups) != 1:
                 return False

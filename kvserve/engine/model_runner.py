@@ -123,13 +123,11 @@ class ModelRunner:
             tokens.extend((seq.token_ids + draft if draft else seq.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
         slot_mappings, groups = [], []
-        # the compiled decode step attends over the whole batch in one call (one graph for every step)
-        one_call = self.compiled is not None and not out.drafts and all(c.num_tokens == 1 for c in chunks)
         for g in range(num_groups):
             slot_mappings.append(self._tensor([slot for c in chunks for slot in c.slots[g]]))
             if self.tiles:
                 continue
-            buckets = [chunks] if one_call else _buckets([c for c in chunks if c.num_tokens == 1], g) + \
+            buckets = _buckets([c for c in chunks if c.num_tokens == 1], g) + \
                 _buckets([c for c in chunks if c.num_tokens > 1], g)
             groups.append([self._group(bucket, g, whole_batch=len(bucket) == len(chunks)) for bucket in buckets])
         meta = AttentionMetadata(positions=self._tensor(positions), slot_mappings=slot_mappings, groups=groups,

@@ -6,6 +6,7 @@ import pytest
 
 from kvserve.bench import llama_cpp_baseline, throughput
 from kvserve.cli import main
+from tests.conftest import make_tiny_model
 
 TINY_RUN = ["bench", "throughput", "--num-requests", "2", "--min-prompt-len", "8", "--max-prompt-len", "8",
             "--output-len", "2", "--dtypes", "float32", "--workloads", "decode", "--skip", "transformers", "single"]
@@ -35,6 +36,18 @@ def test_one_row_per_configuration_and_a_roofline(capsys):
         assert f"│ {name} " in out
     assert "roofline: this workload's matmuls" in out and "kvserve (float32, int8 weights): " in out
     assert "÷ kvserve (float32)" in out and "decode tokens/s" in out
+
+
+@pytest.mark.slow
+def test_compiled_and_eager_decode_rows_in_one_run(capsys, tmp_path):
+    # a tiny random model: compiling the embedded model's 30 layers takes minutes on 2 cores
+    argv = [*TINY_RUN, "llama.cpp", "roofline", "--compile-decode", "off", "on", "--model",
+            str(make_tiny_model(tmp_path))]
+
+    assert main(argv) == 0
+
+    out = capsys.readouterr().out
+    assert "│ kvserve (float32) " in out and "│ kvserve (float32, compiled decode) " in out
 
 
 @pytest.mark.slow
@@ -78,6 +91,7 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     ("--workloads", "chat", "unknown workload 'chat'; choose from decode, prefill, long-context, rewrite"),
     ("--speculative", "eagle", "--speculative takes off, ngram, suffix"),
     ("--num-speculative-tokens", "0", "num_speculative_tokens must be a positive integer"),
+    ("--compile-decode", "maybe", "--compile-decode takes off and/or on, got ['maybe']"),
 ])
 def test_bad_values_are_named_before_anything_loads(option, value, message):
     argv = ["bench", "throughput", option, value]

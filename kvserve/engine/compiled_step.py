@@ -96,10 +96,11 @@ class CompiledDecode:
             return None
 
     def warm_up(self) -> bool:
-        """Compile at start: a one-sequence and a two-sequence decode step over the pool's first blocks (what they
-        write there is put back after). Returns whether it compiled."""
+        """Compile at start: a one-sequence and a two-sequence decode step over the pool's first blocks (the one
+        slot per layer they write is put back after). Returns whether it compiled."""
         started = time.perf_counter()
-        saved = [t.clone() for t in self.cache._block_tensors()]
+        slot = self._warm_up_slot()
+        saved = [t[:, slot].clone() for t in self.cache._block_tensors()]  # the one slot per layer written
         try:
             for num_seqs in (1, 2):
                 input_ids, meta = self._warm_up_step(num_seqs)
@@ -111,7 +112,7 @@ class CompiledDecode:
             self._fail(exc)
         finally:
             for tensor, before in zip(self.cache._block_tensors(), saved):
-                tensor.copy_(before)
+                tensor[:, slot] = before
         self.compile_seconds = time.perf_counter() - started
         return self.failed is None
 
@@ -119,7 +120,7 @@ class CompiledDecode:
         """A decode step of `num_seqs` sequences, each at the last slot of blocks 0..WARM_UP_BLOCKS-1."""
         cache, dev = self.cache, self.cache.device
         num_blocks = min(WARM_UP_BLOCKS, cache.num_blocks)
-        position = num_blocks * cache.block_size - 1
+        position = self._warm_up_slot()
         tables = torch.arange(num_blocks, device=dev).expand(num_seqs, num_blocks).contiguous()
         mask = torch.ones(num_seqs, 1, 1, num_blocks * cache.block_size, dtype=torch.bool, device=dev)
         group = AttentionGroup(torch.arange(num_seqs, device=dev)[:, None], tables, mask, None, None)
@@ -127,6 +128,10 @@ class CompiledDecode:
         meta = AttentionMetadata(positions=slots.clone(), slot_mappings=[slots] * cache.layout.num_groups,
                                  groups=[[group]] * cache.layout.num_groups, layer_group=cache.layout.group_of)
         return torch.zeros(num_seqs, dtype=torch.long, device=dev), meta
+
+    def _warm_up_slot(self) -> int:
+        """The slot (and position) the warm-up steps write: the last of block WARM_UP_BLOCKS - 1."""
+        return min(WARM_UP_BLOCKS, self.cache.num_blocks) * self.cache.block_size - 1
 
     def _fail(self, exc: Exception) -> None:
         self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]

@@ -29,6 +29,8 @@ import torch
 
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import AttentionGroup, AttentionMetadata
+from kvserve.model.gemma3 import Gemma3Model
+from kvserve.model.llama import LlamaModel
 
 logger = logging.getLogger("kvserve")
 
@@ -38,7 +40,7 @@ WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 c
 def unsupported(model, cache: PagedKVCache, batch_invariant: bool, needs_scores: bool,
                 unbounded_positions: bool) -> str | None:
     """Why no decode step of this engine can run compiled (None: decode steps can)."""
-    if type(model).__name__ not in ("LlamaModel", "Gemma3Model"):
+    if not isinstance(model, (LlamaModel, Gemma3Model)):
         return f"{type(model).__name__} is not compiled (Llama and Gemma 3 families only)"
     if batch_invariant:
         return "--batch-invariant runs fixed tiles eagerly"
@@ -97,10 +99,10 @@ class CompiledDecode:
 
     def warm_up(self) -> bool:
         """Compile at start: a one-sequence and a two-sequence decode step over the pool's first blocks (the one
-        slot per layer they write is put back after). Returns whether it compiled."""
+        block they write to is put back after). Returns whether it compiled."""
         started = time.perf_counter()
-        slot = self._warm_up_slot()
-        saved = [t[:, slot].clone() for t in self.cache._block_tensors()]  # the one slot per layer written
+        block = self._warm_up_slot() // self.cache.block_size
+        saved = self.cache.export_block(block)  # the one block the warm-up writes to, put back after
         try:
             for num_seqs in (1, 2):
                 input_ids, meta = self._warm_up_step(num_seqs)
@@ -111,8 +113,7 @@ class CompiledDecode:
         except Exception as exc:
             self._fail(exc)
         finally:
-            for tensor, before in zip(self.cache._block_tensors(), saved):
-                tensor[:, slot] = before
+            self.cache.import_block(block, saved)
         self.compile_seconds = time.perf_counter() - started
         return self.failed is None
 

@@ -1,8 +1,9 @@
 """The compiled decode step (kvserve/engine/compiled_step.py): decode steps run as one graph and give eager's
-tokens, and logprobs within a float32 tolerance (the graph fuses norms, RoPE and activations, which rounds a few
-ulps differently; the matmuls and attention are the same kernels); batch sizes and context lengths the warm-up
-never saw run the same graph (no recompilation); steps the graph does not cover run eagerly and the start-up line
-says why; a graph that fails falls back to eager, with one warning, and serving goes on."""
+tokens (except at a near-tie, which rounding may break either way) and logprobs within a float32 tolerance (the
+graph fuses norms, RoPE and activations, which rounds a few ulps differently on every CPU; the matmuls and
+attention are the same kernels); batch sizes and context lengths the warm-up never saw run the same graph (no
+recompilation); steps the graph does not cover run eagerly and the start-up line says why; a graph that fails
+falls back to eager, with one warning, and serving goes on."""
 from __future__ import annotations
 
 import logging
@@ -22,10 +23,6 @@ PROMPTS = [list(range(3, 40)), list(range(5, 90)), list(range(7, 20)), list(rang
 ALIKE = [list(range(3, 40)), list(range(5, 44)), list(range(7, 41)), list(range(11, 50))]  # 34-39 tokens
 
 
-def logprobs(output) -> list[float]:
-    return [step[token] for o in output.outputs for step, token in zip(o.logprobs, o.token_ids)]
-
-
 @pytest.fixture(scope="module", params=["llama-gqa", "gemma3-mqa"])
 def engines(request, tmp_path_factory):
     """An eager and a compiled engine on one tiny model (gemma3-mqa: a sliding and a full-attention layer, two
@@ -39,19 +36,31 @@ def engines(request, tmp_path_factory):
     return eager, compiled
 
 
-def compare(eager: LLM, compiled: LLM, prompts, params: SamplingParams, some_compiled: bool = True) -> None:
+def compare(eager: LLM, compiled: LLM, prompts, params: SamplingParams, some_compiled: bool = True) -> list:
+    """The same tokens with logprobs within LOGPROB_TOLERANCE; the only divergence allowed is at a near-tie, where
+    eager's logprobs of the two tokens differ by less than the tolerance (rounding may pick either), and the
+    sequence is compared up to there."""
     before = compiled.engine.runner.num_compiled_steps
     expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
     if some_compiled:
         assert compiled.engine.runner.num_compiled_steps > before, "no step ran compiled"
     for e, g in zip(expected, got):
-        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in e.outputs]
-        assert max(abs(a - b) for a, b in zip(logprobs(e), logprobs(g))) <= LOGPROB_TOLERANCE
+        assert len(e.outputs) == len(g.outputs)
+        for eo, go in zip(e.outputs, g.outputs):
+            for i, (a, b) in enumerate(zip(eo.token_ids, go.token_ids)):
+                if a != b:
+                    tie = eo.logprobs[i]
+                    assert b in tie and abs(tie[a] - tie[b]) <= LOGPROB_TOLERANCE, f"diverged at token {i}, no tie"
+                    break
+                assert abs(eo.logprobs[i][a] - go.logprobs[i][b]) <= LOGPROB_TOLERANCE
+            else:
+                assert len(eo.token_ids) == len(go.token_ids)
+    return got
 
 
 def test_decode_steps_match_eager_alone_and_batched(engines):
     eager, compiled = engines
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params)
     compare(eager, compiled, ALIKE, params)  # one attention call per group: the graph
     compare(eager, compiled, PROMPTS, params, some_compiled=False)  # lengths far apart: eager, in several calls
@@ -59,9 +68,12 @@ def test_decode_steps_match_eager_alone_and_batched(engines):
 
 def test_prefix_hits_chunked_prefill_beside_decodes_and_n_greater_than_one(engines):
     eager, compiled = engines
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
-    compare(eager, compiled, [PROMPTS[1] + [5, 6, 7], PROMPTS[1] + [8, 9]], params)  # the second hits the first's blocks
-    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2, logprobs=1)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    for llm in (eager, compiled):  # PROMPTS[1]'s blocks into both prefix caches
+        llm.generate([PROMPTS[1]], SamplingParams(max_tokens=1))
+    hits = compare(eager, compiled, [PROMPTS[1] + [5, 6, 7], PROMPTS[1] + [8, 9]], params)
+    assert all(output.num_cached_tokens >= 64 for output in hits)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2, logprobs=2)
     compare(eager, compiled, ALIKE[:2], sampled)
 
 
@@ -81,7 +93,7 @@ def test_preemption_mid_decode_matches_eager(tmp_path):
     tight = dict(kv_cache_memory="48KiB", max_model_len=96)  # 96 tokens: the four requests cannot all stay
     eager = LLM(str(path), **tight, enforce_eager=True)
     compiled = LLM(str(path), **tight, **COMPILED)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, [p[:30] for p in ALIKE], params)
     assert compiled.engine.scheduler.num_preemptions > 0
 

@@ -55,6 +55,8 @@ MAX_PENDING_BYTES = 256 * 2**20  # blocks copied for the writer and not yet writ
 WRITER_IDLE_S = 1.0  # the writer thread ends after this long without work (a later block starts a new one)
 RESCAN_S = 10.0  # when evicting, see other processes' records at most this often
 READ_THREADS = 2  # prefixes read at once; each prefix's records are read in order on one thread (see DiskKVCache)
+READ_AHEAD = 32  # records of a prefix opened (and, once one comes from the disk, hinted) ahead of the one being read
+CHECK_BATCH = 8  # records whose checksums the checker thread takes at once (a task per record costs more than it saves)
 EXIT_FLUSH_S = 10.0  # at interpreter exit, wait this long for queued blocks to be written
 ERROR_KINDS = ("corrupt", "mismatch", "foreign", "read", "write")
 
@@ -125,7 +127,7 @@ def _header(data: bytes | bytearray) -> dict:
     (length,) = struct.unpack("<Q", data[:8])
     if not 2 <= length <= len(data) - 8:
         raise ValueError(f"header length {length} outside the file's {len(data)} bytes")
-    return json.loads(bytes(data[8 : 8 + length]))
+    return json.loads(data[8 : 8 + length])
 
 
 def record_metadata(data: bytes | bytearray) -> dict[str, str]:
@@ -150,7 +152,29 @@ def decode_record(data: bytearray, fingerprint: str, key: BlockHash, parent: Blo
                   token_ids: Sequence[int], specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
     """The tensors of a record if it is exactly the block asked for; raises RecordRejected otherwise. The tensors are
     views of `data` (no copy): each entry of the safetensors header must be the dtype and shape the pool expects,
-    and lie within the file."""
+    and lie within the file, and their bytes must match the record's checksum."""
+    tensors, checksum = parse_record(data, fingerprint, key, parent, token_ids, specs)
+    if not checksum.matches():
+        raise RecordRejected("corrupt", "checksum mismatch")
+    return tensors
+
+
+@dataclass(frozen=True)
+class Checksum:
+    """A record's tensors' bytes and the CRC-32 its metadata gives for them (checked apart from the parse: the
+    disk tier checks a prefix's records on another thread while it reads the next ones)."""
+
+    views: list[memoryview]
+    expected: str | None
+
+    def matches(self) -> bool:
+        return tensors_crc32(self.views) == self.expected
+
+
+def parse_record(data: bytearray, fingerprint: str, key: BlockHash, parent: BlockHash | None,
+                 token_ids: Sequence[int], specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
+                 ) -> tuple[list[torch.Tensor], Checksum]:
+    """decode_record but for the checksum, which it returns to be checked."""
     try:
         header = _header(data)
         metadata = header.pop("__metadata__")
@@ -181,9 +205,7 @@ def decode_record(data: bytearray, fingerprint: str, key: BlockHash, parent: Blo
             raise RecordRejected("corrupt", "a tensor lies outside the file (truncated?)")
         views.append(memoryview(data)[begin:end])
         tensors.append(torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=begin).view(shape))
-    if tensors_crc32(views) != metadata.get("crc32"):
-        raise RecordRejected("corrupt", "checksum mismatch")
-    return tensors
+    return tensors, Checksum(views, metadata.get("crc32"))
 
 
 @dataclass
@@ -207,11 +229,13 @@ class DiskBlockStore:
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint["digest"]
         self.directory = self.root / self.fingerprint[:16]
+        self._directory = str(self.directory)  # records' paths are plain strings: pathlib costs more than a read
+        self._salt = bytes.fromhex(self.fingerprint)
         self._make_directory(fingerprint)
         self.counters = DiskCacheCounters()
         self.writing_stopped = False
         self._cond = threading.Condition()  # guards everything below
-        self._files: OrderedDict[Path, int] = OrderedDict()  # every record under root, least recently used first
+        self._files: OrderedDict[str, int] = OrderedDict()  # every record's path under root, least recently used first
         self.nbytes = 0
         self.num_own_records = 0  # of those, this fingerprint's
         self._scanned_at = 0.0
@@ -220,6 +244,7 @@ class DiskBlockStore:
         self._pending_bytes = 0
         self._writer: threading.Thread | None = None
         self._logged: set[str] = set()
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-disk-checker")  # read_chain's checksums
         self._remove_dead_writers_temps()
         with self._cond:
             self._scan()
@@ -240,70 +265,115 @@ class DiskBlockStore:
     # ---- reads: lookups on the step thread, records read on the reader threads ---------------------------
     def contains(self, key: BlockHash) -> bool:
         """Whether a record for `key` is on disk now (any process's); it is verified only when read."""
-        return self.path(key).exists()
+        return os.path.exists(self._file(key))
 
     def read(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
              specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor] | None:
         """The block's tensors, verified; None on a miss. A bad record is counted, logged once and removed."""
-        path = self.path(key)
+        found = self.read_chain([(key, parent, token_ids)], specs)
+        return found[0] if found else None
+
+    def read_chain(self, records: Sequence[tuple[BlockHash, BlockHash | None, Sequence[int]]],
+                   specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[list[torch.Tensor]]:
+        """The tensors of `records` ((key, parent, token ids) of a prefix's blocks, in order), verified, up to the
+        first miss.
+
+        The next READ_AHEAD records are kept open ahead of the one being read; once a record is found outside the
+        page cache, the kernel is asked to read those ahead too (posix_fadvise WILLNEED), so the disk sees many at
+        once rather than one file's latency at a time (while records come from the page cache the hint costs a
+        walk over their cached pages and saves nothing). Checksums run on the store's checker thread, CHECK_BATCH
+        records at a time, while this thread reads the next records: zlib releases the GIL while it runs."""
+        paths = [self._file(key) for key, _, _ in records]
+        ahead: deque[int | None] = deque()  # open files of the records after the one being read (None: missing)
+        cold = False  # a record came from the disk: hint the kernel about every record ahead
+
+        def open_ahead() -> None:
+            while len(ahead) < READ_AHEAD and (n := len(found) + len(ahead)) < len(paths):
+                ahead.append(_open_record(paths[n], cold))
+
+        found: list[list[torch.Tensor]] = []
+        checks: list[Future] = []  # each: how many of its batch of checksums match before the first that does not
+        batch: list[Checksum] = []
+        sizes: list[int] = []
         try:
-            data = _read_file(path)
-        except FileNotFoundError:  # evicted, by this process or another, since the lookup saw it
-            return None
+            for (key, parent, token_ids), path in zip(records, paths):
+                open_ahead()
+                fd = ahead.popleft()
+                if fd is None:  # evicted, by this process or another, since the lookup saw it
+                    break
+                try:
+                    read, cached = self._read_record(fd, path, key, parent, token_ids, specs)
+                finally:
+                    os.close(fd)
+                if not cached and not cold:
+                    cold = True
+                    for other in ahead:
+                        _read_ahead(other)
+                if read is None:
+                    break
+                found.append(read[0])
+                batch.append(read[1])
+                sizes.append(read[2])
+                if len(batch) == CHECK_BATCH:
+                    checks.append(self._checker.submit(_num_matching, batch))
+                    batch = []
+        finally:
+            for fd in ahead:
+                if fd is not None:
+                    os.close(fd)
+        if batch:
+            checks.append(self._checker.submit(_num_matching, batch))
+        for i, check in enumerate(checks):
+            if (bad := i * CHECK_BATCH + check.result()) < min((i + 1) * CHECK_BATCH, len(found)):
+                self._reject(paths[bad], RecordRejected("corrupt", "checksum mismatch"))
+                del found[bad:]
+                break
+        with self._cond:  # reads run on several threads
+            self.counters.num_reads += len(found)
+            self.counters.bytes_read += sum(sizes[: len(found)])
+        return found
+
+    def _read_record(self, fd: int, path: str, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
+                     specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
+                     ) -> tuple[tuple[list[torch.Tensor], Checksum, int] | None, bool]:
+        """The record's tensors, its checksum to check and its size in bytes (None: rejected), and whether it was
+        all in the page cache."""
+        try:
+            data, cached = _read_fd(fd)
         except OSError as exc:
             self._reject(path, RecordRejected("read", f"{type(exc).__name__}: {exc}"))
-            return None
+            return None, True
         try:
-            tensors = decode_record(data, self.fingerprint, key, parent, token_ids, specs)
+            tensors, checksum = parse_record(data, self.fingerprint, key, parent, token_ids, specs)
         except RecordRejected as rejected:
             self._reject(path, rejected)
-            return None
-        self._touch(path)
-        with self._cond:  # reads run on several threads
-            self.counters.num_reads += 1
-            self.counters.bytes_read += len(data)
-        return tensors
-
-    def read_ahead(self, keys: Sequence[BlockHash]) -> None:
-        """Ask the kernel to start reading these records' files (any missing is skipped): the disk then reads them
-        all at once rather than one file's latency at a time. A no-op where posix_fadvise is missing (macOS)."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for key in keys:
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    def path(self, key: BlockHash) -> Path:
-        return self.directory / (hashlib.sha256(bytes.fromhex(self.fingerprint) + key).hexdigest() + RECORD_SUFFIX)
-
-    def _touch(self, path: Path) -> None:
-        """Mark a record used: first to stay, here and (through its mtime) for other processes and restarts."""
-        try:
-            os.utime(path)
+            return None, cached
+        try:  # used: first to stay, here and (through its mtime) for other processes and restarts
+            os.utime(fd)
         except OSError:
             pass
         with self._cond:
             if path in self._files:
                 self._files.move_to_end(path)
+        return (tensors, checksum, len(data)), cached
 
-    def _reject(self, path: Path, rejected: RecordRejected) -> None:
+    def path(self, key: BlockHash) -> Path:
+        """Where `key`'s record is (or would be)."""
+        return Path(self._file(key))
+
+    def _file(self, key: BlockHash) -> str:
+        return os.path.join(self._directory, hashlib.sha256(self._salt + key).hexdigest() + RECORD_SUFFIX)
+
+    def _reject(self, path: str, rejected: RecordRejected) -> None:
         with self._cond:
             self.counters.errors[rejected.kind] += 1
             first = rejected.kind not in self._logged
             self._logged.add(rejected.kind)
             self._forget(path)
         if first:
-            logger.warning(f"KV disk cache: {path.name} rejected ({rejected.kind}: {rejected}); read as a miss and "
+            logger.warning(f"KV disk cache: {os.path.basename(path)} rejected ({rejected.kind}: {rejected}); read as a miss and "
                            f"removed (later {rejected.kind} records are only counted: kvserve:kv_disk_cache_errors)")
-        path.unlink(missing_ok=True)
+        _remove(path)
 
     # ---- writes: submit on the step thread, written on the writer thread ---------------------------------------
     def submit(self, record: BlockRecord) -> None:
@@ -346,8 +416,8 @@ class DiskBlockStore:
                     self._cond.notify_all()
 
     def _write(self, record: BlockRecord) -> None:
-        path = self.path(record.key)
-        if self.writing_stopped or path.exists():  # another process (or an earlier run) wrote it
+        path = self._file(record.key)
+        if self.writing_stopped or os.path.exists(path):  # another process (or an earlier run) wrote it
             return
         data = encode_record(self.fingerprint, record)
         if len(data) > self.capacity_bytes:
@@ -382,7 +452,7 @@ class DiskBlockStore:
             while self._files and self.nbytes + num_bytes > self.capacity_bytes:
                 oldest = next(iter(self._files))
                 self._forget(oldest)
-                oldest.unlink(missing_ok=True)
+                _remove(oldest)
                 self.counters.num_evicted += 1
 
     def _scan(self) -> None:
@@ -395,24 +465,24 @@ class DiskBlockStore:
                         stat = entry.stat()
                     except FileNotFoundError:
                         continue
-                    found.append((stat.st_mtime_ns, Path(entry.path), stat.st_size))
+                    found.append((stat.st_mtime_ns, entry.path, stat.st_size))
         self._files.clear()
         self.nbytes = self.num_own_records = 0
         for _, path, size in sorted(found, key=lambda f: f[0]):
             self._remember(path, size)
         self._scanned_at = time.monotonic()
 
-    def _remember(self, path: Path, size: int) -> None:
+    def _remember(self, path: str, size: int) -> None:
         if path not in self._files:
             self._files[path] = size
             self.nbytes += size
-            self.num_own_records += path.parent == self.directory
+            self.num_own_records += os.path.dirname(path) == self._directory
 
-    def _forget(self, path: Path) -> None:
+    def _forget(self, path: str) -> None:
         size = self._files.pop(path, None)
         if size is not None:
             self.nbytes -= size
-            self.num_own_records -= path.parent == self.directory
+            self.num_own_records -= os.path.dirname(path) == self._directory
 
     # ---- start-up -----------------------------------------------------------------------------------------
     def _make_directory(self, fingerprint: dict[str, str]) -> None:
@@ -449,17 +519,55 @@ class DiskBlockStore:
                 **{f"disk_cache_errors_{kind}": n for kind, n in c.errors.items()}}
 
 
-def _read_file(path: Path) -> bytearray:
-    """A whole file, read into one writable buffer (the record's tensors are views of it)."""
-    fd = os.open(path, os.O_RDONLY)
+def _num_matching(checksums: Sequence[Checksum]) -> int:
+    """How many of `checksums` match before the first that does not."""
+    return next((i for i, checksum in enumerate(checksums) if not checksum.matches()), len(checksums))
+
+
+def _open_record(path: str, read_ahead: bool) -> int | None:
+    """An open file (None if there is no such file), the kernel asked to read it ahead if `read_ahead`."""
     try:
-        data = bytearray(os.fstat(fd).st_size)
-        view, done = memoryview(data), 0
-        while done < len(data) and (n := os.readv(fd, [view[done:]])):
-            done += n
-        return data if done == len(data) else data[:done]  # shrank under us: decode finds it truncated
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    if read_ahead:
+        _read_ahead(fd)
+    return fd
+
+
+def _read_ahead(fd: int | None) -> None:
+    """Ask the kernel to start reading a file (a no-op where posix_fadvise is missing: macOS)."""
+    if fd is not None and hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: a read that returns only what the page cache holds
+
+
+def _read_fd(fd: int) -> tuple[bytearray, bool]:
+    """A whole open file, read into one writable buffer (the record's tensors are views of it), and whether the
+    page cache held all of it (where that cannot be asked, False)."""
+    data = bytearray(os.fstat(fd).st_size)
+    view, done, cached = memoryview(data), 0, False
+    if _NOWAIT is not None and data:
+        try:
+            done = os.preadv(fd, [view], 0, _NOWAIT)
+            cached = done == len(data)
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a file system without it
+            done = 0
+    while done < len(data) and (n := os.preadv(fd, [view[done:]], done)):
+        done += n
+    return (data if done == len(data) else data[:done]), cached  # shrank under us: decode finds it truncated
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _write_new_file(path: Path, data: bytes) -> None:
@@ -545,13 +653,7 @@ class DiskKVCache:
     def _read(self, loads: list[BlockLoad]) -> tuple[list[list[torch.Tensor]], float]:
         """The records of `loads` up to the first miss (the blocks after it would not be used), and when the reads
         ended."""
-        self.store.read_ahead([load.key for load in loads])
-        found = []
-        for load in loads:
-            tensors = self.store.read(load.key, load.parent, load.token_ids, self.specs)
-            if tensors is None:
-                break
-            found.append(tensors)
+        found = self.store.read_chain([(load.key, load.parent, load.token_ids) for load in loads], self.specs)
         return found, time.perf_counter()
 
     def stats(self) -> dict[str, float | int]:

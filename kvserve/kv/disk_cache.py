@@ -6,14 +6,15 @@ its group), one safetensors file per block and layer group, named sha256(model f
 chains through the whole prefix, with the storage format and cache_salt in its root (kv/block_hash.py), and the
 fingerprint names what the bytes mean (weights, tokenizer, config, layer layout, block size, KV format), so a
 record is found only by the same model, format and tenant. Each record also carries its parent key, its token ids
-and a sha256 of its tensors; a read checks all of them against what the request expects, so a damaged, truncated,
+and a CRC-32 of its tensors; a read checks all of them against what the request expects, so a damaged, truncated,
 foreign or mismatched file is a miss (counted by kind, logged once, removed), never a wrong answer.
 
-Writes run on a writer thread; the step thread only copies a new block's bytes out of the pool. A record is written
-to a temporary file and renamed into place, so a process killed mid-write leaves no partial record visible. Several
-processes may share a directory without a lock: a record is complete once visible, two writers of one key write the
-same bytes, and a record removed under a reader is a plain miss. Reads start on admission and run on reader threads
-while the steps go on; the request waits, and its blocks join the pool's prefix index once they are read."""
+Writes run on a writer thread; the step thread only copies a new block's bytes out of the pool (a block the writer
+has no room for is handed again later, from the pool, and at a clean exit). A record is written to a temporary file
+and renamed into place, so a process killed mid-write leaves no partial record visible. Several processes may share
+a directory without a lock: a record is complete once visible, two writers of one key write the same bytes, and a
+record removed under a reader is a plain miss. Reads start on admission and run on reader threads while the steps go
+on (checksums on a checker thread); the request waits, and its blocks join the pool's prefix index once read."""
 from __future__ import annotations
 
 import atexit
@@ -28,7 +29,7 @@ import time
 import weakref
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ RESCAN_S = 10.0  # when evicting, see other processes' records at most this ofte
 READ_THREADS = 2  # prefixes read at once; each prefix's records are read in order on one thread (see DiskKVCache)
 READ_AHEAD = 32  # records of a prefix opened (and, once one comes from the disk, hinted) ahead of the one being read
 CHECK_BATCH = 8  # records whose checksums the checker thread takes at once (a task per record costs more than it saves)
-EXIT_FLUSH_S = 10.0  # at interpreter exit, wait this long for queued blocks to be written
+EXIT_FLUSH_S = 10.0  # at interpreter exit, wait this long for queued (and skipped) blocks to be written
+MAX_SKIPPED = 1 << 16  # skipped blocks remembered to hand again (a key, parent and 16 token ids each)
 ERROR_KINDS = ("corrupt", "mismatch", "foreign", "read", "write")
 
 
@@ -215,7 +217,8 @@ class DiskCacheCounters:
     read_s: float = 0.0  # wall time of admission's reads (files read, checked, decoded, put in the pool)
     num_writes: int = 0
     bytes_written: int = 0
-    num_writes_skipped: int = 0  # the writer was behind by MAX_PENDING_BYTES, or a block exceeds the cap
+    num_writes_skipped: int = 0  # the writer was behind by MAX_PENDING_BYTES (handed again later), or over the cap
+    num_writes_retried: int = 0  # skipped blocks handed again once the writer had room (still in the pool)
     num_evicted: int = 0  # records removed to hold the cap
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
 
@@ -376,27 +379,46 @@ class DiskBlockStore:
         _remove(path)
 
     # ---- writes: submit on the step thread, written on the writer thread ---------------------------------------
-    def submit(self, record: BlockRecord) -> None:
-        """Queue a block for writing; never waits. Skipped when writing has stopped, the key is queued already, or
-        the writer is MAX_PENDING_BYTES behind."""
+    def submit(self, record: BlockRecord) -> bool:
+        """Queue a block for writing; never waits. False if it was skipped because the writer is MAX_PENDING_BYTES
+        behind (the caller may hand it again later); True if queued, queued already, or writing has stopped."""
         with self._cond:
             if self.writing_stopped or record.key in self._pending:
-                return
+                return True
             if self._pending_bytes + record.nbytes > MAX_PENDING_BYTES:
                 self.counters.num_writes_skipped += 1
-                return
+                return False
             self._queue.append(record)
             self._pending.add(record.key)
             self._pending_bytes += record.nbytes
             if self._writer is None:
-                self._writer = threading.Thread(target=self._write_queued, name="kvserve-disk-writer", daemon=True)
-                self._writer.start()
+                writer = threading.Thread(target=self._write_queued, name="kvserve-disk-writer", daemon=True)
+                try:
+                    writer.start()
+                    self._writer = writer
+                except RuntimeError:  # an exiting interpreter starts no threads (3.12+): flush writes on its own
+                    pass
             self._cond.notify_all()
+            return True
+
+    def has_room(self, num_bytes: int) -> bool:
+        """Whether the writer is less than half of MAX_PENDING_BYTES behind with `num_bytes` more."""
+        with self._cond:
+            return self._pending_bytes + num_bytes <= MAX_PENDING_BYTES // 2
+
+    def wait_for_room(self, num_bytes: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending_bytes + num_bytes <= MAX_PENDING_BYTES // 2, timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every queued block is written (or skipped); False if `timeout_s` passed first."""
+        """Wait until every queued block is written (or skipped); False if `timeout_s` passed first. With no writer
+        thread (none could start: the interpreter is exiting) the queue is written here."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._writer is None and (deadline is None or time.monotonic() < deadline) and self._write_next():
+            pass
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending, timeout_s)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._cond.wait_for(lambda: not self._pending, left)
 
     def _write_queued(self) -> None:
         while True:
@@ -406,14 +428,22 @@ class DiskBlockStore:
                 if not self._queue:
                     self._writer = None
                     return
-                record = self._queue.popleft()
-            try:
-                self._write(record)
-            finally:
-                with self._cond:
-                    self._pending.discard(record.key)
-                    self._pending_bytes -= record.nbytes
-                    self._cond.notify_all()
+            self._write_next()
+
+    def _write_next(self) -> bool:
+        """Write the oldest queued block; False if none was queued."""
+        with self._cond:
+            if not self._queue:
+                return False
+            record = self._queue.popleft()
+        try:
+            self._write(record)
+        finally:
+            with self._cond:
+                self._pending.discard(record.key)
+                self._pending_bytes -= record.nbytes
+                self._cond.notify_all()
+        return True
 
     def _write(self, record: BlockRecord) -> None:
         path = self._file(record.key)
@@ -515,6 +545,7 @@ class DiskBlockStore:
                 "disk_cache_reads": c.num_reads, "disk_cache_bytes_read": c.bytes_read,
                 "disk_cache_read_seconds": c.read_s, "disk_cache_writes": c.num_writes,
                 "disk_cache_bytes_written": c.bytes_written, "disk_cache_writes_skipped": c.num_writes_skipped,
+                "disk_cache_writes_retried": c.num_writes_retried,
                 "disk_cache_evicted": c.num_evicted, "disk_cache_writing_stopped": int(self.writing_stopped),
                 **{f"disk_cache_errors_{kind}": n for kind, n in c.errors.items()}}
 
@@ -587,6 +618,13 @@ def _flush_at_exit(store: weakref.ref[DiskBlockStore]) -> None:
         alive.flush(EXIT_FLUSH_S)
 
 
+def _flush_tier_at_exit(tier: weakref.ref[DiskKVCache]) -> None:
+    """A clean exit (SIGTERM to the server included) first writes what the pool holds that the disk lacks: the
+    queued blocks and the skipped ones still in the pool (this runs before the store's own handler)."""
+    if (alive := tier()) is not None:
+        alive.flush(EXIT_FLUSH_S)
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -603,6 +641,10 @@ class DiskKVCache:
     def __init__(self, store: DiskBlockStore, cache: PagedKVCache):
         self.store = store
         self.cache = cache
+        # Blocks skipped while the writer was behind: handed again once it has room, if the pool still holds them
+        # (`pool_block` says which pool block holds a key now: the KV cache manager sets it), and at a clean exit.
+        self._skipped: OrderedDict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = OrderedDict()
+        self.pool_block: Callable[[BlockHash], int | None] = lambda key: None
         self.specs = cache.block_specs()
         self.num_hit_tokens = 0  # prompt tokens whose blocks came from disk (the KV manager counts them)
         self.num_recomputed_tokens = 0  # tokens on disk the engine chose to prefill instead: faster than reading
@@ -615,14 +657,47 @@ class DiskKVCache:
         # (posix_fadvise WILLNEED: the disk sees them all at once). Several threads per prefix were slower: most
         # of a record's time out of the page cache is Python holding the GIL, and threads only contend for it.
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvserve-disk-reader")
+        atexit.register(_flush_tier_at_exit, weakref.ref(self))
 
     def contains(self, key: BlockHash) -> bool:
         return self.store.contains(key)
 
     def save(self, block_id: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
-        """Copy a newly registered full block out of the pool for the writer (a memcpy on the step thread)."""
-        if not self.store.writing_stopped:
-            self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id)))
+        """Copy a newly registered full block out of the pool for the writer (a memcpy on the step thread). A block
+        the writer had no room for is remembered and handed again later (`save_skipped`)."""
+        if self.store.writing_stopped:
+            return
+        if self._skipped:
+            self.save_skipped()
+        if not self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id))) \
+                and len(self._skipped) < MAX_SKIPPED:
+            self._skipped[key] = (parent, tuple(token_ids))
+
+    def save_skipped(self, timeout_s: float = 0.0) -> None:
+        """Hand the writer the skipped blocks the pool still holds, oldest first, while it has room (waiting up to
+        `timeout_s` for room). A block the pool no longer holds cannot be written: it is forgotten."""
+        deadline = time.monotonic() + timeout_s
+        while self._skipped and not self.store.writing_stopped:
+            key, (parent, token_ids) = next(iter(self._skipped.items()))
+            block_id = self.pool_block(key)
+            if block_id is not None:
+                if not self.store.wait_for_room(self.record_bytes, max(0.0, deadline - time.monotonic())):
+                    return
+                tensors = self.cache.export_block(block_id)
+                # still that key's block after the copy: at exit an engine thread that has not stopped may be
+                # reusing blocks, and a block it took while we copied must not be written under this key
+                if self.pool_block(key) == block_id:
+                    if not self.store.submit(BlockRecord(key, parent, token_ids, tensors)):
+                        return
+                    self.store.counters.num_writes_retried += 1
+            del self._skipped[key]
+
+    def flush(self, timeout_s: float) -> bool:
+        """Write what the pool holds that the disk lacks: the queue, and the skipped blocks still in the pool
+        (what a clean exit does, within `timeout_s`). False if time ran out first."""
+        deadline = time.monotonic() + timeout_s
+        self.save_skipped(timeout_s)
+        return self.store.flush(max(0.0, deadline - time.monotonic())) and not self._skipped
 
     def worth_reading(self, num_records: int, num_tokens: int) -> bool:
         """Whether reading `num_records` records is faster than prefilling the `num_tokens` they save, at the rates

@@ -116,6 +116,8 @@ class KVCacheManager:
                  tile_windows: bool = False, disk: DiskKVCache | None = None):
         self.block_size = block_size
         self.disk = disk  # a lower tier: registered blocks are written there, and lookups continue there
+        if disk is not None:  # which block holds a key now: a block the writer skipped is written later from there
+            disk.pool_block = lambda key: block.block_id if (block := self.pool.lookup(key)) is not None else None
         self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.eviction = eviction or EvictionPolicy()
         self.windows = tuple(windows)  # per layer group: None for full attention, else its sliding window

@@ -61,7 +61,9 @@ DISK_COUNTERS = [
     ("kvserve:kv_disk_cache_writes", "disk_cache_writes", "KV blocks written to disk."),
     ("kvserve:kv_disk_cache_written_bytes", "disk_cache_bytes_written", "Bytes written to the disk tier."),
     ("kvserve:kv_disk_cache_writes_skipped", "disk_cache_writes_skipped",
-     "KV blocks not written: the writer was behind, or a block exceeds the cap."),
+     "KV blocks not written when registered: the writer was behind (handed again later), or a block exceeds the cap."),
+    ("kvserve:kv_disk_cache_writes_retried", "disk_cache_writes_retried",
+     "Skipped KV blocks handed to the writer again once it had room, from the pool."),
     ("kvserve:kv_disk_cache_evicted", "disk_cache_evicted", "Records removed to hold the cap."),
 ]
 DISK_ERROR_PREFIX = "disk_cache_errors_"

@@ -4,7 +4,10 @@ from the pool, from disk and recomputed; another model, format or cache_salt nev
 check halfway through a prefix costs only the blocks after it, and every block goes back to the pool; other requests
 run while a prefix is read."""
 import logging
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kv.block_hash import hash_full_blocks
+from kvserve.kv import disk_cache
 from kvserve.kv.disk_cache import DiskBlockStore
 from tests.conftest import make_tiny_model
 
@@ -244,3 +248,69 @@ def test_a_prefix_is_recomputed_where_that_is_faster_than_reading_it(llama, tmp_
     fast = engine(llama, tmp_path)
     fast.engine.disk_cache.read_bytes_per_s, fast.engine.disk_cache.prefill_tokens_per_s = 1e9, 1e3
     assert fast.generate(tokens, GREEDY)[0].num_cached_tokens == 96 and fast.stats()["disk_cache_reads"] == 6
+
+
+def behind_writer(llm: LLM, monkeypatch) -> threading.Event:
+    """Make the writer take at most two records at a time and hold its writes until the returned event is set."""
+    gate, write = threading.Event(), DiskBlockStore._write
+    monkeypatch.setattr(disk_cache, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
+    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, record: gate.wait(10) and write(self, record))
+    return gate
+
+
+def test_blocks_skipped_while_the_writer_was_behind_are_written_once_it_has_room(llama, tmp_path, monkeypatch):
+    tokens, later = prompt(200), prompt(40, seed=7)
+    llm = engine(llama, tmp_path)
+    gate = behind_writer(llm, monkeypatch)
+    llm.generate(tokens, GREEDY)  # 13 full blocks (200 prompt + 11 generated tokens): two queued, the rest skipped
+    assert llm.stats()["disk_cache_writes_skipped"] == 11 and llm.stats()["disk_cache_writes"] == 0
+    gate.set()
+    assert llm.engine.disk_cache.store.flush(10)
+    llm.generate(later, GREEDY)  # registering its blocks hands skipped ones again, room permitting
+    assert llm.stats()["disk_cache_writes_retried"] >= 1
+    assert llm.engine.disk_cache.flush(10)  # what a clean exit does: the rest
+    stats = llm.stats()
+    assert stats["disk_cache_writes_retried"] == stats["disk_cache_writes_skipped"]
+    assert all(llm.engine.disk_cache.contains(key) for key in prefix_keys(llm, tokens, 13))
+    again = engine(llama, tmp_path).generate(tokens, GREEDY)[0]
+    assert again.num_disk_cached_tokens == 192  # the prompt's 12 full blocks
+
+
+def test_a_skipped_block_the_pool_no_longer_holds_is_never_written(llama, tmp_path, monkeypatch):
+    tokens = prompt(300)
+    llm = engine(llama, tmp_path, kv_cache_memory="384KiB")  # 48 blocks
+    gate = behind_writer(llm, monkeypatch)
+    llm.generate(tokens, GREEDY)
+    for seed in (1, 2, 3, 4):  # push the first prompt's blocks out of the pool
+        llm.generate(prompt(300, seed), GREEDY)
+    assert all(llm.engine.kv.pool.lookup(key) is None for key in prefix_keys(llm, tokens, 18))
+    gate.set()
+    assert llm.engine.disk_cache.flush(10)
+    on_disk = [llm.engine.disk_cache.contains(key) for key in prefix_keys(llm, tokens, 18)]
+    assert on_disk[:2] == [True, True] and not any(on_disk[2:])  # the two queued; the skipped were gone
+
+
+EXITING_WRITER = """
+import sys, threading, time
+from kvserve import LLM, SamplingParams
+from kvserve.kv import disk_cache
+from kvserve.kv.disk_cache import DiskBlockStore
+
+llm = LLM(sys.argv[1], kv_cache_memory="1MiB", max_model_len=512, enforce_eager=True, kv_disk_cache=sys.argv[2])
+disk_cache.MAX_PENDING_BYTES = 2 * llm.engine.disk_cache.record_bytes
+write = DiskBlockStore._write
+DiskBlockStore._write = lambda self, record: time.sleep(0.05) or write(self, record)
+llm.generate([int(t) for t in sys.argv[3].split(",")], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+print(llm.stats()["disk_cache_writes_skipped"], llm.stats()["disk_cache_writes"], flush=True)
+"""  # and exits, without a flush of its own
+
+
+def test_a_clean_exit_writes_what_the_pool_holds_that_the_disk_lacks(llama, tmp_path):
+    tokens = prompt(200)
+    done = subprocess.run([sys.executable, "-c", EXITING_WRITER, str(llama), str(tmp_path), ",".join(map(str, tokens))],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    skipped, written_before_exit = map(int, done.stdout.split())
+    assert skipped >= 10 and written_before_exit < 13  # the exit had work to do
+    again = engine(llama, tmp_path).generate(tokens, GREEDY)[0]
+    assert again.num_disk_cached_tokens == 192

@@ -1,14 +1,19 @@
 """`kvserve bench serve --conversations N [--routers prefix,pow2,round-robin]`: multi-turn sessions against one
 endpoint; with --routers, against a local Ray endpoint per router plus one big replica (every replica's CPUs and KV
-cache in one engine) as the reference, all in one run, so the cached-token shares compare."""
+cache in one engine) as the reference, all in one run, so the cached-token shares compare. With --kv-disk-cache DIR
+as well, each router runs once more with its replicas sharing one disk tier (a new directory under DIR, removed
+after), so a conversation routed to another replica can read its blocks rather than recompute them; the other
+setups run without a tier."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import httpx
@@ -17,6 +22,7 @@ from kvserve.bench.sessions import SessionsConfig, SessionsReport, run_sessions
 from kvserve.config import parse_size
 
 BIG_REPLICA = "one big replica"
+SHARED_DISK = " + shared disk tier"  # the name of a router's setup whose replicas share a disk tier
 WARM_UP_REQUESTS_PER_REPLICA = 2  # a replica's first forward passes are slow; they should not count as TTFT
 
 
@@ -87,16 +93,34 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def compare_routers(sessions: SessionsConfig, scale, routers: list[str]) -> list[RouterRun]:
-    """The sessions through one big replica, then through `scale.replicas` replicas behind each router."""
-    setups = [(BIG_REPLICA, big_replica(scale))] + [(r, dataclasses.replace(scale, router=r)) for r in routers]
+    """The sessions through each of `router_setups`, one after another."""
     runs = []
-    for name, setup in setups:
+    for name, setup, shares_disk in router_setups(scale, routers):
         print(f"{name}: starting {setup.replicas} replica(s) on a local Ray ...", file=sys.stderr, flush=True)
-        report, cache_tokens = _run_on_ray(sessions, dataclasses.replace(setup, port=_free_port()))
+        setup = dataclasses.replace(setup, port=_free_port())
+        if shares_disk:  # a tier of its own, empty: nothing from an earlier setup or run
+            os.makedirs(setup.engine.kv_disk_cache, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=setup.engine.kv_disk_cache, prefix="bench-serve-") as directory:
+                engine = dataclasses.replace(setup.engine, kv_disk_cache=directory)
+                report, cache_tokens = _run_on_ray(sessions, dataclasses.replace(setup, engine=engine))
+        else:
+            report, cache_tokens = _run_on_ray(sessions, setup)
         runs.append(RouterRun(name, setup.replicas, report, cache_tokens))
         print(f"{name}: cached share {report.cached_share:.1%}, {len(report.succeeded)}/{len(report.turns)} turns "
               f"ok in {report.duration_s:.1f} s", file=sys.stderr, flush=True)
     return runs
+
+
+def router_setups(scale, routers: list[str]) -> list[tuple[str, object, bool]]:
+    """(name, setup, whether its replicas share a disk tier): one big replica, then `scale.replicas` replicas
+    behind each router, all without a disk tier; if `scale` has one (--kv-disk-cache), each router once more with
+    its replicas sharing it."""
+    plain = dataclasses.replace(scale, engine=dataclasses.replace(scale.engine, kv_disk_cache=None))
+    setups = [(BIG_REPLICA, big_replica(plain), False)] + [(r, dataclasses.replace(plain, router=r), False)
+                                                          for r in routers]
+    if scale.engine.kv_disk_cache is not None:
+        setups += [(r + SHARED_DISK, dataclasses.replace(scale, router=r), True) for r in routers]
+    return setups
 
 
 def write_turns(path: str, runs: list[RouterRun]) -> None:
@@ -147,12 +171,15 @@ def print_runs(runs: list[RouterRun]) -> None:
 
 def cached_share_ratios(runs: list[RouterRun]) -> list[str]:
     shares = {run.name: run.report.cached_share for run in runs}
-    if "prefix" not in shares:
-        return []
     lines = []
-    for other in (BIG_REPLICA, "round-robin", "pow2"):
-        if other in shares and shares[other] > 0:
-            lines.append(f"prefix routing's cached share is {shares['prefix'] / shares[other]:.2f}x {other}'s")
+    if "prefix" in shares:
+        for other in (BIG_REPLICA, "round-robin", "pow2"):
+            if other in shares and shares[other] > 0:
+                lines.append(f"prefix routing's cached share is {shares['prefix'] / shares[other]:.2f}x {other}'s")
+    for run in runs:  # what sharing a disk tier adds to each router
+        router = run.name.removesuffix(SHARED_DISK)
+        if router != run.name and shares.get(router):
+            lines.append(f"{run.name}: cached share {shares[run.name] / shares[router]:.2f}x {router}'s alone")
     return lines
 
 

@@ -1,12 +1,13 @@
 """`kvserve bench serve --conversations`: every conversation runs to its last turn, each turn sending the whole
 history, and on a single server (one cache for everyone) every turn after the first finds its history cached."""
 import asyncio
+import dataclasses
 import json
 
 import pytest
 
 from kvserve import EngineConfig, LLMEngine
-from kvserve.bench.routing import RouterRun, big_replica, cached_share_ratios, write_turns
+from kvserve.bench.routing import RouterRun, big_replica, cached_share_ratios, router_setups, write_turns
 from kvserve.bench.sessions import SessionsConfig, SessionsReport, TurnResult, run_sessions
 from kvserve.scaleout.config import ScaleOutConfig
 from kvserve.server.app import build_app
@@ -63,6 +64,20 @@ def test_prefix_routing_is_compared_with_one_big_replica_and_the_baselines():
             RouterRun("round-robin", 2, report_with_share(19))]
     assert cached_share_ratios(runs) == ["prefix routing's cached share is 0.95x one big replica's",
                              "prefix routing's cached share is 4.00x round-robin's"]
+
+
+def test_with_a_disk_tier_each_router_runs_again_with_its_replicas_sharing_one(tmp_path):
+    scale = ScaleOutConfig(engine=EngineConfig(kv_cache_memory="1MiB", kv_disk_cache=str(tmp_path)), replicas=2)
+    setups = router_setups(scale, ["prefix", "round-robin"])
+    assert [(name, setup.router, shares) for name, setup, shares in setups] == [
+        ("one big replica", "round-robin", False), ("prefix", "prefix", False), ("round-robin", "round-robin", False),
+        ("prefix + shared disk tier", "prefix", True), ("round-robin + shared disk tier", "round-robin", True)]
+    assert [setup.engine.kv_disk_cache for _, setup, _ in setups] == [None] * 3 + [str(tmp_path)] * 2
+    assert [name for name, _, _ in router_setups(dataclasses.replace(scale, engine=EngineConfig()), ["pow2"])] == \
+        ["one big replica", "pow2"]
+    runs = [RouterRun("round-robin", 2, report_with_share(40)),
+            RouterRun("round-robin + shared disk tier", 2, report_with_share(76))]
+    assert cached_share_ratios(runs) == ["round-robin + shared disk tier: cached share 1.90x round-robin's alone"]
 
 
 def test_turns_are_written_as_json_lines_with_their_replica(tmp_path):

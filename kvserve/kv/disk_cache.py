@@ -374,8 +374,9 @@ class DiskBlockStore:
             self._logged.add(rejected.kind)
             self._forget(path)
         if first:
-            logger.warning(f"KV disk cache: {os.path.basename(path)} rejected ({rejected.kind}: {rejected}); read as a miss and "
-                           f"removed (later {rejected.kind} records are only counted: kvserve:kv_disk_cache_errors)")
+            logger.warning(f"KV disk cache: {os.path.basename(path)} rejected ({rejected.kind}: {rejected}); read as "
+                           f"a miss and removed (later {rejected.kind} records are only counted: "
+                           "kvserve:kv_disk_cache_errors)")
         _remove(path)
 
     # ---- writes: submit on the step thread, written on the writer thread ---------------------------------------
@@ -401,12 +402,9 @@ class DiskBlockStore:
             self._cond.notify_all()
             return True
 
-    def has_room(self, num_bytes: int) -> bool:
-        """Whether the writer is less than half of MAX_PENDING_BYTES behind with `num_bytes` more."""
-        with self._cond:
-            return self._pending_bytes + num_bytes <= MAX_PENDING_BYTES // 2
-
     def wait_for_room(self, num_bytes: int, timeout_s: float) -> bool:
+        """Wait until the writer is less than half of MAX_PENDING_BYTES behind with `num_bytes` more; False if
+        `timeout_s` passed first."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending_bytes + num_bytes <= MAX_PENDING_BYTES // 2, timeout_s)
 

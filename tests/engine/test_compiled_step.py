@@ -6,7 +6,12 @@ recompilation); steps the graph does not cover run eagerly and the start-up line
 falls back to eager, with one warning, and serving goes on."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +141,37 @@ def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_pat
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
         [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
+
+
+STARTING_PROCESS = """
+import json, sys, torch
+from kvserve.engine.llm import LLM
+llm = LLM(sys.argv[1], kv_cache_memory="2MiB", max_model_len=512, compile_decode=True, **json.loads(sys.argv[2]))
+assert llm.engine.runner.compiled is not None
+counters = torch._dynamo.utils.counters  # AOTAutograd's cache, and the FX graph cache below it
+print(json.dumps([counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"],
+                  counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]]))
+"""
+
+
+def test_a_second_start_loads_the_cache_and_a_changed_model_or_format_does_not(tmp_path):
+    """Inductor keys its on-disk cache by the traced graph (every op, shape and dtype, so the model's sizes, its
+    dtype and the KV format), its own config, the torch version and the CPU's vector instruction set; kvserve adds
+    nothing to the key. Each start is a process of its own on one cache directory: a second start of the same model
+    only hits, the same model with a bfloat16 pool misses. (The torch version and the instruction set cannot change
+    within a test; a model of other sizes traces other shapes, which the key holds as it holds the pool's dtype.)"""
+    small = make_tiny_model(tmp_path / "small")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # empty: this test's own
+
+    def start(path, **options) -> tuple[int, int]:
+        done = subprocess.run([sys.executable, "-c", STARTING_PROCESS, str(path), json.dumps(options)], env=env,
+                              cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        hits, misses = json.loads(done.stdout.splitlines()[-1])
+        return hits, misses
+
+    hits, misses = start(small)
+    assert misses > 0 and hits == 0
+    hits, misses = start(small)
+    assert hits > 0 and misses == 0
+    assert start(small, kv_cache_dtype="bfloat16")[1] > 0

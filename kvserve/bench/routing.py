@@ -192,6 +192,13 @@ def _scale_out_from_args(args: argparse.Namespace):
     if unknown or not routers:
         raise ValueError(f"--routers takes a comma-separated list of {', '.join(ROUTER_NAMES)}, got {args.routers!r}")
     engine = dataclasses.replace(engine_config_from_args(args), model=args.model)
+    if engine.kv_disk_cache is not None:  # the shared tiers' directories go under it: fail now, not after a setup
+        try:
+            os.makedirs(engine.kv_disk_cache, exist_ok=True)
+            tempfile.TemporaryDirectory(dir=engine.kv_disk_cache).cleanup()
+        except OSError as exc:
+            raise ValueError(f"--kv-disk-cache {engine.kv_disk_cache}: cannot write there ({type(exc).__name__}: "
+                             f"{exc.strerror or exc})") from exc
     scale = ScaleOutConfig(engine=engine, replicas=args.replicas, replica_cpus=args.replica_cpus,
                            imbalance_threshold=args.imbalance_threshold, api_key=args.api_key, access_log=False)
     return routers, scale

@@ -80,3 +80,11 @@ def test_scale_out_without_ray_names_the_install_command(argv, monkeypatch, caps
 def test_routers_without_conversations_are_refused(capsys):
     assert main(["bench", "serve", "--routers", "prefix"]) == 2
     assert "add --conversations N" in capsys.readouterr().err
+
+
+def test_bench_serve_refuses_a_disk_tier_directory_it_cannot_write_before_starting_ray(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    argv = ["bench", "serve", "--conversations", "2", "--routers", "round-robin",
+            "--kv-disk-cache", str(tmp_path / "file" / "kv")]
+    assert main(argv) == 2
+    assert f"--kv-disk-cache {tmp_path / 'file' / 'kv'}: cannot write there" in capsys.readouterr().err

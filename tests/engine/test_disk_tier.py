@@ -254,7 +254,7 @@ def behind_writer(llm: LLM, monkeypatch) -> threading.Event:
     """Make the writer take at most two records at a time and hold its writes until the returned event is set."""
     gate, write = threading.Event(), DiskBlockStore._write
     monkeypatch.setattr(disk_cache, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
-    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, record: gate.wait(10) and write(self, record))
+    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, record: (gate.wait(60), write(self, record))[1])
     return gate
 
 

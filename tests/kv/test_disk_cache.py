@@ -176,6 +176,18 @@ def test_damaged_records_are_misses_counted_logged_once_and_removed(tmp_path, ca
     assert s.read(keys[0], None, tokens[0], SPECS) is not None and s.stats()["disk_cache_blocks"] == 1
 
 
+@pytest.mark.parametrize("bad", [0, 3, 8, 11, 19])  # in the first, a middle or the last of the checker's batches
+def test_a_chain_stops_at_its_first_bad_checksum_wherever_it_falls(tmp_path, bad):
+    keys, tokens = chain(20)
+    s = store(tmp_path)
+    written(s, *(record(i, keys, tokens) for i in range(20)))
+    damage_flip(s.path(keys[bad]))
+    found = s.read_chain([(keys[i], keys[i - 1] if i else None, tokens[i]) for i in range(20)], SPECS)
+    assert [as_bytes(t) for t in found] == [as_bytes(record(i, keys, tokens).tensors) for i in range(bad)]
+    assert s.counters.errors["corrupt"] == 1 and s.counters.num_reads == bad and not s.path(keys[bad]).exists()
+    assert all(s.contains(keys[i]) for i in range(20) if i != bad)
+
+
 def test_a_record_is_used_only_for_its_own_parent_tokens_and_model(tmp_path):
     keys, tokens = chain(2)
     s = store(tmp_path)

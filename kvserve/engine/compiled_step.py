@@ -7,7 +7,9 @@ What it compiles is `model.forward` itself, the code every other step runs eager
 (all of them have similar context lengths, `model_runner.MIN_BUCKET_FILL`; a single stream always): their metadata
 has the same structure at every step (one group per layer group, one query per sequence, a block table and a
 mask) and only its sizes change. Those are symbols in the graph, so a new batch size or context length runs the
-same graph: no recompilation while serving (one sequence and several are two graphs, both compiled at start).
+same graph: no recompilation while serving (one sequence and several are two graphs, both compiled at start; a
+one-block table is widened to two, since Dynamo specializes a size of 1). A step no graph fits is not compiled
+while serving (Dynamo's `fail_on_recompile` stance: a compile would stall every request): it runs eagerly.
 Decode steps whose lengths differ more run eagerly in several calls: forcing them into one padded call measured
 slower (`kvserve bench throughput --compile-decode off on`, docs/benchmarks.md).
 
@@ -23,7 +25,9 @@ differently from eager by a few float32 ulps: tests/engine/test_compiled_step.py
 from __future__ import annotations
 
 import logging
+import re
 import time
+from dataclasses import replace
 
 import torch
 
@@ -34,6 +38,7 @@ from kvserve.model.llama import LlamaModel
 
 logger = logging.getLogger("kvserve")
 
+RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuses a step no graph fits
 WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 compiles the same dynamic graph)
 
 
@@ -71,6 +76,8 @@ class CompiledDecode:
 
         self._forward = torch.compile(decode_forward, dynamic=False)  # only the step's sizes vary: see _mark
         self.compile_seconds = 0.0
+        self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
+        self._miss_reasons: set[str] = set()
 
     @staticmethod
     def eligible(meta: AttentionMetadata) -> bool:
@@ -86,15 +93,26 @@ class CompiledDecode:
         return meta.tile_calls is None and meta.scores is None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The step's final hidden states, or None when the graph failed (the runner then runs eagerly)."""
+        """The step's final hidden states, or None when this step runs eagerly: the graph failed (eager from then
+        on), or the step would need a graph of its own (Dynamo refuses to compile while serving: that step alone
+        runs eagerly, with one warning per reason)."""
         if self.failed is not None:
             return None
+        meta = _at_least_two_blocks(meta)
         try:
             _mark_dynamic(input_ids, meta)
-            with torch.no_grad():
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
                 return self._forward(input_ids, meta, self.cache)
-        except Exception as exc:  # an Inductor or compiler failure on this machine: eager from now on
-            self._fail(exc)
+        except Exception as exc:
+            if RECOMPILE in str(exc):  # a step no graph built at start fits: compiling now would stall serving
+                self.num_misses += 1
+                reason = _guard_failures(str(exc))
+                if reason not in self._miss_reasons:
+                    self._miss_reasons.add(reason)
+                    logger.warning(f"a decode step fits no compiled graph ({reason}); it runs eagerly, no "
+                                   "compiling while serving")
+                return None
+            self._fail(exc)  # an Inductor or compiler failure on this machine: eager from now on
             return None
 
     def warm_up(self) -> bool:
@@ -122,12 +140,18 @@ class CompiledDecode:
         cache, dev = self.cache, self.cache.device
         num_blocks = min(WARM_UP_BLOCKS, cache.num_blocks)
         position = self._warm_up_slot()
-        tables = torch.arange(num_blocks, device=dev).expand(num_seqs, num_blocks).contiguous()
-        mask = torch.ones(num_seqs, 1, 1, num_blocks * cache.block_size, dtype=torch.bool, device=dev)
-        group = AttentionGroup(torch.arange(num_seqs, device=dev)[:, None], tables, mask, None, None)
-        slots = torch.full((num_seqs,), position, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(positions=slots.clone(), slot_mappings=[slots] * cache.layout.num_groups,
-                                 groups=[[group]] * cache.layout.num_groups, layer_group=cache.layout.group_of)
+        num_groups = cache.layout.num_groups
+
+        def group() -> AttentionGroup:  # new tensors for each layer group, as the runner's: Dynamo guards aliasing
+            tables = torch.arange(num_blocks, device=dev).expand(num_seqs, num_blocks).contiguous()
+            mask = torch.ones(num_seqs, 1, 1, num_blocks * cache.block_size, dtype=torch.bool, device=dev)
+            return AttentionGroup(torch.arange(num_seqs, device=dev)[:, None], tables, mask, None, None)
+
+        def slots() -> torch.Tensor:
+            return torch.full((num_seqs,), position, dtype=torch.long, device=dev)
+
+        meta = AttentionMetadata(positions=slots(), slot_mappings=[slots() for _ in range(num_groups)],
+                                 groups=[[group()] for _ in range(num_groups)], layer_group=cache.layout.group_of)
         return torch.zeros(num_seqs, dtype=torch.long, device=dev), meta
 
     def _warm_up_slot(self) -> int:
@@ -137,6 +161,30 @@ class CompiledDecode:
     def _fail(self, exc: Exception) -> None:
         self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         logger.warning(f"compiled decode step failed ({self.failed}); decode steps run eagerly from now on")
+
+
+def _guard_failures(message: str) -> str:
+    """Why each graph refused a step, from Dynamo's refusal ("- 0/0: 2 <= ...size()[1]  # source line"): each
+    graph's first failed condition, oldest graph first."""
+    found = re.findall(r"^\s*- (\d+/\d+): (.*?)(?:\s+#|$)", message, re.MULTILINE)
+    return "; ".join(f"graph {graph}: {condition}" for graph, condition in sorted(found))[:300] or \
+        message.splitlines()[0][:300]
+
+
+def _at_least_two_blocks(meta: AttentionMetadata) -> AttentionMetadata:
+    """The step with each one-block table widened to two (the first block again, its keys masked out). Dynamo
+    specializes a size of 1 rather than make it a symbol, so contexts of up to one block would need a graph of
+    their own; a masked key adds exp(-inf) = 0 to the softmax."""
+    if all(groups[0].block_tables.shape[1] > 1 for groups in meta.groups):
+        return meta
+    widened = []
+    for groups in meta.groups:
+        g = groups[0]
+        if g.block_tables.shape[1] == 1:
+            hidden = torch.zeros_like(g.mask)
+            g = replace(g, block_tables=g.block_tables.repeat(1, 2), mask=torch.cat([g.mask, hidden], dim=3))
+        widened.append([g])
+    return replace(meta, groups=widened)
 
 
 def _mark_dynamic(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:

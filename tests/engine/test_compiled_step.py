@@ -175,3 +175,37 @@ def test_a_second_start_loads_the_cache_and_a_changed_model_or_format_does_not(t
     hits, misses = start(small)
     assert hits > 0 and misses == 0
     assert start(small, kv_cache_dtype="bfloat16")[1] > 0
+
+
+def test_contexts_of_one_block_run_the_graph_widened(engines):
+    """A context of up to one block (Dynamo specializes a size of 1) runs the graph with its table widened to two
+    blocks, the second masked: no step of a short prompt runs eagerly or compiles."""
+    eager, compiled = engines
+    runner = compiled.engine.runner
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    steps, misses = runner.num_compiled_steps, runner.compiled.num_misses
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    compare(eager, compiled, [[3, 4, 5]], params)  # positions 3..32: blocks 1, 2 and 3
+    compare(eager, compiled, [[3, 4, 5], [6, 7, 8]], params)
+    assert runner.num_compiled_steps == steps + 2 * 29  # every decode step of both runs
+    assert runner.compiled.num_misses == misses and runner.compiled.failed is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
+
+
+def test_a_step_no_graph_fits_runs_eagerly_with_one_warning_and_serving_goes_on(tmp_path, caplog, monkeypatch):
+    """A decode step that would need a new graph is not compiled while serving (that would stall every request
+    for the compile's duration): it runs eagerly, the graph stays in use for the next steps."""
+    path = make_tiny_model(tmp_path)
+    eager = LLM(str(path), **COMMON, enforce_eager=True)
+    compiled = LLM(str(path), **COMMON, **COMPILED)
+    monkeypatch.setattr(compiled_step, "_at_least_two_blocks", lambda meta: meta)  # one-block steps: a new graph
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        compare(eager, compiled, [[3, 4, 5]], params)
+    runner = compiled.engine.runner
+    assert runner.compiled.num_misses == 13  # positions 3..15: a one-block table
+    assert runner.num_compiled_steps == 29 - 13 and runner.compiled.failed is None
+    assert caplog.text.count("a decode step fits no compiled graph") == 1
+    assert "2 <= meta.groups[0][0].block_tables.size()[1]" in caplog.text  # the reason: a one-block table
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "serving compiled a graph"

@@ -3,7 +3,9 @@
 An engine run records each step's shape: tokens through the layers, rows through the output head. The same
 matmuls (the model's linear shapes, plain float32 `torch` on random weights, no attention, no Python around them)
 are replayed and timed here, in the same process and run; the workload's matmul FLOPs divided by that time is the
-roofline an engine's achieved rate is compared with."""
+roofline an engine's achieved rate is compared with. Every layer has weights of its own, as the model does: a step
+of one token reads them all from memory, which is what bounds a single stream (with one set of weights shared by
+the layers, 14 MB for SmolLM2, the replay would read them from the CPU's cache)."""
 from __future__ import annotations
 
 import time
@@ -42,24 +44,35 @@ def workload_flops(shapes: MatmulShapes, steps: StepShapes) -> int:
     return sum(shapes.flops(tokens, rows) * count for (tokens, rows), count in steps.items())
 
 
+def decode_steps(steps: StepShapes) -> StepShapes:
+    """The steps that only decoded: every token through the layers is a sampled row (no prompt token, no draft)."""
+    return Counter({shape: count for shape, count in steps.items() if shape[0] == shape[1]})
+
+
 def matmul_roofline(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> float:
     """FLOP/s of plain float32 matmuls replaying `steps` (each distinct step shape timed, best of `reps`)."""
+    return workload_flops(shapes, steps) / matmul_seconds(shapes, steps, reps)
+
+
+def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> float:
+    """Seconds plain float32 matmuls take to replay `steps`, each layer with weights of its own."""
     gen = torch.Generator().manual_seed(0)
-    layer_weights = [torch.randn(n, k, generator=gen) for n, k in shapes.per_layer]
-    head = torch.randn(*shapes.head, generator=gen)
+    layers = [[torch.empty(n, k).uniform_(-1, 1, generator=gen) for n, k in shapes.per_layer]
+              for _ in range(shapes.num_layers)]
+    head = torch.empty(*shapes.head).uniform_(-1, 1, generator=gen)
     seconds = 0.0
     for (tokens, rows), count in steps.items():
-        inputs = [torch.randn(tokens, w.shape[1], generator=gen) for w in layer_weights]
+        inputs = [torch.randn(tokens, n_in, generator=gen) for _, n_in in shapes.per_layer]
         head_in = torch.randn(rows, head.shape[1], generator=gen)
 
         def step() -> None:
-            for _ in range(shapes.num_layers):
-                for w, xi in zip(layer_weights, inputs):
+            for weights in layers:
+                for w, xi in zip(weights, inputs):
                     F.linear(xi, w)
             F.linear(head_in, head)
 
         seconds += count * _best_time(step, reps)
-    return workload_flops(shapes, steps) / seconds
+    return seconds
 
 
 def _best_time(fn, reps: int) -> float:

@@ -362,6 +362,8 @@ def run_throughput(args: argparse.Namespace) -> int:
                      singles)
         _print_speculation(console, singles)
         _print_rounds(console, rounds["single stream"])
+        if "roofline" not in args.skip:
+            _print_decode_split(console, singles[: len(configs)], runs.model_config)
     if args.plot:
         plot_throughput(args.plot, _speeds(batched[next(iter(workloads))]), _speeds(singles))
         console.print(f"plot written to {args.plot}")
@@ -452,6 +454,7 @@ def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, 
                       "batched: all requests in one llama_decode per step (its batch API)")
     if "roofline" not in args.skip:
         _print_roofline(console, rows[:num_kvserve], model_config)
+        _print_decode_split(console, rows[:num_kvserve], model_config)
 
 
 def _print_speculation(console, rows: list[RunResult | str]) -> None:
@@ -480,6 +483,28 @@ def _print_roofline(console, runs: list[RunResult], model_config) -> None:
     for run in runs:
         achieved = workload_flops(shapes, run.steps) / run.seconds
         console.print(f"  {run.name}: {achieved / 1e9:,.1f} GFLOP/s = {achieved / roof:.0%} of that")
+
+
+def _print_decode_split(console, runs: list[RunResult | str], model_config) -> None:
+    """Each kvserve row's decode-only time per token, split into what its matmuls alone take (replayed now: plain
+    float32, every layer's own weights, the first row's decode steps) and the rest (attention, norms, RoPE, the
+    step's Python); the matmuls alone are also the fastest a decode step of these shapes can be on this CPU."""
+    from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds
+
+    ran = [r for r in runs if isinstance(r, RunResult) and r.decode_tokens]
+    if not ran:
+        return
+    steps = decode_steps(ran[0].steps)
+    tokens = sum(rows * count for (_, rows), count in steps.items())
+    if not tokens:
+        return
+    matmul_ms = matmul_seconds(MatmulShapes.of(model_config), steps) / tokens * 1e3
+    console.print(f"decode steps, per token: their matmuls alone (float32 torch, every layer's own weights, "
+                  f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
+    for run in ran:
+        total_ms = run.decode_seconds / run.decode_tokens * 1e3
+        console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest {total_ms - matmul_ms:.1f} "
+                      f"(attention, norms, RoPE, Python)")
 
 
 def _cpu_name() -> str:

@@ -156,20 +156,6 @@ class PagedKVCache:
         return tensor[row].view(self.num_blocks, -1).index_select(0, blocks)
 
 
-@torch.library.custom_op("kvserve::write_rows", mutates_args=("dst",))
-def write_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[index] = src along the first dimension, in place: the pool's write as one opaque op in a compiled graph.
-    Traced as plain index_copy_, the pool is a mutated graph input that Inductor copies whole at every step (the
-    pool, not the tokens: 1 GiB for SmolLM2's default pool); a custom op that declares what it mutates is written
-    in place."""
-    dst.index_copy_(0, index, src)
-
-
-@write_rows.register_fake
-def _write_rows_fake(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    return None
-
-
 def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[...] = src, one block's rows in every layer. On a CPU through numpy, on one thread: torch splits a copy
     this size over its threads, and on a busy machine waits for a descheduled one (28 MB/s instead of 3.7 GB/s
@@ -195,22 +181,25 @@ class FullPrecisionKVCache(PagedKVCache):
         # uninitialised memory may hold NaN, which 0 * NaN would spread into real outputs
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
+        # Writes and reads go through these views of the same storage: every layer's slots one after another, one
+        # row per slot. In the compiled decode step (engine/compiled_step.py) the pool is then a graph input that
+        # the graph writes to directly, which Inductor does in place; written through a view made inside the graph
+        # (self.k[row]), it would copy the whole pool at every step (1 GiB for SmolLM2's default pool).
+        self._k_slots = self.k.view(-1, *shape[2:])
+        self._v_slots = self.v.view(-1, *shape[2:])
+        self._slots_per_row = self.num_blocks * self.block_size
 
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if torch.compiler.is_compiling():  # the compiled decode step (engine/compiled_step.py): see write_rows
-            slots = slot_mapping + row * self.k.shape[1]
-            torch.ops.kvserve.write_rows(self.k.view(-1, *self.k.shape[2:]), slots, k.to(self.storage_dtype))
-            torch.ops.kvserve.write_rows(self.v.view(-1, *self.v.shape[2:]), slots, v.to(self.storage_dtype))
-            return
-        self.k[row].index_copy_(0, slot_mapping, k.to(self.storage_dtype))
-        self.v[row].index_copy_(0, slot_mapping, v.to(self.storage_dtype))
+        slots = slot_mapping + row * self._slots_per_row
+        self._k_slots.index_copy_(0, slots, k.to(self.storage_dtype))
+        self._v_slots.index_copy_(0, slots, v.to(self.storage_dtype))
 
     def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # whole blocks rather than single slots: the same bytes in 16x fewer, larger pieces
-        flat = block_tables.reshape(-1)
-        shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, *self.k.shape[2:])
-        k = self._select_blocks(self.k, row, flat)
-        v = self._select_blocks(self.v, row, flat)
+        blocks = block_tables.reshape(-1) + row * self.num_blocks
+        shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, *self._k_slots.shape[1:])
+        k = self._k_slots.view(self.num_layers * self.num_blocks, -1).index_select(0, blocks)
+        v = self._v_slots.view(self.num_layers * self.num_blocks, -1).index_select(0, blocks)
         return k.view(shape).to(self.dtype), v.view(shape).to(self.dtype)
 
     def _block_tensors(self) -> list[torch.Tensor]:

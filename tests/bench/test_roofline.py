@@ -2,7 +2,7 @@
 and the replayed rate comes from real matmuls of those shapes."""
 from collections import Counter
 
-from kvserve.bench.roofline import MatmulShapes, matmul_roofline, workload_flops
+from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_roofline, matmul_seconds, workload_flops
 from kvserve.model.config import ModelConfig
 
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
@@ -23,3 +23,15 @@ def test_replayed_rate_is_a_positive_flop_rate():
                 num_key_value_heads=2, vocab_size=256)
     rate = matmul_roofline(MatmulShapes.of(ModelConfig.from_hf(tiny)), Counter({(8, 2): 3, (2, 2): 1}))
     assert 1e6 < rate < 1e14
+
+
+def test_decode_steps_are_the_steps_whose_every_token_is_sampled():
+    steps = Counter({(8, 1): 1, (4, 4): 5, (1, 1): 7, (6, 2): 1})
+    assert decode_steps(steps) == Counter({(4, 4): 5, (1, 1): 7})
+
+
+def test_replayed_seconds_are_a_positive_time():
+    tiny = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256)
+    shapes = MatmulShapes.of(ModelConfig.from_hf(tiny))
+    assert 0 < matmul_seconds(shapes, Counter({(1, 1): 3})) < 1

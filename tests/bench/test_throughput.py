@@ -135,3 +135,18 @@ def test_speculation_rows_say_how_much_was_accepted(monkeypatch, capsys):
     line = text[text.index("kvserve (float32, ngram k=4): ") :]
     assert "draft tokens accepted" in line.split("requests")[0]
     assert "identical to kvserve (float32) for 100% of requests" in line
+
+
+@pytest.mark.slow
+def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys):
+    argv = [*TINY_RUN, "llama.cpp", "--output-len", "4"]
+    argv.remove("single")
+
+    assert main(argv) == 0
+
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines where it likes
+    assert out.count("decode steps, per token: their matmuls alone") == 2  # the batched run and the single stream
+    splits = re.findall(r"kvserve \(float32\): ([\d.]+) ms = matmuls ([\d.]+) \+ the rest (-?[\d.]+)", out)
+    assert len(splits) == 2
+    for total, matmuls, rest in splits:
+        assert float(matmuls) > 0 and abs(float(total) - float(matmuls) - float(rest)) < 0.11

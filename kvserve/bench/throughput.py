@@ -500,11 +500,12 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
         return
     matmul_ms = matmul_seconds(MatmulShapes.of(model_config), steps) / tokens * 1e3
     console.print(f"decode steps, per token: their matmuls alone (float32 torch, every layer's own weights, "
-                  f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
+                  f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s (rows with "
+                  "int8 weights are split by these float32 matmuls too, not by their own int8 ones)")
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
-        console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest {total_ms - matmul_ms:.1f} "
-                      f"(attention, norms, RoPE, Python)")
+        console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest "
+                      f"{total_ms - matmul_ms:.1f} (attention, norms, RoPE, Python)")
 
 
 def _cpu_name() -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import types
 from dataclasses import replace
 
 import torch
@@ -74,6 +75,11 @@ class CompiledDecode:
         def decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
             return raw_forward(model, input_ids, meta, cache)
 
+        # Dynamo keeps compiled graphs on the function's code object, at most recompile_limit (8) of them: with one
+        # code object for every engine, the fifth engine of other sizes in a process would run eagerly, unsaid. A
+        # copy of the code object per engine keeps each engine's graphs its own.
+        decode_forward = types.FunctionType(decode_forward.__code__.replace(), decode_forward.__globals__,
+                                            decode_forward.__name__, None, decode_forward.__closure__)
         self._forward = torch.compile(decode_forward, dynamic=False)  # only the step's sizes vary: see _mark
         self.compile_seconds = 0.0
         self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
@@ -126,8 +132,12 @@ class CompiledDecode:
                 input_ids, meta = self._warm_up_step(num_seqs)
                 _mark_dynamic(input_ids, meta)
                 self.cache.begin_step([], [], meta.slot_mappings)
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                 with torch.no_grad():
                     self._forward(input_ids, meta, self.cache)
+                if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:  # Dynamo ran it eagerly
+                    raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) (its warnings "
+                                       "say why)")
         except Exception as exc:
             self._fail(exc)
         finally:

@@ -209,3 +209,26 @@ def test_a_step_no_graph_fits_runs_eagerly_with_one_warning_and_serving_goes_on(
     assert caplog.text.count("a decode step fits no compiled graph") == 1
     assert "2 <= meta.groups[0][0].block_tables.size()[1]" in caplog.text  # the reason: a one-block table
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "serving compiled a graph"
+
+
+def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path):
+    """Dynamo keeps at most 8 graphs per code object; engines of different sizes in one process each build their
+    own two, so the fifth and later still compile (they ran eagerly, unsaid, when all shared one code object)."""
+    path = make_tiny_model(tmp_path)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i in range(6):
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        llm = LLM(str(path), kv_cache_memory=f"{2 + i}MiB", max_model_len=512, **COMPILED)  # pool sizes differ
+        assert llm.engine.runner.compiled is not None
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2, f"engine {i} built no graphs"
+        llm.generate([PROMPTS[0]], params)
+        assert llm.engine.runner.num_compiled_steps == 19
+
+
+def test_a_warm_up_that_dynamo_runs_eagerly_is_a_failure_said_once(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # the two-sequence graph is refused
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        llm = LLM(str(make_tiny_model(tmp_path)), **COMMON, **COMPILED)
+    assert llm.engine.runner.compiled is None
+    assert caplog.text.count("compiled decode step failed (RuntimeError: torch.compile built no graph for 2 "
+                             "sequence(s)") == 1

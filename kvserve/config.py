@@ -146,6 +146,9 @@ class EngineConfig:
     # decode steps as one compiled graph, compiled at start (engine/compiled_step.py); off by default: minutes to
     # compile on a 2-core CPU (docs/benchmarks.md)
     compile_decode: bool = False
+    # with compile_decode: the weights frozen into the decode graph, multiplied by Inductor's C++ GEMM template over
+    # its own packed copy (faster decode, more memory, and a start Inductor cannot cache: docs/benchmarks.md)
+    compile_gemms: bool = False
     batch_invariant: bool = False  # logits bitwise independent of the batch (kvserve/batch_invariant.py)
     kv_disk_cache: str | None = None  # a directory: full prefix blocks kept on disk too (kvserve/kv/disk_cache.py)
     kv_disk_cache_size: int | str = "20GiB"  # the disk tier's cap, least recently used records removed first
@@ -167,11 +170,13 @@ class EngineConfig:
                 continue
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enforce_eager", "batch_invariant", "compile_decode"):
+        for name in ("enforce_eager", "batch_invariant", "compile_decode", "compile_gemms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile_decode and self.enforce_eager:
             raise ValueError("compile_decode=True contradicts enforce_eager=True (which compiles nothing); choose one")
+        if self.compile_gemms and not self.compile_decode:
+            raise ValueError("compile_gemms=True applies to the compiled decode step; set compile_decode=True too")
         if self.batch_invariant and self.kv_eviction != "none":
             raise ValueError(f"batch_invariant=True does not cover kv_eviction={self.kv_eviction!r}: its scored "
                              "attention and dropped blocks depend on the step; use kv_eviction='none'")

@@ -216,8 +216,8 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="kvserve's --batch-invariant: off, on, or off on (one run per value) to price the mode "
                         "against the default in the same run (default: off)")
     p.add_argument("--compile-decode", nargs="+", default=["off"], metavar="MODE",
-                   help="kvserve's --compile-decode: off (eager decode steps), on (one compiled graph), or off on: "
-                        "eager and compiled rows in the same run (default: off)")
+                   help="kvserve's --compile-decode: off (eager decode steps), on (one compiled graph), gemms (the "
+                        "graph with --compile-gemms), or several: a row each in the same run (default: off)")
     p.add_argument("--speculative", nargs="+", default=["off"], metavar="METHOD",
                    help="kvserve's --speculative-config method: off, ngram, suffix (one run per value; default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
@@ -253,6 +253,7 @@ class _Config:
     num_speculative_tokens: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     compile_decode: bool = False
+    compile_gemms: bool = False
 
     @property
     def name(self) -> str:
@@ -262,7 +263,7 @@ class _Config:
             ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else []) + \
             ([f"off above {self.disable_by_batch_size}"] if self.disable_by_batch_size != DEFAULT_DISABLE_BY_BATCH_SIZE
              and self.speculative != "off" else []) + \
-            (["compiled decode"] if self.compile_decode else [])
+            (["compiled decode"] if self.compile_decode else []) + (["compiled GEMMs"] if self.compile_gemms else [])
         return f"kvserve ({', '.join([self.dtype, *extras])})"
 
     @property
@@ -294,13 +295,15 @@ def run_throughput(args: argparse.Namespace) -> int:
     if set(modes) - {"off", "on"}:
         raise SystemExit(f"kvserve bench throughput: --batch-invariant takes off and/or on, got {args.batch_invariant}")
     compile_modes = _names(args.compile_decode)
-    if not compile_modes or set(compile_modes) - {"off", "on"}:
-        raise SystemExit(f"kvserve bench throughput: --compile-decode takes off and/or on, got {args.compile_decode}")
+    if not compile_modes or set(compile_modes) - {"off", "on", "gemms"}:
+        raise SystemExit(f"kvserve bench throughput: --compile-decode takes off, on and/or gemms, got "
+                         f"{args.compile_decode}")
     methods = _names(args.speculative)
     if set(methods) - set(SPECULATIVE_METHODS):
         raise SystemExit(f"kvserve bench throughput: --speculative takes {', '.join(SPECULATIVE_METHODS)}, got "
                          f"{args.speculative}")
-    configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit, compiled == "on")
+    configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit, compiled != "off",
+                       compiled == "gemms")
                for d in args.dtypes for q in _names(args.quantization) for kv in _names(args.kv_cache_dtype)
                for mode in modes for method in methods
                for limit in (args.disable_by_batch_size if method != "off" else [DEFAULT_DISABLE_BY_BATCH_SIZE])
@@ -388,7 +391,8 @@ class _KvserveRuns:
         llm = LLM(self.args.model, dtype=config.dtype, quantization=config.quantization,
                   kv_cache_dtype=config.kv_cache_dtype, max_model_len=self.max_len, kv_cache_memory=self.kv_memory,
                   max_num_seqs=self.num_seqs, batch_invariant=config.batch_invariant,
-                  speculative_config=config.speculative_config, compile_decode=config.compile_decode)
+                  speculative_config=config.speculative_config, compile_decode=config.compile_decode,
+                  compile_gemms=config.compile_gemms)
         if not self.prompts:
             self._describe(llm.engine)
         for name, workload in self.workloads.items():
@@ -504,6 +508,10 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
                   "int8 weights are split by these float32 matmuls too, not by their own int8 ones)")
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
+        if "compiled GEMMs" in run.name:  # not the replayed BLAS calls: no split
+            console.print(f"  {run.name}: {total_ms:.1f} ms, its matmuls Inductor's GEMM template's, not these "
+                          f"({matmul_ms / total_ms:.2f}x the replayed matmuls' speed for the whole step)")
+            continue
         console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest "
                       f"{total_ms - matmul_ms:.1f} (attention, norms, RoPE, Python)")
 

@@ -48,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile with torch.compile (decode attention over an int8 or int4 KV cache then runs "
                         "as plain PyTorch ops, slower)")
+    g.add_argument("--compile-gemms", action="store_true",
+                   help="with --compile-decode: freeze the weights into the decode graph and multiply them with "
+                        "Inductor's C++ GEMM template over its own packed copy (faster decode; more memory; every "
+                        "start compiles again: docs/benchmarks.md)")
     g.add_argument("--compile-decode", action="store_true",
                    help="run decode steps as one graph compiled by torch.compile at start (float32/bf16/fp16 KV; "
                         "minutes to compile the first time, then cached on disk: docs/benchmarks.md)")

@@ -21,14 +21,25 @@ sinks, and models other than the Llama and Gemma 3 families. The start-up line s
 Inductor caches what it generates on disk (its FX graph and AOT caches, keyed by the graph, the torch version and
 the CPU's instruction set), so a second start of the same model and configuration loads the kernels instead of
 generating and compiling them. The compiled graph fuses elementwise work (norms, RoPE, activations), which rounds
-differently from eager by a few float32 ulps: tests/engine/test_compiled_step.py states the tolerance."""
+differently from eager by a few float32 ulps: tests/engine/test_compiled_step.py states the tolerance.
+
+`--compile-gemms` also freezes the weights (nn.Parameters) into the graph as constants, so Inductor can multiply
+them with its C++ GEMM template over a copy packed at compile time for its loops, where its compile-time benchmark
+finds that faster than the BLAS call. At one token a BLAS matrix-vector product here keeps to one core, the template
+uses them all: on the development CPU it took single-stream float32 decode to about twice the eager speed
+(docs/benchmarks.md). The costs: the graph holds its own packed copy of the weights (the eager steps keep theirs),
+and Inductor does not cache a graph with frozen weights (its packed oneDNN constants cannot be saved), so every
+start lowers and generates it again (its autotuning results and compiled C++ are cached)."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import time
 import types
 from dataclasses import replace
+from unittest import mock
 
 import torch
 
@@ -40,6 +51,10 @@ from kvserve.model.llama import LlamaModel
 logger = logging.getLogger("kvserve")
 
 RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuses a step no graph fits
+# --compile-gemms: the weights frozen into the graph as constants, and each matmul by Inductor's C++ GEMM template
+# over its own packed copy where Inductor's benchmark at compile time finds it faster than the ATen (BLAS) call
+GEMM_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                "max_autotune_report_choices_stats": False}
 WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 compiles the same dynamic graph)
 
 
@@ -61,27 +76,32 @@ def unsupported(model, cache: PagedKVCache, batch_invariant: bool, needs_scores:
     return None
 
 
+def _decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
+    """The model's forward pass; each engine runs a copy whose globals hold its model (CompiledDecode)."""
+    return _raw_forward(_model, input_ids, meta, cache)  # noqa: F821 - the copy's globals
+
+
 class CompiledDecode:
     """`model.forward` compiled for decode steps; `eligible(meta)` says whether a step's metadata fits the graph."""
 
-    def __init__(self, model, cache: PagedKVCache):
+    def __init__(self, model, cache: PagedKVCache, gemms: bool = False):
         self.model = model
         self.cache = cache
+        self.gemms = gemms
         self.failed: str | None = None
         # traced under no_grad rather than forward's inference_mode: AOTAutograd cannot mutate the pool's
         # (normal) tensors through inference-mode views
         raw_forward = getattr(type(model).forward, "__wrapped__", type(model).forward)
-
-        def decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
-            return raw_forward(model, input_ids, meta, cache)
-
-        # Dynamo keeps compiled graphs on the function's code object, at most recompile_limit (8) of them: with one
-        # code object for every engine, the fifth engine of other sizes in a process would run eagerly, unsaid. A
-        # copy of the code object per engine keeps each engine's graphs its own.
-        decode_forward = types.FunctionType(decode_forward.__code__.replace(), decode_forward.__globals__,
-                                            decode_forward.__name__, None, decode_forward.__closure__)
-        self._forward = torch.compile(decode_forward, dynamic=False)  # only the step's sizes vary: see _mark
-        self.compile_seconds = 0.0
+        # The model is reached through the function's globals, not a closure or an argument: only then does Dynamo
+        # lift its weights (nn.Parameters) as the graph's parameters, which --compile-gemms freezes into constants.
+        # Dynamo keeps compiled graphs on the function's code object, at most recompile_limit (8) of them: a copy of
+        # the code object per engine, with globals of its own, keeps each engine's graphs its own.
+        forward = types.FunctionType(_decode_forward.__code__.replace(),
+                                     {"__builtins__": __builtins__, "_raw_forward": raw_forward, "_model": model},
+                                     _decode_forward.__name__)
+        # only the step's sizes vary (_mark_dynamic)
+        self._forward = torch.compile(forward, dynamic=False, options=GEMM_OPTIONS if gemms else None)
+        self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up        self.compile_seconds = 0.0
         self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
         self._miss_reasons: set[str] = set()
 
@@ -107,7 +127,7 @@ class CompiledDecode:
         meta = _at_least_two_blocks(meta)
         try:
             _mark_dynamic(input_ids, meta)
-            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), _freezing(self.gemms):
                 return self._forward(input_ids, meta, self.cache)
         except Exception as exc:
             if RECOMPILE in str(exc):  # a step no graph built at start fits: compiling now would stall serving
@@ -124,7 +144,7 @@ class CompiledDecode:
     def warm_up(self) -> bool:
         """Compile at start: a one-sequence and a two-sequence decode step over the pool's first blocks (the one
         block they write to is put back after). Returns whether it compiled."""
-        started = time.perf_counter()
+        started, resident = time.perf_counter(), _resident_bytes()
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block)  # the one block the warm-up writes to, put back after
         try:
@@ -133,7 +153,7 @@ class CompiledDecode:
                 _mark_dynamic(input_ids, meta)
                 self.cache.begin_step([], [], meta.slot_mappings)
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                with torch.no_grad():
+                with torch.no_grad(), _freezing(self.gemms), _quiet_autotuning(self.gemms):
                     self._forward(input_ids, meta, self.cache)
                 if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:  # Dynamo ran it eagerly
                     raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) (its warnings "
@@ -143,7 +163,16 @@ class CompiledDecode:
         finally:
             self.cache.import_block(block, saved)
         self.compile_seconds = time.perf_counter() - started
+        self.resident_growth = _resident_bytes() - resident
         return self.failed is None
+
+    def gemms_line(self) -> str:
+        """What --compile-gemms adds to the start-up line (empty without it)."""
+        if not self.gemms:
+            return ""
+        return (f", weights frozen into it and multiplied by Inductor's C++ GEMM template over its own packed copy "
+                f"(resident memory grew by {self.resident_growth / 2**30:.2f} GiB while compiling; Inductor does not "
+                "cache a graph with frozen weights: every start compiles it again)")
 
     def _warm_up_step(self, num_seqs: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """A decode step of `num_seqs` sequences, each at the last slot of blocks 0..WARM_UP_BLOCKS-1."""
@@ -171,6 +200,29 @@ class CompiledDecode:
     def _fail(self, exc: Exception) -> None:
         self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         logger.warning(f"compiled decode step failed ({self.failed}); decode steps run eagerly from now on")
+
+
+def _freezing(on: bool):
+    """--compile-gemms: Inductor's freezing flag set while Dynamo traces (Dynamo reads the global flag, not the
+    compile's options, to lift nn.Parameters as the graph's parameters) and while it checks the graphs' guards."""
+    return torch._inductor.config.patch(freezing=True) if on else contextlib.nullcontext()
+
+
+def _quiet_autotuning(on: bool):
+    """Inductor prints each GEMM's autotuning table to stderr, hundreds of lines, under a module flag of its own."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch._inductor import select_algorithm  # Inductor's, imported only when it compiles
+    return mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def _guard_failures(message: str) -> str:

@@ -140,11 +140,12 @@ class LLMEngine:
         if reason is not None:
             logger.info(f"decode steps: eager ({reason})")
             return None
-        compiled = CompiledDecode(self.model, self.cache)
+        compiled = CompiledDecode(self.model, self.cache, gemms=config.compile_gemms)
         if not compiled.warm_up():
             return None
         logger.info(f"decode steps: one compiled graph (torch.compile, --compile-decode; any batch size and context "
-                    f"length) in {compiled.compile_seconds:.1f} s; prefill and mixed steps run eagerly")
+                    f"length) in {compiled.compile_seconds:.1f} s{compiled.gemms_line()}; prefill and mixed steps "
+                    "run eagerly")
         return compiled
 
     def _open_disk_cache(self, model_path: Path) -> DiskKVCache:

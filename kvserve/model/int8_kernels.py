@@ -100,7 +100,9 @@ class FloatKernel(Int8Kernel):
     library = "fallback: no int8 kernel beat float32 here"
 
     def pack(self, weight: torch.Tensor) -> list[torch.Tensor]:
-        return [weight[:, k : k + EXACT_FLOAT_COLUMNS].float().contiguous()
+        # nn.Parameters, as the float weights are, for the compiled decode step's --compile-gemms to freeze (the
+        # sums stay exact in whatever order its GEMM adds them)
+        return [torch.nn.Parameter(weight[:, k : k + EXACT_FLOAT_COLUMNS].float().contiguous(), requires_grad=False)
                 for k in range(0, weight.shape[1], EXACT_FLOAT_COLUMNS)]
 
     def matmul(self, x: torch.Tensor, packed: list[torch.Tensor]) -> torch.Tensor:

@@ -24,10 +24,11 @@ MIN_AMAX = torch.finfo(torch.float32).tiny
 
 
 class Linear:
-    """y = x W^T (+ b) in the model dtype."""
+    """y = x W^T (+ b) in the model dtype. W is held as an nn.Parameter (the same tensor), which is what
+    the compiled decode step's --compile-gemms freezes into its graph (engine/compiled_step.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight
+        self.weight = parameter(weight)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,11 @@ class Int8Linear:
     def storages(self) -> dict[int, int]:
         return {**tensor_storages(self.weight_scale, self.bias), **self.kernel.storages(self.packed),
                 **self.rotation.storages()}
+
+
+def parameter(weight: torch.Tensor) -> torch.nn.Parameter:
+    """A weight as a frozen nn.Parameter over the same storage (no copy, no gradient)."""
+    return torch.nn.Parameter(weight, requires_grad=False)
 
 
 def input_rotation(weight: torch.Tensor) -> KroneckerRotation:

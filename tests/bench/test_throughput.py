@@ -91,7 +91,7 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     ("--workloads", "chat", "unknown workload 'chat'; choose from decode, prefill, long-context, rewrite"),
     ("--speculative", "eagle", "--speculative takes off, ngram, suffix"),
     ("--num-speculative-tokens", "0", "num_speculative_tokens must be a positive integer"),
-    ("--compile-decode", "maybe", "--compile-decode takes off and/or on, got ['maybe']"),
+    ("--compile-decode", "maybe", "--compile-decode takes off, on and/or gemms, got ['maybe']"),
 ])
 def test_bad_values_are_named_before_anything_loads(option, value, message):
     argv = ["bench", "throughput", option, value]

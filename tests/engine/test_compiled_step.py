@@ -122,6 +122,29 @@ def test_what_the_graph_does_not_cover_runs_eagerly_and_says_why(tmp_path, caplo
 def test_compile_decode_and_enforce_eager_contradict(tmp_path):
     with pytest.raises(ValueError, match="compile_decode=True contradicts enforce_eager=True"):
         LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_decode=True, enforce_eager=True)
+    with pytest.raises(ValueError, match="compile_gemms=True applies to the compiled decode step"):
+        LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_gemms=True)
+
+
+def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog):
+    """--compile-gemms: the weights are frozen into the graph and Inductor's C++ GEMM template multiplies them (its
+    kernels are counted, so a graph that kept the weights as inputs, or only BLAS calls, fails here); decode steps
+    give eager's tokens and logprobs within the tolerance, alone and batched, and the weights the eager steps use are
+    the model's own, unchanged."""
+    path = make_tiny_model(tmp_path)
+    eager = LLM(str(path), **COMMON, enforce_eager=True)
+    templated = torch._dynamo.utils.counters["inductor"]["cpp_templated_kernel_counter"]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        compiled = LLM(str(path), **COMMON, **COMPILED, compile_gemms=True)
+    assert compiled.engine.runner.compiled is not None and compiled.engine.runner.compiled.failed is None
+    assert torch._dynamo.utils.counters["inductor"]["cpp_templated_kernel_counter"] > templated
+    assert "multiplied by Inductor's C++ GEMM template over its own packed copy" in caplog.text
+    weight = compiled.engine.model.layers[0].qkv.weight
+    assert isinstance(weight, torch.nn.Parameter) and torch.equal(weight, eager.engine.model.layers[0].qkv.weight)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    compare(eager, compiled, PROMPTS[:1], params)
+    compare(eager, compiled, ALIKE, params)
+    assert compiled.engine.runner.compiled.num_misses == 0
 
 
 def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_path, caplog, monkeypatch):

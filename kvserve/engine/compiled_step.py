@@ -26,7 +26,7 @@ differently from eager by a few float32 ulps: tests/engine/test_compiled_step.py
 `--compile-gemms` also freezes the weights (nn.Parameters) into the graph as constants, so Inductor can multiply
 them with its C++ GEMM template over a copy packed at compile time for its loops, where its compile-time benchmark
 finds that faster than the BLAS call. At one token a BLAS matrix-vector product here keeps to one core, the template
-uses them all: on the development CPU it took single-stream float32 decode to about twice the eager speed
+uses them all: on an AVX2-only AMD EPYC it took single-stream float32 decode to about twice the eager speed
 (docs/benchmarks.md). The costs: the graph holds its own packed copy of the weights (the eager steps keep theirs),
 and Inductor does not cache a graph with frozen weights (its packed oneDNN constants cannot be saved), so every
 start lowers and generates it again (its autotuning results and compiled C++ are cached)."""
@@ -101,7 +101,8 @@ class CompiledDecode:
                                      _decode_forward.__name__)
         # only the step's sizes vary (_mark_dynamic)
         self._forward = torch.compile(forward, dynamic=False, options=GEMM_OPTIONS if gemms else None)
-        self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up        self.compile_seconds = 0.0
+        self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
+        self.compile_seconds = 0.0
         self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
         self._miss_reasons: set[str] = set()
 

@@ -494,6 +494,7 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     float32, every layer's own weights, the first row's decode steps) and the rest (attention, norms, RoPE, the
     step's Python); the matmuls alone are also the fastest a decode step of these shapes can be on this CPU."""
     from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds
+    from kvserve.model.int8_kernels import FloatKernel, choose_kernel
 
     ran = [r for r in runs if isinstance(r, RunResult) and r.decode_tokens]
     if not ran:
@@ -503,14 +504,21 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     if not tokens:
         return
     matmul_ms = matmul_seconds(MatmulShapes.of(model_config), steps) / tokens * 1e3
+    # what rows with int8 weights multiply by: the start-up probe's choice, made once a process
+    int8_kernel = choose_kernel() if any("int8 weights" in run.name for run in ran) else FloatKernel()
     console.print(f"decode steps, per token: their matmuls alone (float32 torch, every layer's own weights, "
-                  f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s (rows with "
-                  "int8 weights are split by these float32 matmuls too, not by their own int8 ones)")
+                  f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
-        if "compiled GEMMs" in run.name:  # not the replayed BLAS calls: no split
+        if "int8 weights" in run.name and not isinstance(int8_kernel, FloatKernel):
+            own = f"{int8_kernel.name}'s int8 ones"  # --compile-gemms leaves those as they are (gemms_unused)
+        elif "compiled GEMMs" in run.name:
+            own = "Inductor's GEMM template, not these BLAS calls"
+        else:  # the replayed float32 BLAS calls (float32 weights, or int8 codes multiplied as float32)
+            own = None
+        if own is not None:  # no split
             console.print(f"  {run.name}: {total_ms:.1f} ms, {total_ms / matmul_ms:.2f}x the replayed matmuls alone "
-                          "(no split: its matmuls are Inductor's GEMM template, not these BLAS calls)")
+                          f"(no split: its matmuls are {own})")
             continue
         console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest "
                       f"{total_ms - matmul_ms:.1f} (attention, norms, RoPE, Python)")

@@ -7,8 +7,9 @@ What it compiles is `model.forward` itself, the code every other step runs eager
 (all of them have similar context lengths, `model_runner.MIN_BUCKET_FILL`; a single stream always): their metadata
 has the same structure at every step (one group per layer group, one query per sequence, a block table and a
 mask) and only its sizes change. Those are symbols in the graph, so a new batch size or context length runs the
-same graph: no recompilation while serving (one sequence and several are two graphs, both compiled at start; a
-one-block table is widened to two, since Dynamo specializes a size of 1). A step no graph fits is not compiled
+same graph: no recompilation while serving (one sequence and several are two graphs, both compiled at start, or
+with --compile-gemms one, a single sequence run as two rows; a one-block table is widened to two, since Dynamo
+specializes a size of 1). A step no graph fits is not compiled
 while serving (Dynamo's `fail_on_recompile` stance: a compile would stall every request): it runs eagerly.
 Decode steps whose lengths differ more run eagerly in several calls: forcing them into one padded call measured
 slower (`kvserve bench throughput --compile-decode off on`, docs/benchmarks.md).
@@ -26,10 +27,11 @@ differently from eager by a few float32 ulps: tests/engine/test_compiled_step.py
 `--compile-gemms` also freezes the weights (nn.Parameters) into the graph as constants, so Inductor can multiply
 them with its C++ GEMM template over a copy packed at compile time for its loops, where its compile-time benchmark
 finds that faster than the BLAS call. At one token a BLAS matrix-vector product here keeps to one core, the template
-uses them all: on an AVX2-only AMD EPYC it took single-stream float32 decode to about twice the eager speed
-(docs/benchmarks.md). The costs: the graph holds its own packed copy of the weights (the eager steps keep theirs),
-and Inductor does not cache a graph with frozen weights (its packed oneDNN constants cannot be saved), so every
-start lowers and generates it again (its autotuning results and compiled C++ are cached)."""
+uses them all: on both AMD EPYCs it took single-stream float32 decode to about twice the eager speed
+(docs/benchmarks.md). It is not applied over int8 weights that an int8 kernel multiplies (gemms_unused). The costs:
+the graph holds its own packed copy of the weights (the eager steps keep theirs), and Inductor does not cache a
+graph with frozen weights (its packed oneDNN constants cannot be saved), so every start lowers and generates it
+again (its autotuning results and compiled C++ are cached)."""
 from __future__ import annotations
 
 import contextlib
@@ -46,6 +48,7 @@ import torch
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import AttentionGroup, AttentionMetadata
 from kvserve.model.gemma3 import Gemma3Model
+from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.llama import LlamaModel
 
 logger = logging.getLogger("kvserve")
@@ -73,6 +76,16 @@ def unsupported(model, cache: PagedKVCache, batch_invariant: bool, needs_scores:
         return "H2O's attention scores are computed eagerly"
     if unbounded_positions:
         return "a streaming sequence's positions outgrow the RoPE table, computed eagerly"
+    return None
+
+
+def gemms_unused(model) -> str | None:
+    """Why --compile-gemms would add nothing but its costs to this model's graph (None: it applies). Inductor's GEMM
+    template multiplies float weights; int8 weights that an int8 kernel multiplies (torch._int_mm, oneDNN) stay that
+    kernel's calls, and freezing them made the step slower (docs/benchmarks.md, the AVX-512 EPYC)."""
+    kernel = model.linears.kernel
+    if kernel is not None and not isinstance(kernel, FloatKernel):
+        return f"the int8 weights are multiplied by {kernel.name}, which Inductor's GEMM template does not replace"
     return None
 
 
@@ -125,12 +138,16 @@ class CompiledDecode:
         runs eagerly, with one warning per reason)."""
         if self.failed is not None:
             return None
-        meta = _at_least_two_blocks(meta)
+        meta, num_seqs, slot_mappings = _at_least_two_blocks(meta), input_ids.shape[0], meta.slot_mappings
+        if num_seqs == 1 and self.gemms:
+            input_ids, meta = _two_rows(input_ids, meta)
+            self.cache.begin_step([], [], meta.slot_mappings)  # the runner began the step: now its slots, twice
         try:
             _mark_dynamic(input_ids, meta)
             with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), _freezing(self.gemms):
-                return self._forward(input_ids, meta, self.cache)
+                return self._forward(input_ids, meta, self.cache)[:num_seqs]
         except Exception as exc:
+            self.cache.begin_step([], [], slot_mappings)  # the step's own slots again, for eager
             if RECOMPILE in str(exc):  # a step no graph built at start fits: compiling now would stall serving
                 self.num_misses += 1
                 reason = _guard_failures(str(exc))
@@ -143,13 +160,13 @@ class CompiledDecode:
             return None
 
     def warm_up(self) -> bool:
-        """Compile at start: a one-sequence and a two-sequence decode step over the pool's first blocks (the one
-        block they write to is put back after). Returns whether it compiled."""
+        """Compile at start: a one-sequence (not with --compile-gemms: _two_rows) and a two-sequence decode step over
+        the pool's first blocks (the one block they write to is put back after). Returns whether it compiled."""
         started, resident = time.perf_counter(), _resident_bytes()
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block)  # the one block the warm-up writes to, put back after
         try:
-            for num_seqs in (1, 2):
+            for num_seqs in (2,) if self.gemms else (1, 2):
                 input_ids, meta = self._warm_up_step(num_seqs)
                 _mark_dynamic(input_ids, meta)
                 self.cache.begin_step([], [], meta.slot_mappings)
@@ -250,9 +267,25 @@ def _at_least_two_blocks(meta: AttentionMetadata) -> AttentionMetadata:
     return replace(meta, groups=widened)
 
 
+def _two_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+    """--compile-gemms: a one-sequence step as two identical sequences, so that it runs the graph of several (Dynamo
+    specializes a size of 1, so one sequence would need a graph of its own, compiled at every start and holding a
+    second packed copy of the weights). The copy computes the same keys and values from the same inputs and writes
+    them to the same slots; its output row is dropped. Without --compile-gemms one sequence keeps its own graph: there
+    its matmuls are BLAS calls, and MKL's matrix-vector product (one row) is much faster than its two-row product on
+    the AMD EPYCs, while a graph without frozen weights costs no memory and is cached."""
+    groups = [[replace(g, query_index=torch.arange(2, device=g.query_index.device)[:, None],
+                       block_tables=g.block_tables.repeat(2, 1), mask=g.mask.repeat(2, 1, 1, 1))]
+              for g in (groups[0] for groups in meta.groups)]
+    meta = replace(meta, positions=meta.positions.repeat(2), groups=groups,
+                   slot_mappings=[slots.repeat(2) for slots in meta.slot_mappings])
+    return input_ids.repeat(2), meta
+
+
 def _mark_dynamic(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
     """The step's sizes are symbols in the graph (the weights' are not): the number of sequences S, where it is
-    above 1 (one sequence is its own graph), and the block-table width B of each layer group."""
+    above 1 (one sequence is its own graph), and the block-table width B of each layer group (at least 2:
+    _at_least_two_blocks)."""
     if input_ids.shape[0] > 1:
         for tensor in (input_ids, meta.positions, *meta.slot_mappings):
             torch._dynamo.mark_dynamic(tensor, 0)

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.config import EngineConfig
-from kvserve.engine.compiled_step import CompiledDecode, unsupported
+from kvserve.engine.compiled_step import CompiledDecode, gemms_unused, unsupported
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
@@ -140,7 +140,11 @@ class LLMEngine:
         if reason is not None:
             logger.info(f"decode steps: eager ({reason})")
             return None
-        compiled = CompiledDecode(self.model, self.cache, gemms=config.compile_gemms)
+        gemms = config.compile_gemms
+        if gemms and (unused := gemms_unused(self.model)) is not None:
+            logger.info(f"--compile-gemms: not applied ({unused}); the decode step compiles without it")
+            gemms = False
+        compiled = CompiledDecode(self.model, self.cache, gemms=gemms)
         if not compiled.warm_up():
             return None
         logger.info(f"decode steps: one compiled graph (torch.compile, --compile-decode; any batch size and context "

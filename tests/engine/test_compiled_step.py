@@ -18,6 +18,7 @@ import torch
 
 from kvserve.engine import compiled_step
 from kvserve.engine.llm import LLM
+from kvserve.model import int8_kernels, linear
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
 
@@ -129,24 +130,47 @@ def test_compile_decode_and_enforce_eager_contradict(tmp_path):
 def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog):
     """--compile-gemms: the weights are frozen into the graph (Inductor's freezing packs each linear's weight, which
     it counts; a graph that kept the weights as inputs packs none and fails here), whichever GEMM its benchmark then
-    picks on this CPU, the template or the BLAS call; decode steps
-    give eager's tokens and logprobs within the tolerance, alone and batched, and the weights the eager steps use are
-    the model's own, unchanged."""
+    picks on this CPU, the template or the BLAS call. It is one graph, one packed copy: a single sequence runs it as
+    two identical ones. Decode steps give eager's tokens and logprobs within the tolerance, alone and batched, and the
+    weights the eager steps use are the model's own, unchanged."""
     path = make_tiny_model(tmp_path)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
     packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with caplog.at_level(logging.INFO, logger="kvserve"):
         compiled = LLM(str(path), **COMMON, **COMPILED, compile_gemms=True)
     assert compiled.engine.runner.compiled is not None and compiled.engine.runner.compiled.failed is None
-    # two graphs (one sequence, several) of two layers, four linears each
-    assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed >= 16
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    # two layers, four linears each
+    assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed >= 8
     assert "multiplied by Inductor's C++ GEMM template over its own packed copy" in caplog.text
     weight = compiled.engine.model.layers[0].qkv.weight
     assert isinstance(weight, torch.nn.Parameter) and torch.equal(weight, eager.engine.model.layers[0].qkv.weight)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params)
+    assert compiled.engine.runner.num_compiled_steps == 39  # every decode step of the single sequence
     compare(eager, compiled, ALIKE, params)
+    compare(eager, compiled, [[3, 4, 5]], params)  # one sequence, one block: both widened
     assert compiled.engine.runner.compiled.num_misses == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1, "serving compiled a graph"
+
+
+@pytest.mark.parametrize("kernel, applied", [(int8_kernels.IntMMKernel(), False), (int8_kernels.FloatKernel(), True)])
+def test_compile_gemms_is_not_applied_over_an_int8_kernel(tmp_path, caplog, monkeypatch, kernel, applied):
+    """Inductor's GEMM template multiplies float weights: int8 weights that an int8 kernel multiplies stay its calls,
+    so --compile-gemms would only add its costs (measured slower on the AVX-512 EPYC); the start-up line says it is
+    not applied. The int8 codes multiplied as float32 (FloatKernel, where no int8 kernel is faster) are float
+    weights to it."""
+    monkeypatch.setattr(linear, "choose_kernel", lambda: kernel)  # whatever this CPU's probe would pick
+    path = make_tiny_model(tmp_path)
+    model = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True).engine.model
+    assert (compiled_step.gemms_unused(model) is None) == applied
+    if applied:
+        return  # test_compiled_gemms_freeze_the_weights_and_match_eager compiles one
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        llm = LLM(str(path), **COMMON, **COMPILED, quantization="int8", compile_gemms=True)
+    assert llm.engine.runner.compiled is not None and not llm.engine.runner.compiled.gemms
+    assert "--compile-gemms: not applied (the int8 weights are multiplied by torch._int_mm" in caplog.text
 
 
 def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_path, caplog, monkeypatch):

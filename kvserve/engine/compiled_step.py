@@ -9,8 +9,8 @@ has the same structure at every step (one group per layer group, one query per s
 mask) and only its sizes change. Those are symbols in the graph, so a new batch size or context length runs the
 same graph: no recompilation while serving (one sequence and several are two graphs, both compiled at start, or
 with --compile-gemms one, a single sequence run as two rows; a one-block table is widened to two, since Dynamo
-specializes a size of 1). A step no graph fits is not compiled
-while serving (Dynamo's `fail_on_recompile` stance: a compile would stall every request): it runs eagerly.
+specializes a size of 1). A step no graph fits is not compiled while serving (Dynamo's `fail_on_recompile`
+stance: a compile would stall every request): it runs eagerly.
 Decode steps whose lengths differ more run eagerly in several calls: forcing them into one padded call measured
 slower (`kvserve bench throughput --compile-decode off on`, docs/benchmarks.md).
 

@@ -127,13 +127,14 @@ def test_compile_decode_and_enforce_eager_contradict(tmp_path):
         LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_gemms=True)
 
 
-def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog):
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3-mqa"])  # gemma3-mqa: two layer groups, each padded
+def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, kind):
     """--compile-gemms: the weights are frozen into the graph (Inductor's freezing packs each linear's weight, which
     it counts; a graph that kept the weights as inputs packs none and fails here), whichever GEMM its benchmark then
     picks on this CPU, the template or the BLAS call. It is one graph, one packed copy: a single sequence runs it as
     two identical ones. Decode steps give eager's tokens and logprobs within the tolerance, alone and batched, and the
     weights the eager steps use are the model's own, unchanged."""
-    path = make_tiny_model(tmp_path)
+    path = make_tiny_model(tmp_path, kind=kind)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
     packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

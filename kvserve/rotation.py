@@ -40,13 +40,23 @@ class KroneckerRotation:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x R for x [M, size]."""
-        t = x.reshape(-1, self.num_blocks, self.block) @ self.within
-        return torch.matmul(self.across.T, t).reshape(x.shape)
+        return self._apply(x, self.within, self.across.T)
 
     def invert(self, x: torch.Tensor) -> torch.Tensor:
         """x R^T (R is orthonormal: its inverse)."""
-        t = x.reshape(-1, self.num_blocks, self.block) @ self.within.T
-        return torch.matmul(self.across, t).reshape(x.shape)
+        return self._apply(x, self.within.T, self.across)
+
+    def _apply(self, x: torch.Tensor, within: torch.Tensor, across: torch.Tensor) -> torch.Tensor:
+        """across @ (x's blocks @ within), per row. Eagerly two batched BLAS matmuls; inside a compiled graph
+        (engine/compiled_step.py) two sums of products, which Inductor turns into loops of its own fused with the
+        quantization that follows: an int8 decode step rotates 121 inputs, and as BLAS calls they were 242 of the
+        graph's calls (`kvserve bench throughput --compile-decode`, docs/benchmarks.md). The sums are added in
+        another order than the BLAS's: a few float32 ulps, like the graph's other fused reductions."""
+        blocks = x.reshape(-1, self.num_blocks, self.block)
+        if torch.compiler.is_compiling():
+            t = (blocks[..., None] * within).sum(2)  # t[m, i, j] = sum_k blocks[m, i, k] within[k, j]
+            return (across[:, :, None] * t[:, None]).sum(2).reshape(x.shape)
+        return torch.matmul(across, blocks @ within).reshape(x.shape)
 
     def matrix(self) -> torch.Tensor:
         return torch.kron(self.across, self.within)

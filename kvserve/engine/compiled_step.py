@@ -22,7 +22,9 @@ sinks, and models other than the Llama and Gemma 3 families. The start-up line s
 Inductor caches what it generates on disk (its FX graph and AOT caches, keyed by the graph, the torch version and
 the CPU's instruction set), so a second start of the same model and configuration loads the kernels instead of
 generating and compiling them. The compiled graph fuses elementwise work (norms, RoPE, activations), which rounds
-differently from eager by a few float32 ulps: tests/engine/test_compiled_step.py states the tolerance.
+differently from eager by a few float32 ulps; with int8 weights it also rotates their inputs in loops of its own
+(kvserve/rotation.py), where those ulps can move an activation to the next int8 code:
+tests/engine/test_compiled_step.py states both tolerances.
 
 `--compile-gemms` also freezes the weights (nn.Parameters) into the graph as constants, so Inductor can multiply
 them with its C++ GEMM template over a copy packed at compile time for its loops, where its compile-time benchmark

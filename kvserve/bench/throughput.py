@@ -75,6 +75,8 @@ class RunResult:
     draft_tokens: int = 0  # speculative decoding (kvserve): draft tokens verified ...
     accepted_tokens: int = 0  # ... accepted ...
     drafts: int = 0  # ... in this many verifications
+    decode_steps: int = 0  # steps that prefilled nothing (kvserve) ...
+    compiled_steps: int = 0  # ... and those of them that ran the compiled graph (--compile-decode)
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,8 +97,8 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     lengths = dict.fromkeys(ids, 0)
     outputs: dict[str, list[int]] = {}
     steps: Counter = Counter()
-    decode_tokens, decode_seconds = 0, 0.0
-    prefill_start = engine.num_prefill_tokens
+    decode_tokens, decode_seconds, decode_steps = 0, 0.0, 0
+    prefill_start, compiled_start = engine.num_prefill_tokens, engine.runner.num_compiled_steps
     spec_start = _spec_counts(engine)
     start = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
@@ -118,11 +120,13 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
         if not prefilled:
             decode_tokens += sampled
             decode_seconds += step_seconds
+            decode_steps += 1
     seconds = time.perf_counter() - start
     tokens = [outputs[i] for i in ids]
     spec = [b - a for a, b in zip(spec_start, _spec_counts(engine))]
     return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
-                     engine.num_prefill_tokens - prefill_start, *spec)
+                     engine.num_prefill_tokens - prefill_start, *spec, decode_steps,
+                     engine.runner.num_compiled_steps - compiled_start)
 
 
 def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
@@ -131,7 +135,8 @@ def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str
     total = lambda field_name: sum(getattr(r, field_name) for r in runs)  # noqa: E731
     return RunResult(name, total("output_tokens"), total("seconds"), [r.outputs[0] for r in runs],
                      total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
-                     total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"))
+                     total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"),
+                     total("decode_steps"), total("compiled_steps"))
 
 
 def _reset(llm) -> None:
@@ -364,6 +369,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         _print_table(console, f"Single stream ({shape}, {output_len} new tokens each; tokens/s incl. prefill)",
                      singles)
         _print_speculation(console, singles)
+        _print_compiled_steps(console, singles[: len(configs)])
         _print_rounds(console, rounds["single stream"])
         if "roofline" not in args.skip:
             _print_decode_split(console, singles[: len(configs)], runs.model_config)
@@ -453,12 +459,22 @@ def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, 
         for r in rows[:num_kvserve]:
             console.print(f"{r.name}: greedy output identical to transformers for {agreement(r, reference):.0%} "
                           "of requests")
+    _print_compiled_steps(console, rows[:num_kvserve])
     if any(isinstance(r, RunResult) and r.name.startswith("llama.cpp") for r in rows):
         console.print("llama.cpp: llama-cpp-python on the Q4_1 GGUF; serial: one request after another; "
                       "batched: all requests in one llama_decode per step (its batch API)")
     if "roofline" not in args.skip:
         _print_roofline(console, rows[:num_kvserve], model_config)
         _print_decode_split(console, rows[:num_kvserve], model_config)
+
+
+def _print_compiled_steps(console, rows: list[RunResult | str]) -> None:
+    """--compile-decode rows: how many of their decode-only steps ran the compiled graph; the others ran eagerly
+    (context lengths too far apart for one attention call: engine/compiled_step.py), as in the eager row."""
+    for r in rows:
+        if isinstance(r, RunResult) and "compiled decode" in r.name:
+            console.print(f"{r.name}: the compiled graph ran {r.compiled_steps:,} of its {r.decode_steps:,} "
+                          "decode-only steps")
 
 
 def _print_speculation(console, rows: list[RunResult | str]) -> None:

@@ -59,6 +59,7 @@ READ_THREADS = 2  # prefixes read at once; each prefix's records are read in ord
 READ_AHEAD = 32  # records of a prefix opened (and, once one comes from the disk, hinted) ahead of the one being read
 CHECK_BATCH = 8  # records whose checksums the checker thread takes at once (a task per record costs more than it saves)
 EXIT_FLUSH_S = 10.0  # at interpreter exit, wait this long for queued (and skipped) blocks to be written
+EXIT_JOIN_S = 2.0  # ... then this long for the writer thread to end (it finishes the record it is writing)
 MAX_SKIPPED = 1 << 16  # skipped blocks remembered to hand again (a key, parent and 16 token ids each)
 ERROR_KINDS = ("corrupt", "mismatch", "foreign", "read", "write")
 
@@ -246,6 +247,7 @@ class DiskBlockStore:
         self._pending: set[BlockHash] = set()
         self._pending_bytes = 0
         self._writer: threading.Thread | None = None
+        self._closing = False  # the interpreter is exiting: the writer ends after its record (stop_writer)
         self._logged: set[str] = set()
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-disk-checker")  # read_chain's checksums
         self._remove_dead_writers_temps()
@@ -384,7 +386,7 @@ class DiskBlockStore:
         """Queue a block for writing; never waits. False if it was skipped because the writer is MAX_PENDING_BYTES
         behind (the caller may hand it again later); True if queued, queued already, or writing has stopped."""
         with self._cond:
-            if self.writing_stopped or record.key in self._pending:
+            if self.writing_stopped or self._closing or record.key in self._pending:
                 return True
             if self._pending_bytes + record.nbytes > MAX_PENDING_BYTES:
                 self.counters.num_writes_skipped += 1
@@ -418,13 +420,26 @@ class DiskBlockStore:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             return self._cond.wait_for(lambda: not self._pending, left)
 
+    def stop_writer(self, timeout_s: float) -> None:
+        """End the writer thread (after the record it is writing) and wait up to `timeout_s` for it: what is still
+        queued stays unwritten. At exit, after the flush, so that no daemon thread is still running library code while
+        the interpreter finalizes, which can abort the process (CI's disk-tier exit test aborted once with
+        "terminate called without an active exception"; not reproduced since)."""
+        with self._cond:
+            self._closing = True
+            writer = self._writer
+            self._cond.notify_all()
+        if writer is not None and writer is not threading.current_thread():
+            writer.join(timeout_s)
+
     def _write_queued(self) -> None:
         while True:
             with self._cond:
-                if not self._queue:
+                if not self._queue and not self._closing:
                     self._cond.wait(WRITER_IDLE_S)
-                if not self._queue:
+                if not self._queue or self._closing:
                     self._writer = None
+                    self._cond.notify_all()
                     return
             self._write_next()
 
@@ -611,9 +626,11 @@ def _write_new_file(path: Path, data: bytes) -> None:
 
 
 def _flush_at_exit(store: weakref.ref[DiskBlockStore]) -> None:
-    """A clean exit first writes what is queued (daemon threads still run while atexit handlers do)."""
+    """A clean exit first writes what is queued (daemon threads still run while atexit handlers do), then ends the
+    writer thread."""
     if (alive := store()) is not None:
         alive.flush(EXIT_FLUSH_S)
+        alive.stop_writer(EXIT_JOIN_S)
 
 
 def _flush_tier_at_exit(tier: weakref.ref[DiskKVCache]) -> None:

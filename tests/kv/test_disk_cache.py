@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,20 @@ def test_each_block_is_written_once(tmp_path):
     written(s, record(0, keys, tokens))
     written(store(tmp_path), record(0, keys, tokens))
     assert s.counters.num_writes == 1 and s.path(keys[0]).stat().st_mtime_ns == mtime
+
+
+def test_the_exit_handler_writes_the_queue_then_ends_the_writer_thread(tmp_path, monkeypatch):
+    keys, tokens = chain(4)
+    s = store(tmp_path)
+    write = DiskBlockStore._write
+    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, r: time.sleep(0.05) or write(self, r))
+    for i in range(4):
+        s.submit(record(i, keys, tokens))
+    writer = s._writer
+    assert writer is not None and writer.is_alive()
+    disk_cache._flush_at_exit(weakref.ref(s))
+    assert s.counters.num_writes == 4 and not writer.is_alive()  # nothing left running while Python finalizes
+    assert s.submit(record(0, *chain(1, salt="after"))) and s._writer is None  # an exiting store queues nothing
 
 
 def damage_truncate(path: Path) -> None:

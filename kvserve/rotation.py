@@ -49,9 +49,9 @@ class KroneckerRotation:
     def _apply(self, x: torch.Tensor, within: torch.Tensor, across: torch.Tensor) -> torch.Tensor:
         """across @ (x's blocks @ within), per row. Eagerly two batched BLAS matmuls; inside a compiled graph
         (engine/compiled_step.py) two sums of products, which Inductor turns into loops of its own fused with the
-        quantization that follows: an int8 decode step rotates 121 inputs, and as BLAS calls they were 242 of the
-        graph's calls (`kvserve bench throughput --compile-decode`, docs/benchmarks.md). The sums are added in
-        another order than the BLAS's: a few float32 ulps, like the graph's other fused reductions."""
+        quantization that follows: SmolLM2's int8 decode step rotates 121 inputs, and as BLAS calls they were 242 of
+        its graph's calls (Inductor's code for it, docs/benchmarks.md). The sums are added in another order than
+        the BLAS's: a few float32 ulps, like the graph's other fused reductions."""
         blocks = x.reshape(-1, self.num_blocks, self.block)
         if torch.compiler.is_compiling():
             t = (blocks[..., None] * within).sum(2)  # t[m, i, j] = sum_k blocks[m, i, k] within[k, j]

@@ -469,8 +469,8 @@ def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, 
 
 
 def _print_compiled_steps(console, rows: list[RunResult | str]) -> None:
-    """--compile-decode rows: how many of their decode-only steps ran the compiled graph; the others ran eagerly
-    (context lengths too far apart for one attention call: engine/compiled_step.py), as in the eager row."""
+    """--compile-decode rows: how many of their decode-only steps ran the compiled graph; the others ran eagerly,
+    as in the eager row (engine/compiled_step.py says which steps the graph covers)."""
     for r in rows:
         if isinstance(r, RunResult) and "compiled decode" in r.name:
             console.print(f"{r.name}: the compiled graph ran {r.compiled_steps:,} of its {r.decode_steps:,} "

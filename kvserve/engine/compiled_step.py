@@ -42,6 +42,7 @@ import os
 import re
 import time
 import types
+import weakref
 from dataclasses import replace
 from unittest import mock
 
@@ -92,8 +93,17 @@ def gemms_unused(model) -> str | None:
 
 
 def _decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
-    """The model's forward pass; each engine runs a copy whose globals hold its model (CompiledDecode)."""
-    return _raw_forward(_model, input_ids, meta, cache)  # noqa: F821 - the copy's globals
+    """The model's forward pass; each engine runs a copy whose globals reach its model (CompiledDecode)."""
+    return _raw_forward(_engine.model, input_ids, meta, cache)  # noqa: F821 - the copy's globals
+
+
+class _ModelSlot:
+    """An engine's model as its forward copy's globals reach it. Dynamo's guards keep those globals alive after the
+    engine is gone (neither `reset_code` nor `torch._dynamo.reset()` lets go of them), so they hold this slot, which
+    is emptied when the engine's CompiledDecode is freed, and not the model with its weights."""
+
+    def __init__(self, model):
+        self.model = model
 
 
 class CompiledDecode:
@@ -111,9 +121,11 @@ class CompiledDecode:
         # lift its weights (nn.Parameters) as the graph's parameters, which --compile-gemms freezes into constants.
         # Dynamo keeps compiled graphs on the function's code object, at most recompile_limit (8) of them: a copy of
         # the code object per engine, with globals of its own, keeps each engine's graphs its own.
+        slot = _ModelSlot(model)
         forward = types.FunctionType(_decode_forward.__code__.replace(),
-                                     {"__builtins__": __builtins__, "_raw_forward": raw_forward, "_model": model},
+                                     {"__builtins__": __builtins__, "_raw_forward": raw_forward, "_engine": slot},
                                      _decode_forward.__name__)
+        weakref.finalize(self, setattr, slot, "model", None)  # the weights go with the engine (_ModelSlot)
         # only the step's sizes vary (_mark_dynamic)
         self._forward = torch.compile(forward, dynamic=False, options=GEMM_OPTIONS if gemms else None)
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up

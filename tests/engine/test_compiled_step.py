@@ -6,11 +6,13 @@ recompilation); steps the graph does not cover run eagerly and the start-up line
 falls back to eager, with one warning, and serving goes on."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -302,6 +304,25 @@ def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2, f"engine {i} built no graphs"
         llm.generate([PROMPTS[0]], params)
         assert llm.engine.runner.num_compiled_steps == 19
+
+
+@pytest.mark.parametrize("options", [{}, dict(compile_gemms=True)])
+def test_a_dropped_compiled_engine_frees_its_model(tmp_path, options):
+    """Dynamo's guards keep a compiled function's globals alive after the engine is gone: the engine's model (its
+    weights) must not be among them, or every engine built and dropped in one process (the bench builds one per
+    configuration and round) keeps a model. Eager engines free theirs; compiled ones must too."""
+    path = make_tiny_model(tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    refs = []
+    for compiled in (False, True):
+        llm = LLM(str(path), **COMMON, **(dict(COMPILED, **options) if compiled else dict(enforce_eager=True)))
+        llm.generate(ALIKE[:2], params)
+        assert llm.engine.runner.num_compiled_steps > 0 or not compiled
+        refs.append((weakref.ref(llm.engine), weakref.ref(llm.engine.model), weakref.ref(llm.engine.cache)))
+        del llm
+    gc.collect()
+    assert [[r() is None for r in engine] for engine in refs] == [[True] * 3] * 2, \
+        "(engine, model, cache) of the eager and the compiled engine still alive"
 
 
 def test_a_warm_up_that_dynamo_runs_eagerly_is_a_failure_said_once(tmp_path, caplog, monkeypatch):

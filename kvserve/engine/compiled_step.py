@@ -49,7 +49,7 @@ from unittest import mock
 import torch
 
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
-from kvserve.model.attention import AttentionGroup, AttentionMetadata
+from kvserve.model.attention import AttentionGroup, AttentionMetadata, attention_outside_graph
 from kvserve.model.gemma3 import Gemma3Model
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.llama import LlamaModel
@@ -122,12 +122,19 @@ class CompiledDecode:
         # Dynamo keeps compiled graphs on the function's code object, at most recompile_limit (8) of them: a copy of
         # the code object per engine, with globals of its own, keeps each engine's graphs its own.
         slot = _ModelSlot(model)
-        forward = types.FunctionType(_decode_forward.__code__.replace(),
-                                     {"__builtins__": __builtins__, "_raw_forward": raw_forward, "_engine": slot},
-                                     _decode_forward.__name__)
         weakref.finalize(self, setattr, slot, "model", None)  # the weights go with the engine (_ModelSlot)
+
+        def copy():  # a forward of the engine's own: its own code object, so its own graphs and guards
+            return types.FunctionType(_decode_forward.__code__.replace(),
+                                      {"__builtins__": __builtins__, "_raw_forward": raw_forward, "_engine": slot},
+                                      _decode_forward.__name__)
+
         # only the step's sizes vary (_mark_dynamic)
-        self._forward = torch.compile(forward, dynamic=False, options=GEMM_OPTIONS if gemms else None)
+        self._forward = torch.compile(copy(), dynamic=False, options=GEMM_OPTIONS if gemms else None)
+        # decode steps of several attention calls per layer group: attention outside the graph (_outside_forward);
+        # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
+        self._outside = torch.compile(copy(), dynamic=False)
+        self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
         self.compile_seconds = 0.0
         self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
@@ -136,7 +143,7 @@ class CompiledDecode:
     @staticmethod
     def eligible(meta: AttentionMetadata) -> bool:
         """One decode call per layer group, for the whole batch in order, over stored keys only (the runner made
-        one because the batch's context lengths are alike)."""
+        one because the batch's context lengths are alike): the graph with attention inside."""
         for groups in meta.groups:
             if len(groups) != 1:
                 return False
@@ -146,12 +153,20 @@ class CompiledDecode:
                 return False
         return meta.tile_calls is None and meta.scores is None
 
+    @staticmethod
+    def decodes_only(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Several sequences, one new token each (any number of attention calls): the graph with attention outside."""
+        return input_ids.shape[0] > 1 and meta.tile_calls is None and \
+            all(g.query_index.shape[1] == 1 and not g.fresh for groups in meta.groups for g in groups)
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The step's final hidden states, or None when this step runs eagerly: the graph failed (eager from then
-        on), or the step would need a graph of its own (Dynamo refuses to compile while serving: that step alone
-        runs eagerly, with one warning per reason)."""
+        """The step's final hidden states, or None when this step runs eagerly: no graph covers it (prefill and
+        mixed steps), the graph failed (eager from then on), or the step would need a graph of its own (Dynamo
+        refuses to compile while serving: that step alone runs eagerly, with one warning per reason)."""
         if self.failed is not None:
             return None
+        if not self.eligible(meta):
+            return self._outside_forward(input_ids, meta) if self.decodes_only(input_ids, meta) else None
         meta, num_seqs, slot_mappings = _at_least_two_blocks(meta), input_ids.shape[0], meta.slot_mappings
         if num_seqs == 1 and self.gemms:
             input_ids, meta = _two_rows(input_ids, meta)
@@ -162,16 +177,41 @@ class CompiledDecode:
                 return self._forward(input_ids, meta, self.cache)[:num_seqs]
         except Exception as exc:
             self.cache.begin_step([], [], slot_mappings)  # the step's own slots again, for eager
-            if RECOMPILE in str(exc):  # a step no graph built at start fits: compiling now would stall serving
-                self.num_misses += 1
-                reason = _guard_failures(str(exc))
-                if reason not in self._miss_reasons:
-                    self._miss_reasons.add(reason)
-                    logger.warning(f"a decode step fits no compiled graph ({reason}); it runs eagerly, no "
-                                   "compiling while serving")
-                return None
-            self._fail(exc)  # an Inductor or compiler failure on this machine: eager from now on
+            return self._refused(exc)
+
+    def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode step whose sequences' context lengths differ, which the runner attends in several calls per
+        layer group: the graph computes everything but attention, and calls attention as one op per layer
+        (`kvserve::paged_attention`) over the step's own metadata, which never enters the graph (a stand-in with its
+        positions does). One graph thus runs decode steps of any number of calls; attention runs as it does eagerly
+        (docs/benchmarks.md measured it against the whole graph)."""
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                hidden = self._run_outside(input_ids, meta)
+        except Exception as exc:
+            return self._refused(exc)
+        self.num_outside_steps += 1
+        return hidden
+
+    def _run_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        stand_in = replace(meta, groups=[], slot_mappings=[], outside_graph=True)
+        for tensor in (input_ids, stand_in.positions):  # the number of sequences, above 1
+            torch._dynamo.mark_dynamic(tensor, 0)
+        with torch.no_grad(), attention_outside_graph(self.cache, meta):
+            return self._outside(input_ids, stand_in, self.cache)
+
+    def _refused(self, exc: Exception) -> None:
+        """A step the graphs did not run: eager for this step (a recompile refused) or from now on (a failure)."""
+        if RECOMPILE in str(exc):  # a step no graph built at start fits: compiling now would stall serving
+            self.num_misses += 1
+            reason = _guard_failures(str(exc))
+            if reason not in self._miss_reasons:
+                self._miss_reasons.add(reason)
+                logger.warning(f"a decode step fits no compiled graph ({reason}); it runs eagerly, no compiling "
+                               "while serving")
             return None
+        self._fail(exc)  # an Inductor or compiler failure on this machine: eager from now on
+        return None
 
     def warm_up(self) -> bool:
         """Compile at start: a one-sequence (not with --compile-gemms: _two_rows) and a two-sequence decode step over
@@ -190,6 +230,13 @@ class CompiledDecode:
                 if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:  # Dynamo ran it eagerly
                     raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) (its warnings "
                                        "say why)")
+            input_ids, meta = self._warm_up_step(2)  # the graph with attention outside, any number of calls
+            self.cache.begin_step([], [], meta.slot_mappings)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            self._run_outside(input_ids, meta)
+            if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
+                raise RuntimeError("torch.compile built no graph for decode steps with attention outside it (its "
+                                   "warnings say why)")
         except Exception as exc:
             self._fail(exc)
         finally:

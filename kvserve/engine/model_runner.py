@@ -80,7 +80,7 @@ class ModelRunner:
         if self.scores is not None:
             self.scores.reset(freed)
         hidden = None
-        if self.compiled is not None and self.compiled.eligible(meta):
+        if self.compiled is not None:
             hidden = self.compiled.forward(input_ids, meta)
             self.num_compiled_steps += hidden is not None
         if hidden is None:

@@ -12,6 +12,7 @@ tile is the positions of one KV block of one request, attended over exactly the 
 tiles with the same number of keys share a call; a query's result then depends on its own context alone."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,9 @@ class AttentionMetadata:
     scores: AttentionScores | None = None  # H2O: where each layer adds the attention each key received
     tiles: RowTiles = field(default_factory=RowTiles)  # how per-token work is cut (batch-invariant mode: tiles)
     tile_calls: list[list[TileCall]] | None = None  # per layer group, batch-invariant mode: replaces `groups`
+    # a compiled graph's stand-in for the step: attention runs outside the graph, over the step's own metadata
+    # (attention_outside_graph); inside it the graph reads only the positions and the tiles
+    outside_graph: bool = False
 
 
 def paged_attention(
@@ -78,6 +82,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
+    if meta.outside_graph:
+        return _attention_outside_graph(q, k, v, layer, scale)
     cache.write(layer, k, v)
     if meta.tile_calls is not None:
         return _tile_attention(q, k, v, layer, cache, meta, scale)
@@ -89,6 +95,35 @@ def paged_attention(
         rows = _group_attention(q, k, v, layer, cache, meta, group, scale).reshape(-1, *q.shape[1:])
         out[group.out_tokens] = rows[group.out_rows] if group.out_rows is not None else rows
     return out
+
+
+_OUTSIDE_GRAPH: list[tuple[PagedKVCache, AttentionMetadata]] = []  # the step a graph's attention op runs
+
+
+@contextlib.contextmanager
+def attention_outside_graph(cache: PagedKVCache, meta: AttentionMetadata):
+    """While a compiled graph runs a step described by a stand-in (`outside_graph`), its attention op attends over
+    this cache and metadata: the step's groups, tables and masks never enter the graph, so one graph runs steps of
+    any structure (engine/compiled_step.py)."""
+    _OUTSIDE_GRAPH.append((cache, meta))
+    try:
+        yield
+    finally:
+        _OUTSIDE_GRAPH.pop()
+
+
+@torch.library.custom_op("kvserve::paged_attention", mutates_args=())
+def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                             scale: float) -> torch.Tensor:
+    """paged_attention as one op a graph calls as it is (it writes the pool, which is no input of the graph: the
+    graph orders it by its output, which the next layer reads)."""
+    cache, meta = _OUTSIDE_GRAPH[-1]
+    return paged_attention(q, k, v, layer, cache, meta, scale)
+
+
+@_attention_outside_graph.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def _group_attention(

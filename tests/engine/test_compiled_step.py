@@ -76,7 +76,11 @@ def test_decode_steps_match_eager_alone_and_batched(engines):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params)
     compare(eager, compiled, ALIKE, params)  # one attention call per group: the graph
-    compare(eager, compiled, PROMPTS, params, some_compiled=False)  # lengths far apart: eager, in several calls
+    runner = compiled.engine.runner
+    outside, whole = runner.compiled.num_outside_steps, runner.num_compiled_steps
+    # lengths far apart: several attention calls per group, run outside the graph that computes the rest
+    compare(eager, compiled, PROMPTS, params)
+    assert runner.compiled.num_outside_steps - outside == runner.num_compiled_steps - whole == 39  # every decode step
 
 
 def test_prefix_hits_chunked_prefill_beside_decodes_and_n_greater_than_one(engines):
@@ -111,7 +115,6 @@ def test_preemption_mid_decode_matches_eager(tmp_path):
     assert compiled.engine.scheduler.num_preemptions > 0
 
 
-# the route an Intel Xeon's probe may pick: Inductor fails lowering it, and the engine falls back to eager decode
 @pytest.mark.parametrize("kernel", [int8_kernels.IntMMKernel(), int8_kernels.OneDNNKernel(),
                                     int8_kernels.FloatKernel()], ids=lambda k: k.name)
 def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
@@ -169,7 +172,8 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, kin
     with caplog.at_level(logging.INFO, logger="kvserve"):
         compiled = LLM(str(path), **COMMON, **COMPILED, compile_gemms=True)
     assert compiled.engine.runner.compiled is not None and compiled.engine.runner.compiled.failed is None
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    # the frozen graph, and the one with attention outside, whose weights stay inputs (no second packed copy)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
     # two layers, four linears each
     assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed >= 8
     assert "multiplied by Inductor's C++ GEMM template over its own packed copy" in caplog.text
@@ -180,8 +184,10 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, kin
     assert compiled.engine.runner.num_compiled_steps == 39  # every decode step of the single sequence
     compare(eager, compiled, ALIKE, params)
     compare(eager, compiled, [[3, 4, 5]], params)  # one sequence, one block: both widened
+    compare(eager, compiled, PROMPTS, params)  # lengths far apart: the graph with attention outside
+    assert compiled.engine.runner.compiled.num_outside_steps > 0
     assert compiled.engine.runner.compiled.num_misses == 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1, "serving compiled a graph"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2, "serving compiled a graph"
 
 
 @pytest.mark.parametrize("kernel, applied", [(int8_kernels.IntMMKernel(), False), (int8_kernels.FloatKernel(), True)])
@@ -291,14 +297,14 @@ def test_a_step_no_graph_fits_runs_eagerly_with_one_warning_and_serving_goes_on(
 
 def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path):
     """Dynamo keeps at most 8 graphs per code object; engines of different sizes in one process each build their
-    own two, so the fifth and later still compile (they ran eagerly, unsaid, when all shared one code object)."""
+    own three, so the fifth and later still compile (they ran eagerly, unsaid, when all shared one code object)."""
     path = make_tiny_model(tmp_path)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(6):
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         llm = LLM(str(path), kv_cache_memory=f"{2 + i}MiB", max_model_len=512, **COMPILED)  # pool sizes differ
         assert llm.engine.runner.compiled is not None
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2, f"engine {i} built no graphs"
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3, f"engine {i} built no graphs"
         llm.generate([PROMPTS[0]], params)
         assert llm.engine.runner.num_compiled_steps == 19
 

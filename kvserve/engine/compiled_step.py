@@ -1,23 +1,28 @@
-"""One compiled graph per decode step: the model's whole forward pass for a batch of one-token decodes, traced by
-`torch.compile` (Inductor) once at engine start, so a step runs a few fused kernels instead of some 125 eager ops
-per layer, each dispatched from Python.
+"""Compiled decode steps: the model's forward pass for a batch of one-token decodes, traced by `torch.compile`
+(Inductor) once at engine start, so a step runs a few fused kernels instead of some 125 eager ops per layer, each
+dispatched from Python.
 
-What it compiles is `model.forward` itself, the code every other step runs eagerly, called with the step's
-`AttentionMetadata`. It covers the decode steps whose sequences the runner attends in one call per layer group
-(all of them have similar context lengths, `model_runner.MIN_BUCKET_FILL`; a single stream always): their metadata
-has the same structure at every step (one group per layer group, one query per sequence, a block table and a
-mask) and only its sizes change. Those are symbols in the graph, so a new batch size or context length runs the
-same graph: no recompilation while serving (one sequence and several are two graphs, both compiled at start, or
-with --compile-gemms one, a single sequence run as two rows; a one-block table is widened to two, since Dynamo
-specializes a size of 1). A step no graph fits is not compiled while serving (Dynamo's `fail_on_recompile`
-stance: a compile would stall every request): it runs eagerly.
-Decode steps whose lengths differ more run eagerly in several calls: forcing them into one padded call measured
-slower (`kvserve bench throughput --compile-decode off on`, docs/benchmarks.md).
+What it compiles is `model.forward` itself, the code every other step runs eagerly, in two graphs:
+- A single stream runs the whole graph: attention inside it too, the step's `AttentionMetadata` (one group per
+  layer group, one query, a block table and a mask) its input. Its sizes are symbols, so any context length runs
+  the same graph (a one-block table is widened to two, since Dynamo specializes a size of 1).
+- Several sequences run a graph with attention outside it: the graph sees a stand-in for the step's metadata (its
+  positions only) and calls attention as one op per layer (`kvserve::paged_attention`, a custom op), which attends
+  eagerly over the step's real metadata, in as many calls per layer group as the runner made (one per bucket of
+  alike context lengths, `model_runner.MIN_BUCKET_FILL`). Its one symbol is the number of sequences, so any batch
+  runs it, whatever its context lengths. Everything but attention is fused as in the whole graph. On the AVX-512
+  EPYC a batch of alike sequences ran it faster than the whole graph from four sequences on, and much faster at 16
+  (`kvserve bench step`, docs/benchmarks.md), and a lone sequence slower: hence the split.
+Both are compiled at start; while serving nothing compiles (Dynamo's `fail_on_recompile` stance: a compile would
+stall every request), and a step no graph fits runs eagerly, with one warning per reason. With --compile-gemms the
+whole graph, frozen, is one graph for one sequence (run as two rows) and for several alike ones.
 
-A step the graph does not cover runs eagerly, the same as with `--enforce-eager`: prefill and mixed steps, drafts
-being verified, batch-invariant mode (its fixed tiles), formats that attend over their stored form with their own
-compiled kernel (int8, int4) or keep full-precision staging, H2O's attention scores, StreamingLLM's re-rotated
-sinks, and models other than the Llama and Gemma 3 families. The start-up line says which it is.
+Formats that attend over their stored form with a compiled kernel of their own (int8, int4 KV) or keep another
+storage (fp8), and H2O's attention scores, keep attention outside at every decode step, a single stream's too (the
+graph with attention outside is then compiled for one sequence as well). A step no graph covers runs eagerly, the
+same as with `--enforce-eager`: prefill and mixed steps, drafts being verified, batch-invariant mode (its fixed
+tiles), StreamingLLM (its positions outgrow the RoPE table), and models other than the Llama and Gemma 3 families.
+The start-up line says which it is.
 
 Inductor caches what it generates on disk (its FX graph and AOT caches, keyed by the graph, the torch version and
 the CPU's instruction set), so a second start of the same model and configuration loads the kernels instead of
@@ -49,7 +54,7 @@ from unittest import mock
 import torch
 
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, attention_outside_graph
+from kvserve.model.attention import AttentionGroup, AttentionMetadata, attend_over, attention_outside_graph
 from kvserve.model.gemma3 import Gemma3Model
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.llama import LlamaModel
@@ -64,21 +69,26 @@ GEMM_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
 WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 compiles the same dynamic graph)
 
 
-def unsupported(model, cache: PagedKVCache, batch_invariant: bool, needs_scores: bool,
-                unbounded_positions: bool) -> str | None:
+def unsupported(model, batch_invariant: bool, unbounded_positions: bool) -> str | None:
     """Why no decode step of this engine can run compiled (None: decode steps can)."""
     if not isinstance(model, (LlamaModel, Gemma3Model)):
         return f"{type(model).__name__} is not compiled (Llama and Gemma 3 families only)"
     if batch_invariant:
         return "--batch-invariant runs fixed tiles eagerly"
+    if unbounded_positions:
+        return "a streaming sequence's positions outgrow the RoPE table, computed eagerly"
+    return None
+
+
+def attention_outside(cache: PagedKVCache, needs_scores: bool) -> str | None:
+    """Why this engine's attention stays outside the graph at every decode step, a single stream's included (None:
+    the whole graph runs the steps it fits). Attention outside runs eagerly, as it does without a graph."""
     if cache.fused_decode is not None or cache.exact_own_block:
         return f"the {cache.format_name} KV cache attends with its own compiled decode kernel"
     if not isinstance(cache, FullPrecisionKVCache):
-        return f"the {cache.format_name} KV cache is not compiled (float32, bfloat16 and float16 are)"
+        return f"the {cache.format_name} KV cache attends eagerly (float32, bfloat16 and float16 inside the graph)"
     if needs_scores:
         return "H2O's attention scores are computed eagerly"
-    if unbounded_positions:
-        return "a streaming sequence's positions outgrow the RoPE table, computed eagerly"
     return None
 
 
@@ -107,12 +117,13 @@ class _ModelSlot:
 
 
 class CompiledDecode:
-    """`model.forward` compiled for decode steps; `eligible(meta)` says whether a step's metadata fits the graph."""
+    """`model.forward` compiled for decode steps: `forward` runs a step in the graph that fits it, if any."""
 
-    def __init__(self, model, cache: PagedKVCache, gemms: bool = False):
+    def __init__(self, model, cache: PagedKVCache, gemms: bool = False, whole: bool = True):
         self.model = model
         self.cache = cache
-        self.gemms = gemms
+        self.gemms = gemms and whole
+        self.whole = whole  # the whole graph for the steps it fits (False: attention_outside says why not)
         self.failed: str | None = None
         # traced under no_grad rather than forward's inference_mode: AOTAutograd cannot mutate the pool's
         # (normal) tensors through inference-mode views
@@ -131,8 +142,8 @@ class CompiledDecode:
 
         # only the step's sizes vary (_mark_dynamic)
         self._forward = torch.compile(copy(), dynamic=False, options=GEMM_OPTIONS if gemms else None)
-        # decode steps of several attention calls per layer group: attention outside the graph (_outside_forward);
-        # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
+        # decode steps the whole graph does not fit: attention outside the graph (_outside_forward); never frozen
+        # (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
         self._outside = torch.compile(copy(), dynamic=False)
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
@@ -142,8 +153,8 @@ class CompiledDecode:
 
     @staticmethod
     def eligible(meta: AttentionMetadata) -> bool:
-        """One decode call per layer group, for the whole batch in order, over stored keys only (the runner made
-        one because the batch's context lengths are alike): the graph with attention inside."""
+        """One decode call per layer group, for the whole batch in order, over stored keys only (a single stream, or
+        a batch whose context lengths are alike): what the whole graph's attention takes."""
         for groups in meta.groups:
             if len(groups) != 1:
                 return False
@@ -153,10 +164,10 @@ class CompiledDecode:
                 return False
         return meta.tile_calls is None and meta.scores is None
 
-    @staticmethod
-    def decodes_only(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Several sequences, one new token each (any number of attention calls): the graph with attention outside."""
-        return input_ids.shape[0] > 1 and meta.tile_calls is None and \
+    def decodes_only(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """One new token per sequence, in any number of attention calls (several sequences, or any number without
+        the whole graph): the graph with attention outside."""
+        return (input_ids.shape[0] > 1 or not self.whole) and meta.tile_calls is None and \
             all(g.query_index.shape[1] == 1 and not g.fresh for groups in meta.groups for g in groups)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -165,7 +176,8 @@ class CompiledDecode:
         refuses to compile while serving: that step alone runs eagerly, with one warning per reason)."""
         if self.failed is not None:
             return None
-        if not self.eligible(meta):
+        one = input_ids.shape[0] == 1 or self.gemms  # --compile-gemms: the frozen graph wherever it fits
+        if not (self.whole and one and self.eligible(meta)):
             return self._outside_forward(input_ids, meta) if self.decodes_only(input_ids, meta) else None
         meta, num_seqs, slot_mappings = _at_least_two_blocks(meta), input_ids.shape[0], meta.slot_mappings
         if num_seqs == 1 and self.gemms:
@@ -181,23 +193,24 @@ class CompiledDecode:
 
     def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """A decode step whose sequences' context lengths differ, which the runner attends in several calls per
-        layer group: the graph computes everything but attention, and calls attention as one op per layer
-        (`kvserve::paged_attention`) over the step's own metadata, which never enters the graph (a stand-in with its
-        positions does). One graph thus runs decode steps of any number of calls; attention runs as it does eagerly
-        (docs/benchmarks.md measured it against the whole graph)."""
+        layer group (or any decode step, where attention stays outside: attention_outside): the graph computes
+        everything but attention, and calls attention as one op per layer (`kvserve::paged_attention`) over the
+        step's own metadata, which never enters the graph (a stand-in with its positions does). One graph thus runs
+        decode steps of any number of calls; attention runs as it does eagerly."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                hidden = self._run_outside(input_ids, meta)
+                hidden = self._run_outside(input_ids, meta, attend_over(self.cache, meta))
         except Exception as exc:
             return self._refused(exc)
         self.num_outside_steps += 1
         return hidden
 
-    def _run_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _run_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata, attend) -> torch.Tensor:
         stand_in = replace(meta, groups=[], slot_mappings=[], outside_graph=True)
-        for tensor in (input_ids, stand_in.positions):  # the number of sequences, above 1
-            torch._dynamo.mark_dynamic(tensor, 0)
-        with torch.no_grad(), attention_outside_graph(self.cache, meta):
+        if input_ids.shape[0] > 1:  # the number of sequences, where above 1 (one sequence is its own graph)
+            for tensor in (input_ids, stand_in.positions):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        with torch.no_grad(), attention_outside_graph(attend):
             return self._outside(input_ids, stand_in, self.cache)
 
     def _refused(self, exc: Exception) -> None:
@@ -214,13 +227,15 @@ class CompiledDecode:
         return None
 
     def warm_up(self) -> bool:
-        """Compile at start: a one-sequence (not with --compile-gemms: _two_rows) and a two-sequence decode step over
-        the pool's first blocks (the one block they write to is put back after). Returns whether it compiled."""
+        """Compile at start: the whole graph for a one-sequence decode step (with --compile-gemms, two: _two_rows)
+        over the pool's first blocks (the one block it writes to is put back after), and the graph with attention
+        outside for two sequences (without the whole graph, for one too; its attention op returns zeros there: it
+        writes nothing). Returns whether all compiled."""
         started, resident = time.perf_counter(), _resident_bytes()
         block = self._warm_up_slot() // self.cache.block_size
-        saved = self.cache.export_block(block)  # the one block the warm-up writes to, put back after
+        saved = self.cache.export_block(block) if self.whole else None  # the one block it writes, put back after
         try:
-            for num_seqs in (2,) if self.gemms else (1, 2):
+            for num_seqs in ((2,) if self.gemms else (1,)) if self.whole else ():
                 input_ids, meta = self._warm_up_step(num_seqs)
                 _mark_dynamic(input_ids, meta)
                 self.cache.begin_step([], [], meta.slot_mappings)
@@ -230,17 +245,18 @@ class CompiledDecode:
                 if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:  # Dynamo ran it eagerly
                     raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) (its warnings "
                                        "say why)")
-            input_ids, meta = self._warm_up_step(2)  # the graph with attention outside, any number of calls
-            self.cache.begin_step([], [], meta.slot_mappings)
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            self._run_outside(input_ids, meta)
-            if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
-                raise RuntimeError("torch.compile built no graph for decode steps with attention outside it (its "
-                                   "warnings say why)")
+            for num_seqs in (2,) if self.whole else (1, 2):
+                input_ids, meta = self._warm_up_step(num_seqs)
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                self._run_outside(input_ids, meta, lambda q, k, v, layer, scale: torch.zeros_like(q))
+                if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
+                    raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) with attention "
+                                       "outside it (its warnings say why)")
         except Exception as exc:
             self._fail(exc)
         finally:
-            self.cache.import_block(block, saved)
+            if saved is not None:
+                self.cache.import_block(block, saved)
         self.compile_seconds = time.perf_counter() - started
         self.resident_growth = _resident_bytes() - resident
         return self.failed is None
@@ -344,8 +360,8 @@ def _two_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.T
 
 
 def _mark_dynamic(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-    """The step's sizes are symbols in the graph (the weights' are not): the number of sequences S, where it is
-    above 1 (one sequence is its own graph), and the block-table width B of each layer group (at least 2:
+    """The step's sizes are symbols in the whole graph (the weights' are not): the number of sequences S, where it
+    is above 1 (--compile-gemms; one sequence is a graph of its own), and the block-table width B of each layer group (at least 2:
     _at_least_two_blocks)."""
     if input_ids.shape[0] > 1:
         for tensor in (input_ids, meta.positions, *meta.slot_mappings):

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.config import EngineConfig
-from kvserve.engine.compiled_step import CompiledDecode, gemms_unused, unsupported
+from kvserve.engine.compiled_step import CompiledDecode, attention_outside, gemms_unused, unsupported
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
@@ -134,22 +134,25 @@ class LLMEngine:
         config = self.config
         if not config.compile_decode:
             return None
-        reason = unsupported(
-            self.model, self.cache, config.batch_invariant, self.eviction.needs_attention_scores,
-            self.eviction.unbounded_length)
+        reason = unsupported(self.model, config.batch_invariant, self.eviction.unbounded_length)
         if reason is not None:
             logger.info(f"decode steps: eager ({reason})")
             return None
+        outside = attention_outside(self.cache, self.eviction.needs_attention_scores)
         gemms = config.compile_gemms
-        if gemms and (unused := gemms_unused(self.model)) is not None:
+        if gemms and (unused := outside or gemms_unused(self.model)) is not None:
             logger.info(f"--compile-gemms: not applied ({unused}); the decode step compiles without it")
             gemms = False
-        compiled = CompiledDecode(self.model, self.cache, gemms=gemms)
+        compiled = CompiledDecode(self.model, self.cache, gemms=gemms, whole=outside is None)
         if not compiled.warm_up():
             return None
-        logger.info(f"decode steps: one compiled graph (torch.compile, --compile-decode; any batch size and context "
-                    f"length) in {compiled.compile_seconds:.1f} s{compiled.gemms_line()}; prefill and mixed steps "
-                    "run eagerly")
+        if outside is None:
+            graphs = ("compiled (torch.compile, --compile-decode): one sequence as one whole graph, several (any "
+                      "number, any context lengths) in one with attention outside it")
+        else:
+            graphs = f"one compiled graph with attention outside it (torch.compile, --compile-decode; {outside})"
+        logger.info(f"decode steps: {graphs}, in {compiled.compile_seconds:.1f} s{compiled.gemms_line()}; prefill "
+                    "and mixed steps run eagerly")
         return compiled
 
     def _open_disk_cache(self, model_path: Path) -> DiskKVCache:

@@ -13,6 +13,7 @@ tiles with the same number of keys share a call; a query's result then depends o
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,19 +98,25 @@ def paged_attention(
     return out
 
 
-_OUTSIDE_GRAPH: list[tuple[PagedKVCache, AttentionMetadata]] = []  # the step a graph's attention op runs
+# how the attention op of the graph running now attends: (q, k, v, layer, scale) -> output (attention_outside_graph)
+_OUTSIDE_GRAPH: list[Callable[..., torch.Tensor]] = []
 
 
 @contextlib.contextmanager
-def attention_outside_graph(cache: PagedKVCache, meta: AttentionMetadata):
-    """While a compiled graph runs a step described by a stand-in (`outside_graph`), its attention op attends over
-    this cache and metadata: the step's groups, tables and masks never enter the graph, so one graph runs steps of
-    any structure (engine/compiled_step.py)."""
-    _OUTSIDE_GRAPH.append((cache, meta))
+def attention_outside_graph(attend: Callable[..., torch.Tensor]):
+    """While a compiled graph runs a step described by a stand-in (`outside_graph`), its attention op calls
+    `attend(q, k, v, layer, scale)` (`attend_over` the step's cache and metadata): the step's groups, tables and masks
+    never enter the graph, so one graph runs steps of any structure (engine/compiled_step.py)."""
+    _OUTSIDE_GRAPH.append(attend)
     try:
         yield
     finally:
         _OUTSIDE_GRAPH.pop()
+
+
+def attend_over(cache: PagedKVCache, meta: AttentionMetadata) -> Callable[..., torch.Tensor]:
+    """paged_attention over this step's cache and metadata, for attention_outside_graph."""
+    return lambda q, k, v, layer, scale: paged_attention(q, k, v, layer, cache, meta, scale)
 
 
 @torch.library.custom_op("kvserve::paged_attention", mutates_args=())
@@ -117,8 +124,7 @@ def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              scale: float) -> torch.Tensor:
     """paged_attention as one op a graph calls as it is (it writes the pool, which is no input of the graph: the
     graph orders it by its output, which the next layer reads)."""
-    cache, meta = _OUTSIDE_GRAPH[-1]
-    return paged_attention(q, k, v, layer, cache, meta, scale)
+    return _OUTSIDE_GRAPH[-1](q, k, v, layer, scale)
 
 
 @_attention_outside_graph.register_fake

@@ -179,17 +179,25 @@ class CompiledDecode:
         one = input_ids.shape[0] == 1 or self.gemms  # --compile-gemms: the frozen graph wherever it fits
         if not (self.whole and one and self.eligible(meta)):
             return self._outside_forward(input_ids, meta) if self.decodes_only(input_ids, meta) else None
-        meta, num_seqs, slot_mappings = _at_least_two_blocks(meta), input_ids.shape[0], meta.slot_mappings
-        if num_seqs == 1 and self.gemms:
-            input_ids, meta = _two_rows(input_ids, meta)
-            self.cache.begin_step([], [], meta.slot_mappings)  # the runner began the step: now its slots, twice
+        slot_mappings = meta.slot_mappings
         try:
-            _mark_dynamic(input_ids, meta)
-            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"), _freezing(self.gemms):
-                return self._forward(input_ids, meta, self.cache)[:num_seqs]
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.run_whole(input_ids, meta)
         except Exception as exc:
             self.cache.begin_step([], [], slot_mappings)  # the step's own slots again, for eager
             return self._refused(exc)
+
+    def run_whole(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The whole graph over a step it takes (`eligible`); Dynamo compiles one for the step if none fits it.
+        Serving calls it through `forward`, under Dynamo's fail_on_recompile stance; `kvserve bench step` directly,
+        to time it against the graph with attention outside on steps that serving runs there."""
+        meta, num_seqs = _at_least_two_blocks(meta), input_ids.shape[0]
+        if num_seqs == 1 and self.gemms:
+            input_ids, meta = _two_rows(input_ids, meta)
+            self.cache.begin_step([], [], meta.slot_mappings)  # the runner began the step: now its slots, twice
+        _mark_dynamic(input_ids, meta)
+        with torch.no_grad(), _freezing(self.gemms):
+            return self._forward(input_ids, meta, self.cache)[:num_seqs]
 
     def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """A decode step whose sequences' context lengths differ, which the runner attends in several calls per
@@ -199,13 +207,16 @@ class CompiledDecode:
         decode steps of any number of calls; attention runs as it does eagerly."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                hidden = self._run_outside(input_ids, meta, attend_over(self.cache, meta))
+                hidden = self.run_outside(input_ids, meta)
         except Exception as exc:
             return self._refused(exc)
         self.num_outside_steps += 1
         return hidden
 
-    def _run_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata, attend) -> torch.Tensor:
+    def run_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata, attend=None) -> torch.Tensor:
+        """The graph with attention outside over a decode step, its attention op calling `attend` (default:
+        paged_attention over the step's cache and metadata); as run_whole, it compiles what no graph fits."""
+        attend = attend or attend_over(self.cache, meta)
         stand_in = replace(meta, groups=[], slot_mappings=[], outside_graph=True)
         if input_ids.shape[0] > 1:  # the number of sequences, where above 1 (one sequence is its own graph)
             for tensor in (input_ids, stand_in.positions):
@@ -248,7 +259,7 @@ class CompiledDecode:
             for num_seqs in (2,) if self.whole else (1, 2):
                 input_ids, meta = self._warm_up_step(num_seqs)
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                self._run_outside(input_ids, meta, lambda q, k, v, layer, scale: torch.zeros_like(q))
+                self.run_outside(input_ids, meta, lambda q, k, v, layer, scale: torch.zeros_like(q))
                 if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
                     raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) with attention "
                                        "outside it (its warnings say why)")

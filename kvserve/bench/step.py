@@ -1,0 +1,112 @@
+"""`kvserve bench step`: one decode step timed three ways in one process: eager, the whole compiled graph
+(attention inside it) and the graph with attention outside it (engine/compiled_step.py), for batches of a few
+sizes whose context lengths are alike (one attention call per layer group) or spread (several).
+
+For each batch, --sequences requests of random prompts (fixed seed) are prefilled and decoded a few steps on one
+engine; one of their decode steps is captured (its tokens and metadata) and replayed --repeat times by each
+runner in turn, so a slow spell weighs on all alike, and the medians are printed with their ratio to eager. The
+replays write the same K/V to the same slots each time. The whole graph compiles for several sequences on first
+use here (serving compiles it for one sequence only: the table says why), so the first start pays that compile."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+ALIKE_LENGTH = 300  # prompt tokens of the first sequence of an alike batch; the others one token more each
+SPREAD_LENGTHS = (64, 512)  # the decode-heavy workload's range: a spread batch runs from one to the other
+
+
+def add_step_parser(bench_subparsers) -> None:
+    from kvserve.engine.cli import add_engine_args
+
+    p = bench_subparsers.add_parser("step", help="one decode step: eager, the whole graph, attention outside it")
+    add_engine_args(p)
+    p.add_argument("--sequences", type=int, nargs="+", default=[1, 2, 4, 16], metavar="N",
+                   help="batch sizes (default: %(default)s)")
+    p.add_argument("--contexts", nargs="+", choices=["alike", "spread"], default=["alike", "spread"],
+                   help="the batch's context lengths (default: both; one sequence is always alike)")
+    p.add_argument("--repeat", type=int, default=25, help="replays per runner (default %(default)s)")
+    p.set_defaults(func=run_step, compile_decode=True, max_model_len=SPREAD_LENGTHS[1] + 64)
+
+
+def run_step(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from kvserve.engine.cli import engine_config_from_args
+    from kvserve.engine.llm import LLM
+
+    config = engine_config_from_args(args)
+    llm = LLM(**dataclasses.asdict(config))
+    engine = llm.engine
+    compiled = engine.runner.compiled
+    if compiled is None or not compiled.whole:
+        raise SystemExit("this engine compiles no whole decode graph (its start-up line says why)")
+    print(f"one decode step, ms: median of {args.repeat} replays, interleaved (÷ eager)")
+    cases = [(n, kind) for n in args.sequences for kind in (["alike"] if n == 1 else args.contexts)]
+    for n, kind in cases:
+        input_ids, meta = _decode_step(engine, n, kind)
+        runners = {"eager": lambda: _eager(engine, input_ids, meta)}
+        if compiled.eligible(meta):
+            runners["whole graph"] = lambda: compiled.run_whole(input_ids, meta)
+        if n > 1:
+            runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
+        for run in runners.values():  # a first call compiles what no graph fits (the whole graph for several)
+            engine.cache.begin_step([], [], meta.slot_mappings)
+            run()
+        times = {name: [] for name in runners}
+        for _ in range(args.repeat):
+            for name, run in runners.items():
+                begun = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - begun)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        cells = ", ".join(f"{name} {m * 1e3:.2f}" + ("" if name == "eager" else f" ({medians['eager'] / m:.2f}x)")
+                          for name, m in medians.items())
+        calls = max(len(groups) for groups in meta.groups)
+        served = "whole graph" if n == 1 else "attention outside"
+        print(f"{n} sequence{'s' if n > 1 else ''}, {kind} contexts ({calls} attention call"
+                      f"{'s' if calls > 1 else ''} per layer group): {cells}; serving runs: {served}")
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+    print("whole graph: attention inside it (it takes one call per layer group only); attention outside: "
+                  "the rest in the graph, attention eager, call by call")
+    return 0
+
+
+def _decode_step(engine, num_seqs: int, kind: str):
+    """The tokens and metadata of a decode step of `num_seqs` fresh requests, after their prefill."""
+    import torch
+
+    from kvserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(num_seqs)
+    low, high = SPREAD_LENGTHS
+    lengths = [ALIKE_LENGTH + i if kind == "alike" else low + (high - low) * i // max(num_seqs - 1, 1)
+               for i in range(num_seqs)]
+    vocab = engine.model_config.vocab_size
+    for i, length in enumerate(lengths):
+        engine.add_request(f"step-{num_seqs}-{kind}-{i}", torch.randint(100, vocab - 100, (length,), generator=g).tolist(),
+                           SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    captured = []
+    build = engine.runner.build_batch
+
+    def capturing(out):
+        input_ids, meta, chunks = build(out)
+        if len(chunks) == num_seqs and all(c.num_tokens == 1 for c in chunks):
+            captured.append((input_ids, meta))
+        return input_ids, meta, chunks
+
+    engine.runner.build_batch = capturing
+    try:
+        while len(captured) < 2:  # the second decode step: every sequence is past its prefill
+            engine.step()
+    finally:
+        engine.runner.build_batch = build
+    return captured[-1]
+
+
+def _eager(engine, input_ids, meta):
+    return engine.model.forward(input_ids, meta, engine.cache)

@@ -1,0 +1,38 @@
+"""`kvserve bench step` end to end on a tiny model: every batch it is asked for gets its line, with each runner that
+can take the step (the whole graph only where attention is one call per layer group), and the engine is left with
+no request and every block back in the pool."""
+import re
+
+import pytest
+
+from kvserve.cli import main
+from tests.conftest import make_tiny_model
+
+MS = r"[\d.]+"
+
+
+def test_bench_step_times_each_batch_eagerly_and_in_each_graph_that_takes_it(tmp_path, capsys, monkeypatch):
+    engines = []
+    from kvserve.engine import llm_engine
+    init = llm_engine.LLMEngine.__init__
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), engines.append(self))[0])
+    status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "3",
+                   "--repeat", "2", "--kv-cache-memory", "4MiB"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert re.search(rf"^1 sequence, alike contexts \(1 attention call per layer group\): eager {MS}, whole graph "
+                     rf"{MS} \({MS}x\); serving runs: whole graph$", out, re.MULTILINE)
+    assert re.search(rf"^3 sequences, alike contexts \(1 attention call per layer group\): eager {MS}, whole graph "
+                     rf"{MS} \({MS}x\), attention outside {MS} \({MS}x\); serving runs: attention outside$", out,
+                     re.MULTILINE)
+    spread = re.search(rf"^3 sequences, spread contexts \((\d) attention calls per layer group\): eager {MS}, "
+                       rf"attention outside {MS} \({MS}x\); serving runs: attention outside$", out, re.MULTILINE)
+    assert spread and int(spread.group(1)) > 1
+    (engine,) = engines
+    assert not engine.requests and engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_bench_step_needs_the_compiled_graphs(tmp_path):
+    with pytest.raises(ValueError, match="compile_decode=True contradicts enforce_eager=True"):
+        main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--enforce-eager"])

@@ -10,9 +10,10 @@ What it compiles is `model.forward` itself, the code every other step runs eager
   positions only) and calls attention as one op per layer (`kvserve::paged_attention`, a custom op), which attends
   eagerly over the step's real metadata, in as many calls per layer group as the runner made (one per bucket of
   alike context lengths, `model_runner.MIN_BUCKET_FILL`). Its one symbol is the number of sequences, so any batch
-  runs it, whatever its context lengths. Everything but attention is fused as in the whole graph. On the AVX-512
-  EPYC a batch of alike sequences ran it faster than the whole graph from four sequences on, and much faster at 16
-  (`kvserve bench step`, docs/benchmarks.md), and a lone sequence slower: hence the split.
+  runs it, whatever its context lengths. Everything but attention is fused as in the whole graph. Against the
+  whole graph on alike batches (`kvserve bench step`, docs/benchmarks.md, the AVX-512 EPYC): slower at 2 and 4
+  sequences, faster at 16; the whole graph for several sequences would be a third graph to compile at start, and
+  spread batches (the decode-heavy workload's) fit it not at all.
 Both are compiled at start; while serving nothing compiles (Dynamo's `fail_on_recompile` stance: a compile would
 stall every request), and a step no graph fits runs eagerly, with one warning per reason. With --compile-gemms the
 whole graph, frozen, is one graph for one sequence (run as two rows) and for several alike ones.

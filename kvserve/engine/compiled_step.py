@@ -143,8 +143,8 @@ class CompiledDecode:
 
         # only the step's sizes vary (_mark_dynamic)
         self._forward = torch.compile(copy(), dynamic=False, options=GEMM_OPTIONS if gemms else None)
-        # decode steps the whole graph does not fit: attention outside the graph (_outside_forward); never frozen
-        # (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
+        # several sequences, and steps the whole graph does not take: attention outside the graph (_outside_forward);
+        # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
         self._outside = torch.compile(copy(), dynamic=False)
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
@@ -201,9 +201,8 @@ class CompiledDecode:
             return self._forward(input_ids, meta, self.cache)[:num_seqs]
 
     def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """A decode step whose sequences' context lengths differ, which the runner attends in several calls per
-        layer group (or any decode step, where attention stays outside: attention_outside): the graph computes
-        everything but attention, and calls attention as one op per layer (`kvserve::paged_attention`) over the
+        """A decode step of several sequences, attended in one call per layer group or several (or any decode step,
+        where attention stays outside: attention_outside): the graph computes everything but attention, and calls attention as one op per layer (`kvserve::paged_attention`) over the
         step's own metadata, which never enters the graph (a stand-in with its positions does). One graph thus runs
         decode steps of any number of calls; attention runs as it does eagerly."""
         try:

@@ -13,6 +13,7 @@ tiles with the same number of keys share a call; a query's result then depends o
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -98,8 +99,9 @@ def paged_attention(
     return out
 
 
-# how the attention op of the graph running now attends: (q, k, v, layer, scale) -> output (attention_outside_graph)
-_OUTSIDE_GRAPH: list[Callable[..., torch.Tensor]] = []
+# how the attention op of the graph this thread runs now attends: (q, k, v, layer, scale) -> output, per thread, as
+# engines in threads of one process may step at once (attention_outside_graph)
+_OUTSIDE_GRAPH = threading.local()
 
 
 @contextlib.contextmanager
@@ -107,11 +109,12 @@ def attention_outside_graph(attend: Callable[..., torch.Tensor]):
     """While a compiled graph runs a step described by a stand-in (`outside_graph`), its attention op calls
     `attend(q, k, v, layer, scale)` (`attend_over` the step's cache and metadata): the step's groups, tables and masks
     never enter the graph, so one graph runs steps of any structure (engine/compiled_step.py)."""
-    _OUTSIDE_GRAPH.append(attend)
+    outer = getattr(_OUTSIDE_GRAPH, "attend", None)
+    _OUTSIDE_GRAPH.attend = attend
     try:
         yield
     finally:
-        _OUTSIDE_GRAPH.pop()
+        _OUTSIDE_GRAPH.attend = outer
 
 
 def attend_over(cache: PagedKVCache, meta: AttentionMetadata) -> Callable[..., torch.Tensor]:
@@ -124,7 +127,7 @@ def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              scale: float) -> torch.Tensor:
     """paged_attention as one op a graph calls as it is (it writes the pool, which is no input of the graph: the
     graph orders it by its output, which the next layer reads)."""
-    return _OUTSIDE_GRAPH[-1](q, k, v, layer, scale)
+    return _OUTSIDE_GRAPH.attend(q, k, v, layer, scale)
 
 
 @_attention_outside_graph.register_fake

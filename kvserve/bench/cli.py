@@ -11,7 +11,8 @@ from kvserve.bench.window import add_window_parser
 
 
 def add_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, multiturn, serve, dashboard, window, mla, step")
+    bench = subparsers.add_parser("bench",
+                                  help="benchmarks: throughput, multiturn, serve, dashboard, window, mla, step")
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parser(kinds)
     add_multiturn_parser(kinds)

@@ -6,7 +6,8 @@ For each batch, --sequences requests of random prompts (fixed seed) are prefille
 engine; one of their decode steps is captured (its tokens and metadata) and replayed --repeat times by each
 runner in turn, so a slow spell weighs on all alike, and the medians are printed with their ratio to eager. The
 replays write the same K/V to the same slots each time. The whole graph compiles for several sequences on first
-use here (serving compiles it for one sequence only: the table says why), so the first start pays that compile."""
+use here (serving compiles it for one sequence only: engine/compiled_step.py says why), so a first run pays that
+compile."""
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,6 @@ def add_step_parser(bench_subparsers) -> None:
 
 def run_step(args: argparse.Namespace) -> int:
     import dataclasses
-
-    import torch
 
     from kvserve.engine.cli import engine_config_from_args
     from kvserve.engine.llm import LLM
@@ -68,11 +67,11 @@ def run_step(args: argparse.Namespace) -> int:
         calls = max(len(groups) for groups in meta.groups)
         served = "whole graph" if n == 1 else "attention outside"
         print(f"{n} sequence{'s' if n > 1 else ''}, {kind} contexts ({calls} attention call"
-                      f"{'s' if calls > 1 else ''} per layer group): {cells}; serving runs: {served}")
+              f"{'s' if calls > 1 else ''} per layer group): {cells}; serving runs: {served}")
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
     print("whole graph: attention inside it (it takes one call per layer group only); attention outside: "
-                  "the rest in the graph, attention eager, call by call")
+          "the rest in the graph, attention eager, call by call")
     return 0
 
 
@@ -88,7 +87,8 @@ def _decode_step(engine, num_seqs: int, kind: str):
                for i in range(num_seqs)]
     vocab = engine.model_config.vocab_size
     for i, length in enumerate(lengths):
-        engine.add_request(f"step-{num_seqs}-{kind}-{i}", torch.randint(100, vocab - 100, (length,), generator=g).tolist(),
+        prompt = torch.randint(100, vocab - 100, (length,), generator=g).tolist()
+        engine.add_request(f"step-{num_seqs}-{kind}-{i}", prompt,
                            SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     captured = []
     build = engine.runner.build_batch

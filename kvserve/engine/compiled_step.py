@@ -125,7 +125,7 @@ class CompiledDecode:
     def __init__(self, model, cache: PagedKVCache, gemms: bool = False, whole: bool = True):
         self.model = model
         self.cache = cache
-        self.gemms = gemms and whole
+        self.gemms = gemms  # the engine applies it only with the whole graph (attention_outside, gemms_unused)
         self.whole = whole  # the whole graph for the steps it fits (False: attention_outside says why not)
         self.failed: str | None = None
         # traced under no_grad rather than forward's inference_mode: AOTAutograd cannot mutate the pool's
@@ -204,9 +204,10 @@ class CompiledDecode:
 
     def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """A decode step of several sequences, attended in one call per layer group or several (or any decode step,
-        where attention stays outside: attention_outside): the graph computes everything but attention, and calls attention as one op per layer (`kvserve::paged_attention`) over the
-        step's own metadata, which never enters the graph (a stand-in with its positions does). One graph thus runs
-        decode steps of any number of calls; attention runs as it does eagerly."""
+        where attention stays outside: attention_outside): the graph computes everything but attention, and calls
+        attention as one op per layer (`kvserve::paged_attention`) over the step's own metadata, which never enters
+        the graph (a stand-in with its positions does). One graph thus runs decode steps of any number of calls;
+        attention runs as it does eagerly."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 hidden = self.run_outside(input_ids, meta)
@@ -374,8 +375,8 @@ def _two_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.T
 
 def _mark_dynamic(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
     """The step's sizes are symbols in the whole graph (the weights' are not): the number of sequences S, where it
-    is above 1 (--compile-gemms; one sequence is a graph of its own), and the block-table width B of each layer group (at least 2:
-    _at_least_two_blocks)."""
+    is above 1 (--compile-gemms; one sequence is a graph of its own), and the block-table width B of each layer
+    group (at least 2: _at_least_two_blocks)."""
     if input_ids.shape[0] > 1:
         for tensor in (input_ids, meta.positions, *meta.slot_mappings):
             torch._dynamo.mark_dynamic(tensor, 0)

@@ -1,6 +1,8 @@
 """`kvserve bench step`: one decode step timed three ways in one process: eager, the whole compiled graph
 (attention inside it) and the graph with attention outside it (engine/compiled_step.py), for batches of a few
-sizes whose context lengths are alike (one attention call per layer group) or spread (several).
+sizes whose context lengths are alike (one attention call per layer group) or spread (several). A single stream
+runs the graph with attention outside it too (compiled for one sequence on first use), to compare it with the
+whole graph that serving runs it in.
 
 For each batch, --sequences requests of random prompts (fixed seed) are prefilled and decoded a few steps on one
 engine; one of their decode steps is captured (its tokens and metadata) and replayed --repeat times by each
@@ -50,8 +52,7 @@ def run_step(args: argparse.Namespace) -> int:
         runners = {"eager": lambda: _eager(engine, input_ids, meta)}
         if compiled.eligible(meta):
             runners["whole graph"] = lambda: compiled.run_whole(input_ids, meta)
-        if n > 1:
-            runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
+        runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
         for run in runners.values():  # a first call compiles what no graph fits (the whole graph for several)
             engine.cache.begin_step([], [], meta.slot_mappings)
             run()

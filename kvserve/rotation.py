@@ -37,14 +37,17 @@ class KroneckerRotation:
         self.size, self.block, self.num_blocks = size, block, size // block
         self.within = hadamard(block).to(dtype=dtype, device=device)
         self.across = hadamard(self.num_blocks).to(dtype=dtype, device=device)
+        # their transposes as tensors of their own: a graph whose layers are one region called once per layer
+        # (engine/compiled_step.py) takes no two views of one tensor as inputs, as `.T` of a shared rotation was
+        self.within_t, self.across_t = self.within.T.contiguous(), self.across.T.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x R for x [M, size]."""
-        return self._apply(x, self.within, self.across.T)
+        return self._apply(x, self.within, self.across_t)
 
     def invert(self, x: torch.Tensor) -> torch.Tensor:
         """x R^T (R is orthonormal: its inverse)."""
-        return self._apply(x, self.within.T, self.across)
+        return self._apply(x, self.within_t, self.across)
 
     def _apply(self, x: torch.Tensor, within: torch.Tensor, across: torch.Tensor) -> torch.Tensor:
         """across @ (x's blocks @ within), per row. Eagerly two batched BLAS matmuls; inside a compiled graph
@@ -62,7 +65,8 @@ class KroneckerRotation:
         return torch.kron(self.across, self.within)
 
     def storages(self) -> dict[int, int]:
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (self.within, self.across)}
+        tensors = (self.within, self.across, self.within_t, self.across_t)
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
 @lru_cache(maxsize=None)

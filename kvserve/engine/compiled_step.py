@@ -16,6 +16,9 @@ What it compiles is `model.forward` itself, the code every other step runs eager
   spread batches (the decode-heavy workload's) fit it not at all. That is with int8 weights, whose many small ops
   (quantizing and rotating activations) the graph fuses; with float32 weights a step is bound by its matmuls and
   attention outside measured 0.95x-1.04x eager.
+In the graph with attention outside it, the Llama family's layers are one nested compile region (layer_regions):
+Dynamo traces one layer and reuses it for the others, and Inductor compiles its code once, so that graph compiles
+in a fraction of the time, and its kernels are the same (docs/benchmarks.md, "One traced layer").
 Both are compiled at start; while serving nothing compiles (Dynamo's `fail_on_recompile` stance: a compile would
 stall every request), and a step no graph fits runs eagerly, with one warning per reason. With --compile-gemms the
 whole graph, frozen, is one graph for one sequence (run as two rows) and for several alike ones.
@@ -57,7 +60,8 @@ from unittest import mock
 import torch
 
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
-from kvserve.model.attention import AttentionGroup, AttentionMetadata, attend_over, attention_outside_graph
+from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerRegion, attend_over,
+                                     attention_outside_graph)
 from kvserve.model.gemma3 import Gemma3Model
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.llama import LlamaModel
@@ -105,6 +109,19 @@ def gemms_unused(model) -> str | None:
     return None
 
 
+def layer_regions(model, gemms: bool) -> list[LayerRegion] | None:
+    """The layers of a graph with attention outside it as one nested compile region (model/attention.py's
+    LayerRegion), for the Llama family: Dynamo traces one layer instead of each and Inductor compiles its code once,
+    which cut the int8 SmolLM2's start-up compile of that graph for one and two sequences from 133 s to 24 s on the
+    Intel Xeon (docs/benchmarks.md). None (each layer traced as its own code, as before): Gemma 3, whose layers
+    Dynamo's reuse of a traced region computed wrongly (the second layer's keys, values and queries off by units,
+    tests/engine/test_compiled_step.py's Gemma cases fail with it), and --compile-gemms, whose freezing Dynamo does
+    not apply through a region (it fails tracing: "Freevar has no source")."""
+    if gemms or not isinstance(model, LlamaModel):
+        return None
+    return [LayerRegion(layer, i) for i, layer in enumerate(model.layers)]
+
+
 def _decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
     """The model's forward pass; each engine runs a copy whose globals reach its model (CompiledDecode)."""
     return _raw_forward(_engine.model, input_ids, meta, cache)  # noqa: F821 - the copy's globals
@@ -148,6 +165,7 @@ class CompiledDecode:
         # several sequences, and steps the whole graph does not take: attention outside the graph (_outside_forward);
         # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
         self._outside = torch.compile(copy(), dynamic=False)
+        self._regions = layer_regions(model, gemms)  # its layers as one region, traced and compiled once
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
         self.compile_seconds = 0.0
@@ -220,7 +238,7 @@ class CompiledDecode:
         """The graph with attention outside over a decode step, its attention op calling `attend` (default:
         paged_attention over the step's cache and metadata); as run_whole, it compiles what no graph fits."""
         attend = attend or attend_over(self.cache, meta)
-        stand_in = replace(meta, groups=[], slot_mappings=[], outside_graph=True)
+        stand_in = replace(meta, groups=[], slot_mappings=[], outside_graph=True, layer_regions=self._regions)
         if input_ids.shape[0] > 1:  # the number of sequences, where above 1 (one sequence is its own graph)
             for tensor in (input_ids, stand_in.positions):
                 torch._dynamo.mark_dynamic(tensor, 0)

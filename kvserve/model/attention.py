@@ -72,20 +72,50 @@ class AttentionMetadata:
     # a compiled graph's stand-in for the step: attention runs outside the graph, over the step's own metadata
     # (attention_outside_graph); inside it the graph reads only the positions and the tiles
     outside_graph: bool = False
+    # with outside_graph: the model's layers, each the nested compile region the graph calls it as (run_layer)
+    layer_regions: list[LayerRegion] | None = None
+
+
+class LayerRegion(torch.nn.Module):
+    """A decoder layer and its index as a graph with attention outside it takes them into one nested compile region
+    (`torch.compiler.nested_compile_region`, run_layer): Dynamo traces the region once and Inductor compiles it once,
+    then every layer alike calls that code with its own weights. Dynamo reuses a traced region only for inputs that
+    are tensors, constants or modules, so the layer travels in a module, its index as a tensor (one code for all)."""
+
+    def __init__(self, layer, index: int):
+        super().__init__()
+        self.layer = layer
+        self.index = torch.tensor(index)
+
+
+def run_layer(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, cache: PagedKVCache,
+              meta: AttentionMetadata) -> torch.Tensor:
+    """`layer.forward` for layer `index`; in a graph with attention outside it, as the layers' region (LayerRegion).
+    Compiling the region once instead of each layer took SmolLM2's graph from 30 traced layers to one
+    (docs/benchmarks.md, start-up)."""
+    if meta.layer_regions is not None:
+        return _layer_region(meta.layer_regions[index], h, cos, sin)
+    return layer.forward(h, cos, sin, index, cache, meta)
+
+
+@torch.compiler.nested_compile_region
+def _layer_region(region: LayerRegion, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return region.layer.forward(h, cos, sin, region.index, None, _REGION_STAND_IN)
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layer: int,
+    layer: int | torch.Tensor,
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D] for the step's new tokens. Returns [T, H, D]. `layer` is a tensor in a layer
+    region (run_layer), where attention is outside the graph."""
     if meta.outside_graph:
-        return _attention_outside_graph(q, k, v, layer, scale)
+        return _attention_outside_graph(q, k, v, torch.as_tensor(layer), scale)
     cache.write(layer, k, v)
     if meta.tile_calls is not None:
         return _tile_attention(q, k, v, layer, cache, meta, scale)
@@ -123,16 +153,22 @@ def attend_over(cache: PagedKVCache, meta: AttentionMetadata) -> Callable[..., t
 
 
 @torch.library.custom_op("kvserve::paged_attention", mutates_args=())
-def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
                              scale: float) -> torch.Tensor:
     """paged_attention as one op a graph calls as it is (it writes the pool, which is no input of the graph: the
-    graph orders it by its output, which the next layer reads)."""
-    return _OUTSIDE_GRAPH.attend(q, k, v, layer, scale)
+    graph orders it by its output, which the next layer reads). The layer is a tensor: the one region all layers
+    call passes its own (LayerRegion)."""
+    return _OUTSIDE_GRAPH.attend(q, k, v, int(layer), scale)
 
 
 @_attention_outside_graph.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+# what a layer region reads of the step inside it (its tiles: a compiled step's are the default; attention outside)
+_REGION_STAND_IN = AttentionMetadata(positions=torch.empty(0, dtype=torch.long), slot_mappings=[], groups=[],
+                                     layer_group=(), outside_graph=True)
 
 
 def _group_attention(

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata, paged_attention, run_layer
 from kvserve.model.config import SLIDING_ATTENTION, ModelConfig
 from kvserve.model.linear import Linears, load_linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
@@ -121,7 +121,7 @@ class Gemma3Model:
         sliding_rope = self.sliding_rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
             cos, sin = sliding_rope if layer.layer_type == SLIDING_ATTENTION else full_rope
-            h = layer.forward(h, cos, sin, i, cache, meta)
+            h = run_layer(layer, h, cos, sin, i, cache, meta)
         return meta.tiles.map(self.norm, h)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

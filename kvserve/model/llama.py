@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata, paged_attention, run_layer
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear import Linears, load_linears, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
@@ -85,7 +85,7 @@ class LlamaModel:
         h = meta.tiles.map(self.embed, input_ids)
         cos, sin = self.rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
-            h = layer.forward(h, cos, sin, i, cache, meta)
+            h = run_layer(layer, h, cos, sin, i, cache, meta)
         return meta.tiles.map(self._final_norm, h)
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:

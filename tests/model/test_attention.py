@@ -9,7 +9,7 @@ from kvserve.model.attention import attention_outside_graph, paged_attention
 
 
 def _op(q: torch.Tensor) -> torch.Tensor:
-    return torch.ops.kvserve.paged_attention(q, q, q, 0, 1.0)
+    return torch.ops.kvserve.paged_attention(q, q, q, torch.tensor(0), 1.0)
 
 
 def test_each_thread_attends_as_it_said_inside_nested_contexts():
@@ -50,3 +50,44 @@ def test_paged_attention_on_a_stand_in_calls_the_op():
     with attention_outside_graph(lambda q, k, v, layer, scale: q * scale + layer):
         out = paged_attention(q, q, q, 3, None, stand_in, 0.5)
     assert torch.equal(out, torch.full((2, 1, 4), 3.5))
+
+
+def test_a_layer_region_compiles_once_for_all_layers_and_attends_with_each_layers_index():
+    """run_layer inside a graph with attention outside it: one region, traced once, called by every layer with its
+    own weights and index (LayerRegion), giving what the layers give eagerly."""
+    from kvserve.model.attention import AttentionMetadata, LayerRegion, run_layer
+
+    class Layer:  # a decoder layer's shape: weights on a plain object, attention through paged_attention
+        def __init__(self, seed: int):
+            self.weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+
+        def forward(self, h, cos, sin, layer, cache, meta):
+            q = (h @ self.weight * cos + sin).view(-1, 1, 4)
+            return paged_attention(q, q, q, layer, cache, meta, 1.0).view(-1, 4) + h
+
+    layers = [Layer(i) for i in range(5)]
+    stand_in = AttentionMetadata(positions=torch.zeros(3, dtype=torch.long), slot_mappings=[], groups=[],
+                                 layer_group=(0,) * 5, outside_graph=True,
+                                 layer_regions=[LayerRegion(layer, i) for i, layer in enumerate(layers)])
+    eager = AttentionMetadata(positions=stand_in.positions, slot_mappings=[], groups=[], layer_group=(0,) * 5,
+                              outside_graph=True)
+
+    def forward(h, cos, sin, meta):
+        for i, layer in enumerate(layers):
+            h = run_layer(layer, h, cos, sin, i, None, meta)
+        return h
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # the graph as Dynamo built it, run as it is
+        graphs.append(gm)
+        return gm
+
+    h, cos, sin = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    with attention_outside_graph(lambda q, k, v, layer, scale: q * (layer + 1)):
+        expected = forward(h, cos, sin, eager)
+        got = torch.compile(forward, backend=backend, fullgraph=True)(h, cos, sin, stand_in)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # one region body, called by all five layers: Dynamo traced the first and reused it for the others
+    calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 5 and len({n.args[0].target for n in calls}) == 1

@@ -112,7 +112,8 @@ def gemms_unused(model) -> str | None:
 def layer_regions(model, gemms: bool) -> list[LayerRegion] | None:
     """The layers of a graph with attention outside it as one nested compile region (model/attention.py's
     LayerRegion), for the Llama family: Dynamo traces one layer instead of each and Inductor compiles its code once
-    (the int8 SmolLM2's start-up compile on the Intel Xeon: docs/benchmarks.md, "One traced layer"). None (each layer traced as its own code, as before): Gemma 3, whose layers
+    (the int8 SmolLM2's start-up compile on the Intel Xeon: docs/benchmarks.md, "One traced layer"). None (each
+    layer traced as its own code, as before): Gemma 3, whose layers
     Dynamo's reuse of a traced region computed wrongly (the second layer's keys, values and queries off by units,
     tests/engine/test_compiled_step.py's Gemma cases fail with it), and --compile-gemms, whose freezing Dynamo does
     not apply through a region (it fails tracing: "Freevar has no source")."""

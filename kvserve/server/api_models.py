@@ -6,6 +6,7 @@ import logging
 import re
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
+import numpy as np
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
@@ -17,7 +18,6 @@ logger = logging.getLogger("kvserve")
 # Arrays and objects one body may hold: prompts, messages and their parts need far fewer. Python builds each as an
 # object the garbage collector then walks: 2 MiB of tiny prompts took seconds to parse, holding the GIL.
 MAX_JSON_CONTAINERS = 10_000
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 # Tried left to right, each list stopping at its first bad item: a union collects every item's error for every
 # alternative otherwise, and a few MB of floats in `prompt` took pydantic many seconds.
@@ -206,10 +206,18 @@ def _check_num_containers(raw_body: bytes) -> None:
     num_brackets = raw_body.count(b"[") + raw_body.count(b"{")
     if num_brackets <= MAX_JSON_CONTAINERS:  # the usual case, in a millisecond for 2 MiB
         return
-    outside_strings = _JSON_STRING.sub(b"", raw_body)  # brackets in a prompt's text are no containers
-    if outside_strings.count(b"[") + outside_strings.count(b"{") > MAX_JSON_CONTAINERS:
+    if _num_brackets_outside_strings(raw_body) > MAX_JSON_CONTAINERS:  # brackets in a prompt's text are no containers
         raise bad_request(f"the request body has more than {MAX_JSON_CONTAINERS:,} JSON arrays and objects; kvserve "
                           f"takes at most that many in one request")
+
+
+def _num_brackets_outside_strings(raw_body: bytes) -> int:
+    """`[` and `{` outside JSON strings, in a few passes over the bytes with no Python object per string (a regex
+    taking the strings out made one per match: 350,000 strings of one `[` held the GIL for the whole body)."""
+    unescaped = raw_body.replace(b"\\\\", b"").replace(b'\\"', b"")  # left to right, as JSON reads escapes
+    chars = np.frombuffer(unescaped, np.uint8)
+    in_string = np.bitwise_xor.accumulate(chars == ord('"'))  # a closing quote reads as outside: it is no bracket
+    return int(np.count_nonzero(((chars == ord("[")) | (chars == ord("{"))) & ~in_string))
 
 
 def _drop_unused(model_cls: type[RequestT], body: dict[str, Any]) -> None:

@@ -19,7 +19,9 @@ from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.cli import main as kvserve_main
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.outputs import RequestOutput
+from kvserve.server.api_models import CompletionRequest, parse_request
 from kvserve.server.app import build_app
+from kvserve.server.errors import APIError
 from kvserve.server.hosts import parse_allowed_hosts
 from kvserve.server.launch import ServerThread
 from tests.conftest import fail_at_token, make_tiny_chat_model, scrape_metrics, serve_tiny
@@ -260,23 +262,20 @@ def test_an_empty_api_key_is_refused_at_start(model_dir, key, capsys, monkeypatc
 
 
 # ---- a huge body beside a stream (the issue's 50 MB prompt froze every stream for over a minute) ----------
-HUGE_BODIES = {  # name: status; the costliest bodies under the 2 MiB cap, and the issue's 50 MB one
-    "50 MB prompt": 413, "2 MiB prompt text": 400, "2 MiB of token ids": 400, "2 MiB of tiny prompts": 400,
-    "2 MiB of bracket strings": 400,
+HUGE_BODIES = {  # name: (status, body); the costliest bodies under the 2 MiB cap, and the issue's 50 MB one
+    "50 MB prompt": (413, '{"prompt": "x" * 50_000_000}'),
+    "2 MiB prompt text": (400, '{"prompt": "word " * 400_000}'),
+    "2 MiB of token ids": (400, '{"prompt": [7] * 600_000}'),
+    "2 MiB of tiny prompts": (400, '{"prompt": [[7]] * 400_000}'),
+    "2 MiB of bracket strings": (400, '{"prompt": ["["] * 350_000}'),
 }
 # A separate process sends them (its own GIL and CPU time, as a real client's): one JSON line per body.
 HOSTILE_CLIENT = """
 import json, sys, time, httpx
-bodies = {
-    "50 MB prompt": lambda: {"prompt": "x" * 50_000_000},
-    "2 MiB prompt text": lambda: {"prompt": "word " * 400_000},
-    "2 MiB of token ids": lambda: {"prompt": [7] * 600_000},
-    "2 MiB of tiny prompts": lambda: {"prompt": [[7]] * 400_000},
-    "2 MiB of bracket strings": lambda: {"prompt": ["["] * 350_000},
-}
+bodies = {name: body for name, (status, body) in json.loads(sys.argv[2]).items()}
 with httpx.Client(base_url=sys.argv[1], timeout=60) as http:
     for name, body in bodies.items():
-        raw = json.dumps(body(), separators=(",", ":")).encode()
+        raw = json.dumps(eval(body), separators=(",", ":")).encode()
         start = time.monotonic()
         status = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}).status_code
         print(json.dumps([name, status, start, time.monotonic()]), flush=True)
@@ -284,10 +283,30 @@ with httpx.Client(base_url=sys.argv[1], timeout=60) as http:
 """
 
 
+def parse_time_s(body: str, max_body_bytes: int = 2 << 20) -> float:
+    """What the server cannot avoid for this body on this CPU: parsing it (best of 3, in this process), or nothing
+    for a body over the size limit (refused unread)."""
+    raw = json.dumps(eval(body), separators=(",", ":")).encode()
+    if len(raw) > max_body_bytes:
+        return 0.0
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        try:
+            parse_request(CompletionRequest, raw).prompts()
+        except APIError:
+            pass
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def test_a_huge_body_barely_stalls_another_clients_stream(model_dir, record_property):
-    """Reported, not tightly asserted: the neighbour's longest gap while each body is handled, as a multiple of
-    its median gap between tokens before any of them arrived."""
+    """The neighbour's longest gap while each body is handled is reported as a multiple of its median gap between
+    tokens before any of them arrived. Asserted, in a way that holds on any CPU: the stall is at most ten times
+    the body's own parse in this process (the work the server cannot avoid) plus the stream's noise before them
+    (twice its longest gap, at least ten median gaps)."""
     arrivals: list[float] = []
+    parse_s = {name: parse_time_s(body) for name, (_, body) in HUGE_BODIES.items()}
     body = {"prompt": "a steady stream", "stream": True, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     with serve(model_dir) as server:
         def neighbour():
@@ -298,25 +317,27 @@ def test_a_huge_body_barely_stalls_another_clients_stream(model_dir, record_prop
         thread.start()
         while len(arrivals) < 100:
             time.sleep(0.01)
-        client = subprocess.run([sys.executable, "-c", HOSTILE_CLIENT, server.url], capture_output=True, text=True,
-                                timeout=120)
+        client = subprocess.run([sys.executable, "-c", HOSTILE_CLIENT, server.url, json.dumps(HUGE_BODIES)],
+                                capture_output=True, text=True, timeout=120)
         thread.join()
     assert client.returncode == 0, client.stderr
     windows = {name: (start, end) for name, status, start, end in map(json.loads, client.stdout.splitlines())
-               if status == HUGE_BODIES[name]}
+               if status == HUGE_BODIES[name][0]}
     assert list(windows) == list(HUGE_BODIES), client.stdout
     assert arrivals[-1] > max(end for _, end in windows.values()), "the stream ended before the last body"
     gaps = [(a, b - a) for a, b in zip(arrivals, arrivals[1:])]
     before = sorted(gap for at, gap in gaps if at < min(start for start, _ in windows.values()))
-    normal_gap_s = before[len(before) // 2]
-    ratios = {}
+    normal_gap_s, noise_s = before[len(before) // 2], max(10 * before[len(before) // 2], 2 * before[-1])
+    over = {}
     for name, (start, end) in windows.items():
         worst_s = max(gap for at, gap in gaps if at <= end and at + gap >= start)
-        ratios[name] = worst_s / normal_gap_s
-        print(f"{name}: handled in {(end - start) * 1e3:.0f} ms; the stream's longest gap meanwhile was "
-              f"{worst_s * 1e3:.0f} ms = {ratios[name]:.1f}x its median gap of {normal_gap_s * 1e3:.1f} ms")
-        record_property(f"stall ratio: {name}", round(ratios[name], 1))
-    assert all(ratio < 100 for ratio in ratios.values()), ratios  # a loose bound: the numbers are the report
+        print(f"{name}: handled in {(end - start) * 1e3:.0f} ms (parsed alone in {parse_s[name] * 1e3:.0f} ms); the "
+              f"stream's longest gap meanwhile was {worst_s * 1e3:.0f} ms = {worst_s / normal_gap_s:.1f}x its median "
+              f"gap of {normal_gap_s * 1e3:.1f} ms (longest before: {before[-1] * 1e3:.1f} ms)")
+        record_property(f"stall ratio: {name}", round(worst_s / normal_gap_s, 1))
+        if worst_s > 10 * parse_s[name] + noise_s:
+            over[name] = f"{worst_s * 1e3:.0f} ms"
+    assert not over, f"stalled the stream longer than 10x their parse + {noise_s * 1e3:.0f} ms of noise: {over}"
 
 
 # ---- issue 31: every sample is a sequence; a failure anywhere in one request's work fails it alone ---------

@@ -17,6 +17,7 @@ from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.prompts import PromptType, parse_prompt
+from kvserve.engine.python_stack import with_stack_headroom
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -359,6 +360,9 @@ class LLMEngine:
         A failure in one request's own work (its prompt logprobs, forking its n samples, sampling, detokenizing,
         stop checks, building its output) fails that request alone (finish_reason "error"); only a failure of
         the shared schedule or forward pass raises."""
+        return with_stack_headroom(self._step)  # the same frame-stack room at every step (engine/python_stack.py)
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.seqs:
             self.kv.wait_for_loads(DISK_LOAD_WAIT_S)  # only prefixes loading from disk: wait, not spin

@@ -16,9 +16,10 @@ What it compiles is `model.forward` itself, the code every other step runs eager
   spread batches (the decode-heavy workload's) fit it not at all. That is with int8 weights, whose many small ops
   (quantizing and rotating activations) the graph fuses; with float32 weights a step is bound by its matmuls and
   attention outside measured 0.95x-1.04x eager.
-In the graph with attention outside it, the Llama family's layers are one nested compile region (layer_regions):
-Dynamo traces one layer and reuses it for the others, and Inductor compiles its code once, so that graph compiles
-in a fraction of the time, and its kernels are the same (docs/benchmarks.md, "One traced layer").
+In both graphs the Llama family's layers are one nested compile region each (layer_regions): Dynamo traces one layer
+and reuses it for the others, and Inductor compiles its code once, so a graph compiles in a fraction of the time
+(docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each layer over its own row
+of the pool (kv_cache.LayerRow); calling a region per layer costs its step a few percent there.
 Both are compiled at start; while serving nothing compiles (Dynamo's `fail_on_recompile` stance: a compile would
 stall every request), and a step no graph fits runs eagerly, with one warning per reason. With --compile-gemms the
 whole graph, frozen, is one graph for one sequence (run as two rows) and for several alike ones.
@@ -109,17 +110,16 @@ def gemms_unused(model) -> str | None:
     return None
 
 
-def layer_regions(model, gemms: bool) -> list[LayerRegion] | None:
-    """The layers of a graph with attention outside it as one nested compile region (model/attention.py's
-    LayerRegion), for the Llama family: Dynamo traces one layer instead of each and Inductor compiles its code once
-    (the int8 SmolLM2's start-up compile on the Intel Xeon: docs/benchmarks.md, "One traced layer"). None (each
-    layer traced as its own code, as before): Gemma 3, whose layers
-    Dynamo's reuse of a traced region computed wrongly (the second layer's keys, values and queries off by units,
-    tests/engine/test_compiled_step.py's Gemma cases fail with it), and --compile-gemms, whose freezing Dynamo does
-    not apply through a region (it fails tracing: "Freevar has no source")."""
+def layer_regions(model, cache: PagedKVCache, gemms: bool) -> list[LayerRegion] | None:
+    """The layers of a compiled graph as one nested compile region (model/attention.py's LayerRegion), for the Llama
+    family: Dynamo traces one layer instead of each and Inductor compiles its code once (the int8 SmolLM2's start-up
+    compile on the Intel Xeon: docs/benchmarks.md, "One traced layer"). None (each layer traced as its own code, as
+    before): Gemma 3, whose layers Dynamo's reuse of a traced region computed wrongly (the second layer's keys, values
+    and queries off by units, tests/engine/test_compiled_step.py's Gemma cases fail with it), and --compile-gemms,
+    whose freezing Dynamo does not apply through a region (it fails tracing: "Freevar has no source")."""
     if gemms or not isinstance(model, LlamaModel):
         return None
-    return [LayerRegion(layer, i) for i, layer in enumerate(model.layers)]
+    return [LayerRegion(layer, i, cache) for i, layer in enumerate(model.layers)]
 
 
 def _decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
@@ -165,7 +165,7 @@ class CompiledDecode:
         # several sequences, and steps the whole graph does not take: attention outside the graph (_outside_forward);
         # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
         self._outside = torch.compile(copy(), dynamic=False)
-        self._regions = layer_regions(model, gemms)  # its layers as one region, traced and compiled once
+        self._regions = layer_regions(model, cache, gemms)  # its layers as one region, traced and compiled once
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
         self.compile_seconds = 0.0
@@ -212,7 +212,7 @@ class CompiledDecode:
         """The whole graph over a step it takes (`eligible`); Dynamo compiles one for the step if none fits it.
         Serving calls it through `forward`, under Dynamo's fail_on_recompile stance; `kvserve bench step` directly,
         to time it against the graph with attention outside on steps that serving runs there."""
-        meta, num_seqs = _at_least_two_blocks(meta), input_ids.shape[0]
+        meta, num_seqs = replace(_at_least_two_blocks(meta), layer_regions=self._regions), input_ids.shape[0]
         if num_seqs == 1 and self.gemms:
             input_ids, meta = _two_rows(input_ids, meta)
             self.cache.begin_step([], [], meta.slot_mappings)  # the runner began the step: now its slots, twice
@@ -269,6 +269,7 @@ class CompiledDecode:
         try:
             for num_seqs in ((2,) if self.gemms else (1,)) if self.whole else ():
                 input_ids, meta = self._warm_up_step(num_seqs)
+                meta = replace(meta, layer_regions=self._regions)
                 _mark_dynamic(input_ids, meta)
                 self.cache.begin_step([], [], meta.slot_mappings)
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

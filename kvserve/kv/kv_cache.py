@@ -167,6 +167,26 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.view(raw).numpy()[...] = src.view(raw).numpy()
 
 
+class LayerRow:
+    """One layer's row of a cache as the cache of a one-group step, the row a tensor: what the whole compiled graph's
+    layer region (model/attention.py, run_layer) writes to and reads from, so that one traced layer serves all
+    (Dynamo reuses a region only for tensor inputs: an int row would be baked into it). It writes and gathers as
+    the cache does for that row, at the step's slots of that layer's group."""
+
+    fused_decode = None
+    exact_own_block = False
+
+    def __init__(self, cache: PagedKVCache, row: torch.Tensor, slot_mapping: torch.Tensor):
+        self.cache, self.row, self.slot_mapping = cache, row, slot_mapping
+        self.rotation = cache.rotation
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache._write(self.row, 0, self.slot_mapping, k, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache._gather(self.row, block_tables)
+
+
 class FullPrecisionKVCache(PagedKVCache):
     """K and V as plain floats (float32, bfloat16 or float16): one tensor each, [layers, slots, heads, head_dim]."""
 

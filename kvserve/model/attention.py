@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvserve.batch_invariant import RowTiles
 from kvserve.kv.eviction import AttentionScores
-from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.kv_cache import LayerRow, PagedKVCache
 from kvserve.model.rotary import apply_rotary
 
 
@@ -77,30 +77,53 @@ class AttentionMetadata:
 
 
 class LayerRegion(torch.nn.Module):
-    """A decoder layer and its index as a graph with attention outside it takes them into one nested compile region
+    """A decoder layer and its index as a compiled graph takes them into one nested compile region
     (`torch.compiler.nested_compile_region`, run_layer): Dynamo traces the region once and Inductor compiles it once,
     then every layer alike calls that code with its own weights. Dynamo reuses a traced region only for inputs that
-    are tensors, constants or modules, so the layer travels in a module, its index as a tensor (one code for all)."""
+    are tensors, constants or modules, so the layer travels in a module, its index and its row of the cache as
+    tensors (one code for all); the whole graph's region attends inside it, over `cache` (LayerRow)."""
 
-    def __init__(self, layer, index: int):
+    def __init__(self, layer, index: int, cache: PagedKVCache | None = None):
         super().__init__()
         self.layer = layer
         self.index = torch.tensor(index)
+        self.cache = cache
+        self.row = torch.tensor(cache.layout.row_of[index]) if cache is not None else None
 
 
 def run_layer(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int, cache: PagedKVCache,
               meta: AttentionMetadata) -> torch.Tensor:
-    """`layer.forward` for layer `index`; in a graph with attention outside it, as the layers' region (LayerRegion).
-    Compiling the region once instead of each layer took SmolLM2's graph from 30 traced layers to one
+    """`layer.forward` for layer `index`; in a compiled graph whose layers are regions (LayerRegion), as the layers'
+    region. Compiling the region once instead of each layer took SmolLM2's graphs from 30 traced layers to one
     (docs/benchmarks.md, start-up)."""
-    if meta.layer_regions is not None:
-        return _layer_region(meta.layer_regions[index], h, cos, sin)
-    return layer.forward(h, cos, sin, index, cache, meta)
+    regions = meta.layer_regions
+    if regions is None:
+        return layer.forward(h, cos, sin, index, cache, meta)
+    if meta.outside_graph:
+        return _layer_region(regions[index], h, cos, sin)
+    group = meta.layer_group[index]  # the whole graph: one attention call per layer group (CompiledDecode.eligible)
+    g = meta.groups[group][0]
+    # the mask by block ([S, 1, Q, B, block size]): an input whose size is a product of symbols (B * block size)
+    # made Dynamo's reuse of the region fail ("KeyError: 16*s95", torch 2.13)
+    mask = g.mask.view(*g.mask.shape[:3], -1, cache.block_size)
+    return _whole_layer_region(regions[index], h, cos, sin, meta.slot_mappings[group], g.query_index, g.block_tables,
+                               mask)
 
 
 @torch.compiler.nested_compile_region
 def _layer_region(region: LayerRegion, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return region.layer.forward(h, cos, sin, region.index, None, _REGION_STAND_IN)
+
+
+@torch.compiler.nested_compile_region
+def _whole_layer_region(region: LayerRegion, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        slot_mapping: torch.Tensor, query_index: torch.Tensor, block_tables: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+    """A layer with its attention, as layer 0 of a one-group step over its own row of the cache."""
+    group = AttentionGroup(query_index, block_tables, mask.flatten(3), None, None)
+    meta = AttentionMetadata(positions=_REGION_STAND_IN.positions, slot_mappings=[slot_mapping], groups=[[group]],
+                             layer_group=(0,), tiles=_REGION_STAND_IN.tiles)
+    return region.layer.forward(h, cos, sin, 0, LayerRow(region.cache, region.row, slot_mapping), meta)
 
 
 def paged_attention(

@@ -91,3 +91,64 @@ def test_a_layer_region_compiles_once_for_all_layers_and_attends_with_each_layer
     # one region body, called by all five layers: Dynamo traced the first and reused it for the others
     calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     assert len(calls) == 5 and len({n.args[0].target for n in calls}) == 1
+
+
+def test_the_whole_graphs_layer_region_attends_inside_it_over_each_layers_own_rows():
+    """run_layer in the whole graph: one region, traced once, that writes each layer's new K/V into that layer's
+    own rows of the pool and attends over them (LayerRow), in two layer groups of their own block tables; the
+    same output and the same pool as eager."""
+    from kvserve.kv.kv_cache import FullPrecisionKVCache
+    from kvserve.kv.layout import KVLayout
+    from kvserve.model.attention import AttentionGroup, AttentionMetadata, LayerRegion, run_layer
+
+    class Layer:  # a decoder layer's shape: weights on a plain object, attention through paged_attention
+        def __init__(self, seed: int):
+            self.weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+
+        def forward(self, h, cos, sin, layer, cache, meta):
+            q = (h @ self.weight * cos + sin).view(-1, 1, 4)
+            return paged_attention(q, q * 2, q * 3, layer, cache, meta, 0.5).view(-1, 4) + h
+
+    layers, num_seqs, block_size = [Layer(i) for i in range(4)], 2, 4
+    layout = KVLayout.from_layer_windows([8, 8, None, None])  # groups of two layers: sliding {0, 1}, full {2, 3}
+
+    def cache():
+        return FullPrecisionKVCache(layout, 8, block_size, 1, 4)
+
+    def step(cache):  # two sequences at position 6 (block 1 of their tables), each group tables of its own
+        tables = [torch.tensor([[0, 2], [1, 3]]), torch.tensor([[4, 6], [5, 7]])]
+        slots = [t[:, 1] * block_size + 2 for t in tables]
+        mask = torch.arange(2 * block_size).expand(num_seqs, 1, 1, -1) <= block_size + 2
+        groups = [[AttentionGroup(torch.arange(num_seqs)[:, None], t, mask, None, None)] for t in tables]
+        meta = AttentionMetadata(positions=torch.full((num_seqs,), 6), slot_mappings=slots, groups=groups,
+                                 layer_group=layout.group_of)
+        cache.begin_step([], [], slots)
+        return meta
+
+    def forward(h, cos, sin, cache, meta):
+        for i, layer in enumerate(layers):
+            h = run_layer(layer, h, cos, sin, i, cache, meta)
+        return h
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # the graph as Dynamo built it, run as it is
+        graphs.append(gm)
+        return gm
+
+    torch.manual_seed(0)
+    h, cos, sin = torch.randn(num_seqs, 4), torch.randn(num_seqs, 4), torch.randn(num_seqs, 4)
+    eager_cache, compiled_cache = cache(), cache()
+    for c in (eager_cache, compiled_cache):
+        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(1)))  # keys already there
+        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(2)))
+    expected = forward(h, cos, sin, eager_cache, step(eager_cache))
+    regions = [LayerRegion(layer, i, compiled_cache) for i, layer in enumerate(layers)]
+    meta, before = step(compiled_cache), compiled_cache.k.clone()
+    meta.layer_regions = regions
+    got = torch.compile(forward, backend=backend, fullgraph=True)(h, cos, sin, compiled_cache, meta)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.allclose(compiled_cache.k, eager_cache.k) and torch.allclose(compiled_cache.v, eager_cache.v)
+    assert not torch.equal(compiled_cache.k, before)  # the step wrote its keys (a region writing nothing fails)
+    calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 4 and len({n.args[0].target for n in calls}) == 1

@@ -36,6 +36,7 @@ def run_step(args: argparse.Namespace) -> int:
 
     from kvserve.engine.cli import engine_config_from_args
     from kvserve.engine.llm import LLM
+    from kvserve.engine.python_stack import with_stack_headroom
 
     config = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(config))
@@ -54,12 +55,12 @@ def run_step(args: argparse.Namespace) -> int:
             runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
         for run in runners.values():  # a first call compiles what no graph fits (the whole graph for several)
             engine.cache.begin_step([], [], meta.slot_mappings)
-            run()
+            with_stack_headroom(run)
         times = {name: [] for name in runners}
         for _ in range(args.repeat):
             for name, run in runners.items():
                 begun = time.perf_counter()
-                run()
+                with_stack_headroom(run)  # as the engine runs a step (engine/python_stack.py)
                 times[name].append(time.perf_counter() - begun)
         medians = {name: statistics.median(t) for name, t in times.items()}
         cells = ", ".join(f"{name} {m * 1e3:.2f}" + ("" if name == "eager" else f" ({medians['eager'] / m:.2f}x)")

@@ -46,6 +46,7 @@ def test_a_loop_at_a_chunk_boundary_maps_a_chunk_per_call_without_it():
     """The sweep finds the boundary: on this CPython a plain loop at some depth faults at every call (if it does
     not, this CPython caches a chunk, gh-142183, and the headroom only costs its one mapping)."""
     worst = worst_faults(loop)
+    print(f"a plain loop of {CALLS} calls: {worst} page faults at the worst depth")
     if worst < CALLS:
         pytest.skip(f"CPython {sys.version.split()[0]} keeps a spare frame-stack chunk: {worst} faults at worst")
     assert worst >= CALLS
@@ -54,6 +55,7 @@ def test_a_loop_at_a_chunk_boundary_maps_a_chunk_per_call_without_it():
 def test_a_loop_under_the_headroom_maps_no_chunk_per_call_at_any_depth():
     """Its own chunk, 64 KiB, is up to 16 faults a call of it; a loop crossing a boundary is one a call."""
     worst = worst_faults(lambda calls: with_stack_headroom(loop, calls))
+    print(f"under with_stack_headroom: {worst} page faults at the worst depth")
     assert worst < CALLS // 4, f"{worst} page faults for {CALLS} calls: the loop crossed a chunk boundary"
 
 

@@ -60,6 +60,7 @@ from unittest import mock
 
 import torch
 
+from kvserve.inductor_isa import remember_vec_isa_probe
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerRegion, attend_over,
                                      attention_outside_graph)
@@ -264,6 +265,7 @@ class CompiledDecode:
         outside for two sequences (without the whole graph, for one too; its attention op returns zeros there: it
         writes nothing). Returns whether all compiled."""
         started, resident = time.perf_counter(), _resident_bytes()
+        remember_vec_isa_probe()  # a child process per vector ISA at every start, otherwise (kvserve/inductor_isa.py)
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block) if self.whole else None  # the one block it writes, put back after
         try:

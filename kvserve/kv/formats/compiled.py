@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.fx.experimental._config as fx_config
 
+from kvserve.inductor_isa import remember_vec_isa_probe
+
 logger = logging.getLogger("kvserve")
 
 
@@ -35,6 +37,7 @@ class CompiledFunction:
     @contextlib.contextmanager
     def warming_up(self) -> Iterator[None]:
         """Calls made inside compile with their `dynamic` dimensions marked (see __call__)."""
+        remember_vec_isa_probe()
         self.warming = True
         try:
             yield

@@ -5,13 +5,13 @@ in the current chunk maps a new one, and returning from it unmaps that chunk at 
 at exactly that depth maps and unmaps a chunk at every call: a page fault and, with another thread running (a
 torch worker), a TLB shootdown that interrupts it (CPython's issue gh-142183; 3.13 and 3.14 cache one chunk since
 2026, 3.11 and 3.12 do not). Where that depth falls depends on the caller's
-stack, so one compiled decode step measured 25 ms when the engine was stepped from a function and 17 ms from
-module-level code, on the same process and graph: about 100 mmap/munmap pairs a step (`perf stat -e
-syscalls:sys_enter_munmap`), from the graph's 30 calls of one layer's code. docs/benchmarks.md has the numbers.
+stack: the whole compiled graph in layer regions (30 calls of one layer's code a step) took 25 ms a step or 18 ms
+depending only on the code that stepped the engine, the slow case unmapping a chunk about 100 times a step
+(`perf stat -e syscalls:sys_enter_munmap`). docs/benchmarks.md ("Why: CPython's frame-stack chunks") has more.
 
 `with_stack_headroom(fn, ...)` calls fn from a frame larger than any chunk's free space, so that frame starts a
 chunk of its own, four times as large, and fn's calls run with the rest of it free: the same room at every step,
-whoever calls. It costs one mapping a step."""
+whoever calls. It costs one mapping a step, microseconds."""
 from __future__ import annotations
 
 # The caller's frame: 4,096 local slots (32 KiB) do not fit in the free part of a 16 KiB chunk, so it always

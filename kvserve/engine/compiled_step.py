@@ -19,7 +19,8 @@ What it compiles is `model.forward` itself, the code every other step runs eager
 In both graphs the Llama family's layers are one nested compile region each (layer_regions): Dynamo traces one layer
 and reuses it for the others, and Inductor compiles its code once, so a graph compiles in a fraction of the time
 (docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each layer over its own row
-of the pool (kv_cache.LayerRow); calling a region per layer costs its step a few percent there.
+of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer graph did, under the engine's
+frame-stack headroom (engine/python_stack.py: without it, its 30 region calls could thrash CPython's chunks).
 Both are compiled at start; while serving nothing compiles (Dynamo's `fail_on_recompile` stance: a compile would
 stall every request), and a step no graph fits runs eagerly, with one warning per reason. With --compile-gemms the
 whole graph, frozen, is one graph for one sequence (run as two rows) and for several alike ones.

@@ -12,6 +12,38 @@ def _op(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.kvserve.paged_attention(q, q, q, torch.tensor(0), 1.0)
 
 
+class ToyLayer:
+    """A decoder layer's shape: weights on a plain object, attention through paged_attention (keys and values
+    `k_times` and `v_times` the queries)."""
+
+    def __init__(self, seed: int, k_times: float = 1.0, v_times: float = 1.0, scale: float = 1.0):
+        self.weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+        self.k_times, self.v_times, self.scale = k_times, v_times, scale
+
+    def forward(self, h, cos, sin, layer, cache, meta):
+        q = (h @ self.weight * cos + sin).view(-1, 1, 4)
+        return paged_attention(q, q * self.k_times, q * self.v_times, layer, cache, meta, self.scale).view(-1, 4) + h
+
+
+def run_layers(layers, h, cos, sin, cache, meta):
+    from kvserve.model.attention import run_layer
+
+    for i, layer in enumerate(layers):
+        h = run_layer(layer, h, cos, sin, i, cache, meta)
+    return h
+
+
+def graph_capture():
+    """A Dynamo backend that keeps each graph as Dynamo built it and runs it as it is, and the list it keeps."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    return graphs, backend
+
+
 def test_each_thread_attends_as_it_said_inside_nested_contexts():
     q = torch.zeros(2, 1, 4)
     inner_entered, outer_done = threading.Event(), threading.Event()
@@ -55,17 +87,9 @@ def test_paged_attention_on_a_stand_in_calls_the_op():
 def test_a_layer_region_compiles_once_for_all_layers_and_attends_with_each_layers_index():
     """run_layer inside a graph with attention outside it: one region, traced once, called by every layer with its
     own weights and index (LayerRegion), giving what the layers give eagerly."""
-    from kvserve.model.attention import AttentionMetadata, LayerRegion, run_layer
+    from kvserve.model.attention import AttentionMetadata, LayerRegion
 
-    class Layer:  # a decoder layer's shape: weights on a plain object, attention through paged_attention
-        def __init__(self, seed: int):
-            self.weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
-
-        def forward(self, h, cos, sin, layer, cache, meta):
-            q = (h @ self.weight * cos + sin).view(-1, 1, 4)
-            return paged_attention(q, q, q, layer, cache, meta, 1.0).view(-1, 4) + h
-
-    layers = [Layer(i) for i in range(5)]
+    layers = [ToyLayer(i) for i in range(5)]
     stand_in = AttentionMetadata(positions=torch.zeros(3, dtype=torch.long), slot_mappings=[], groups=[],
                                  layer_group=(0,) * 5, outside_graph=True,
                                  layer_regions=[LayerRegion(layer, i) for i, layer in enumerate(layers)])
@@ -73,15 +97,9 @@ def test_a_layer_region_compiles_once_for_all_layers_and_attends_with_each_layer
                               outside_graph=True)
 
     def forward(h, cos, sin, meta):
-        for i, layer in enumerate(layers):
-            h = run_layer(layer, h, cos, sin, i, None, meta)
-        return h
+        return run_layers(layers, h, cos, sin, None, meta)
 
-    graphs = []
-
-    def backend(gm, example_inputs):  # the graph as Dynamo built it, run as it is
-        graphs.append(gm)
-        return gm
+    graphs, backend = graph_capture()
 
     h, cos, sin = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
     with attention_outside_graph(lambda q, k, v, layer, scale: q * (layer + 1)):
@@ -99,17 +117,9 @@ def test_the_whole_graphs_layer_region_attends_inside_it_over_each_layers_own_ro
     same output and the same pool as eager."""
     from kvserve.kv.kv_cache import FullPrecisionKVCache
     from kvserve.kv.layout import KVLayout
-    from kvserve.model.attention import AttentionGroup, AttentionMetadata, LayerRegion, run_layer
+    from kvserve.model.attention import AttentionGroup, AttentionMetadata, LayerRegion
 
-    class Layer:  # a decoder layer's shape: weights on a plain object, attention through paged_attention
-        def __init__(self, seed: int):
-            self.weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
-
-        def forward(self, h, cos, sin, layer, cache, meta):
-            q = (h @ self.weight * cos + sin).view(-1, 1, 4)
-            return paged_attention(q, q * 2, q * 3, layer, cache, meta, 0.5).view(-1, 4) + h
-
-    layers, num_seqs, block_size = [Layer(i) for i in range(4)], 2, 4
+    layers, num_seqs, block_size = [ToyLayer(i, k_times=2, v_times=3, scale=0.5) for i in range(4)], 2, 4
     layout = KVLayout.from_layer_windows([8, 8, None, None])  # groups of two layers: sliding {0, 1}, full {2, 3}
 
     def cache():
@@ -126,15 +136,9 @@ def test_the_whole_graphs_layer_region_attends_inside_it_over_each_layers_own_ro
         return meta
 
     def forward(h, cos, sin, cache, meta):
-        for i, layer in enumerate(layers):
-            h = run_layer(layer, h, cos, sin, i, cache, meta)
-        return h
+        return run_layers(layers, h, cos, sin, cache, meta)
 
-    graphs = []
-
-    def backend(gm, example_inputs):  # the graph as Dynamo built it, run as it is
-        graphs.append(gm)
-        return gm
+    graphs, backend = graph_capture()
 
     torch.manual_seed(0)
     h, cos, sin = torch.randn(num_seqs, 4), torch.randn(num_seqs, 4), torch.randn(num_seqs, 4)

@@ -16,7 +16,7 @@ What it compiles is `model.forward` itself, the code every other step runs eager
   spread batches (the decode-heavy workload's) fit it not at all. That is with int8 weights, whose many small ops
   (quantizing and rotating activations) the graph fuses; with float32 weights a step is bound by its matmuls and
   attention outside measured 0.95x-1.04x eager.
-In both graphs the Llama family's layers are one nested compile region each (layer_regions): Dynamo traces one layer
+In both graphs the Llama and Gemma 3 families' layers are one nested compile region each (layer_regions): Dynamo traces one layer
 and reuses it for the others, and Inductor compiles its code once, so a graph compiles in a fraction of the time
 (docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each layer over its own row
 of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer graph did, under the engine's
@@ -114,12 +114,13 @@ def gemms_unused(model) -> str | None:
 
 def layer_regions(model, cache: PagedKVCache, gemms: bool) -> list[LayerRegion] | None:
     """The layers of a compiled graph as one nested compile region (model/attention.py's LayerRegion), for the Llama
-    family: Dynamo traces one layer instead of each and Inductor compiles its code once (the int8 SmolLM2's start-up
-    compile on the Intel Xeon: docs/benchmarks.md, "One traced layer"). None (each layer traced as its own code, as
-    before): Gemma 3, whose layers Dynamo's reuse of a traced region computed wrongly (the second layer's keys, values
-    and queries off by units, tests/engine/test_compiled_step.py's Gemma cases fail with it), and --compile-gemms,
-    whose freezing Dynamo does not apply through a region (it fails tracing: "Freevar has no source")."""
-    if gemms or not isinstance(model, LlamaModel):
+    and Gemma 3 families: Dynamo traces one layer instead of each and Inductor compiles its code once (start-up on
+    the Intel Xeon: docs/benchmarks.md, "One traced layer"). A model's forward must not read a layer object before
+    handing it to run_layer: Dynamo then knows that layer by the model's path, and reused the region for every layer
+    with the first one's weights (Gemma 3 did, reading layer.layer_type; tests/engine/test_compiled_step.py's Gemma
+    cases fail so). None (each layer traced as its own code): --compile-gemms, whose freezing Dynamo does not apply
+    through a region (it fails tracing: "Freevar has no source")."""
+    if gemms or not isinstance(model, (LlamaModel, Gemma3Model)):
         return None
     return [LayerRegion(layer, i, cache) for i, layer in enumerate(model.layers)]
 

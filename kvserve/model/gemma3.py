@@ -120,7 +120,9 @@ class Gemma3Model:
         full_rope = self.full_rotary.lookup(meta.positions)
         sliding_rope = self.sliding_rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
-            cos, sin = sliding_rope if layer.layer_type == SLIDING_ATTENTION else full_rope
+            # the layer's type from the config, not the layer: read from the layer object, Dynamo would know it
+            # by the model's path and reuse a layer region with the first layer's weights (compiled_step)
+            cos, sin = sliding_rope if self.cfg.layer_types[i] == SLIDING_ATTENTION else full_rope
             h = run_layer(layer, h, cos, sin, i, cache, meta)
         return meta.tiles.map(self.norm, h)
 

@@ -5,9 +5,9 @@ in the current chunk maps a new one, and returning from it unmaps that chunk at 
 at exactly that depth maps and unmaps a chunk at every call: a page fault and, with another thread running (a
 torch worker), a TLB shootdown that interrupts it (CPython's issue gh-142183; 3.13 and 3.14 cache one chunk since
 2026, 3.11 and 3.12 do not). Where that depth falls depends on the caller's
-stack: the whole compiled graph in layer regions (30 calls of one layer's code a step) took 25 ms a step or 18 ms
-depending only on the code that stepped the engine, the slow case unmapping a chunk about 100 times a step
-(`perf stat -e syscalls:sys_enter_munmap`). docs/benchmarks.md ("Why: CPython's frame-stack chunks") has more.
+stack: the whole compiled graph in layer regions (30 calls of one layer's code a step) was slower than eager when
+served and faster when `kvserve bench step` replayed it, until steps ran under this (docs/benchmarks.md, "Why:
+CPython's frame-stack chunks").
 
 `with_stack_headroom(fn, ...)` calls fn from a frame larger than any chunk's free space, so that frame starts a
 chunk of its own, four times as large, and fn's calls run with the rest of it free: the same room at every step,

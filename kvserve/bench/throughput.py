@@ -526,10 +526,12 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
                   f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
-        if "int8 weights" in run.name and not isinstance(int8_kernel, FloatKernel):
-            own = f"{int8_kernel.name}'s int8 ones"  # --compile-gemms leaves those as they are (gemms_unused)
-        elif "compiled GEMMs" in run.name:
+        int8_own = "int8 weights" in run.name and not isinstance(int8_kernel, FloatKernel)
+        # --compile-gemms: the template, over float weights or oneDNN's int8 ones (compiled_step.gemms_unused)
+        if "compiled GEMMs" in run.name and (not int8_own or int8_kernel.inductor_template):
             own = "Inductor's GEMM template, not these BLAS calls"
+        elif int8_own:
+            own = f"{int8_kernel.name}'s int8 ones"
         else:  # the replayed float32 BLAS calls (float32 weights, or int8 codes multiplied as float32)
             own = None
         if own is not None:  # no split

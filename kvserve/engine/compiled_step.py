@@ -55,6 +55,7 @@ import os
 import re
 import time
 import types
+import warnings
 import weakref
 from dataclasses import replace
 from unittest import mock
@@ -104,10 +105,11 @@ def attention_outside(cache: PagedKVCache, needs_scores: bool) -> str | None:
 
 def gemms_unused(model) -> str | None:
     """Why --compile-gemms would add nothing but its costs to this model's graph (None: it applies). Inductor's GEMM
-    template multiplies float weights; int8 weights that an int8 kernel multiplies (torch._int_mm, oneDNN) stay that
-    kernel's calls, and freezing them made the step slower (docs/benchmarks.md, the AVX-512 EPYC)."""
+    template multiplies float weights, and int8 ones that oneDNN's quantized linear multiplies (it lowers that op over
+    frozen weights: on the Intel Xeon the single stream's fastest graph, docs/benchmarks.md); torch._int_mm's calls
+    stay its calls, and freezing them made the step slower (docs/benchmarks.md, the AVX-512 EPYC)."""
     kernel = model.linears.kernel
-    if kernel is not None and not isinstance(kernel, FloatKernel):
+    if kernel is not None and not isinstance(kernel, FloatKernel) and not kernel.inductor_template:
         return f"the int8 weights are multiplied by {kernel.name}, which Inductor's GEMM template does not replace"
     return None
 
@@ -164,10 +166,11 @@ class CompiledDecode:
                                       _decode_forward.__name__)
 
         # only the step's sizes vary (_mark_dynamic)
-        self._forward = torch.compile(copy(), dynamic=False, options=GEMM_OPTIONS if gemms else None)
+        guards = {"guard_filter_fn": step_guards}
+        self._forward = torch.compile(copy(), dynamic=False, options={**(GEMM_OPTIONS if gemms else {}), **guards})
         # several sequences, and steps the whole graph does not take: attention outside the graph (_outside_forward);
         # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
-        self._outside = torch.compile(copy(), dynamic=False)
+        self._outside = torch.compile(copy(), dynamic=False, options=guards)
         self._regions = layer_regions(model, cache, gemms)  # its layers as one region, traced and compiled once
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
@@ -334,18 +337,37 @@ class CompiledDecode:
         logger.warning(f"compiled decode step failed ({self.failed}); decode steps run eagerly from now on")
 
 
+# where the graphs reach what never changes in an engine's life: its model (the forward copy's global) and the layers
+# that the regions hold (CompiledDecode._regions, built once)
+ENGINE_CONSTANTS = ("G['_engine']", "meta.layer_regions[")
+
+
+def step_guards(entries) -> list[bool]:
+    """Which of Dynamo's guards a compiled step checks (torch.compile's guard_filter_fn): those on the step (the
+    inputs' sizes and kinds, the metadata, the cache), not those on the model's weights and layers, which the engine
+    never changes and whose graphs are its own (CompiledDecode). Those were most of the guards: every weight's
+    tensor check, that no two weights alias, that shared scales stay shared, at every step (docs/benchmarks.md)."""
+    return [not entry.name.startswith(ENGINE_CONSTANTS) for entry in entries]
+
+
 def _freezing(on: bool):
     """--compile-gemms: Inductor's freezing flag set while Dynamo traces (Dynamo reads the global flag, not the
     compile's options, to lift nn.Parameters as the graph's parameters) and while it checks the graphs' guards."""
     return torch._inductor.config.patch(freezing=True) if on else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
 def _quiet_autotuning(on: bool):
-    """Inductor prints each GEMM's autotuning table to stderr, hundreds of lines, under a module flag of its own."""
+    """Inductor prints each GEMM's autotuning table to stderr, hundreds of lines, under a module flag of its own, and
+    its lowering of oneDNN's int8 linear warns twice about its own code (a tensor copy, a deprecated storage call)."""
     if not on:
-        return contextlib.nullcontext()
+        yield
+        return
     from torch._inductor import select_algorithm  # Inductor's, imported only when it compiles
-    return mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False)
+    with mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+        yield
 
 
 def _resident_bytes() -> int:

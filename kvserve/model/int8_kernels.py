@@ -26,6 +26,8 @@ class Int8Kernel:
     name = "?"
     library = "?"
     copies_codes = True  # pack() makes its own copy of the codes (False: a view of them)
+    # Inductor lowers this kernel's calls over weights frozen into a graph (--compile-gemms) to its own C++ GEMM
+    inductor_template = False
 
     def available(self) -> bool:
         """Present here and exact: full-range codes, whose pairwise sums overflow an int16 (oneDNN on a CPU without
@@ -64,14 +66,21 @@ class IntMMKernel(Int8Kernel):
 
 
 class OneDNNKernel(Int8Kernel):
+    """oneDNN's quantized linear. In a graph that freezes the weights (--compile-gemms), its op as it is, which
+    Inductor lowers to its C++ GEMM template (AMX or VNNI micro-kernels, no oneDNN call); in any other graph, an op
+    of kvserve's own that Inductor calls as is (_onednn_sums). The packed weight and its unit scales are
+    nn.Parameters, as the float weights are, for freezing to lift them as the graph's constants."""
+
     name = "onednn.qlinear"
     library = "oneDNN quantized linear (PyTorch's x86 inductor kernel)"
+    inductor_template = True
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (torch.ops.onednn.qlinear_prepack(weight, None), *_unit_scales(weight.shape[0]))
+        return (_frozen(torch.ops.onednn.qlinear_prepack(weight, None)), *_unit_scales(weight.shape[0]))
 
     def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # in a graph: an op Inductor calls as it is (_onednn_sums)
+        # Inductor's freezing flag is set while a frozen graph traces (compiled_step._freezing)
+        if torch.compiler.is_compiling() and not torch._inductor.config.freezing:
             return _onednn_sums(x, *packed)
         return _onednn_sums_eager(x, *packed)
 
@@ -83,9 +92,9 @@ class OneDNNKernel(Int8Kernel):
 
 @torch.library.custom_op("kvserve::onednn_int8_sums", mutates_args=())
 def _onednn_sums(x: torch.Tensor, weight: torch.Tensor, ones: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """oneDNN's quantized linear as an op of kvserve's own inside a compiled graph: Inductor lowers oneDNN's op
-    only over a weight frozen into the graph as a constant (it fails on one the graph reaches through the model),
-    and freezing int8 weights measured slower (compiled_step.gemms_unused). An op it does not know it calls as is."""
+    """oneDNN's quantized linear as an op of kvserve's own inside a compiled graph whose weights are its inputs:
+    Inductor lowers oneDNN's op only over a weight frozen into the graph as a constant (it fails on one the graph
+    reaches through the model). An op it does not know it calls as is."""
     return _onednn_sums_eager(x, weight, ones, zeros)
 
 
@@ -102,7 +111,12 @@ def _onednn_sums_eager(x: torch.Tensor, weight: torch.Tensor, ones: torch.Tensor
 @functools.cache
 def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight scales 1 and zero points 0 for n channels, so oneDNN returns the bare integer sums; shared by size."""
-    return torch.ones(n), torch.zeros(n, dtype=torch.long)
+    return _frozen(torch.ones(n)), _frozen(torch.zeros(n, dtype=torch.long))
+
+
+def _frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
+    """A tensor as an nn.Parameter over the same storage, no gradient: what Inductor's freezing lifts."""
+    return torch.nn.Parameter(tensor, requires_grad=False)
 
 
 # K columns whose int8 products add up exactly in float32, in any order: 1040 * 127^2 < 2^24

@@ -239,22 +239,65 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, kin
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2, "serving compiled a graph"
 
 
-@pytest.mark.parametrize("kernel, applied", [(int8_kernels.IntMMKernel(), False), (int8_kernels.FloatKernel(), True)])
+@pytest.mark.parametrize("kernel, applied", [(int8_kernels.IntMMKernel(), False), (int8_kernels.FloatKernel(), True),
+                                             (int8_kernels.OneDNNKernel(), True)])
 def test_compile_gemms_is_not_applied_over_an_int8_kernel(tmp_path, caplog, monkeypatch, kernel, applied):
-    """Inductor's GEMM template multiplies float weights: int8 weights that an int8 kernel multiplies stay its calls,
-    so --compile-gemms would only add its costs (measured slower on the AVX-512 EPYC); the start-up line says it is
-    not applied. The int8 codes multiplied as float32 (FloatKernel, where no int8 kernel is faster) are float
-    weights to it."""
+    """Inductor's GEMM template multiplies float weights, and oneDNN's int8 ones (it lowers oneDNN's op): weights that
+    torch._int_mm multiplies stay its calls, so --compile-gemms would only add its costs (measured slower on the
+    AVX-512 EPYC); the start-up line says it is not applied. The int8 codes multiplied as float32 (FloatKernel, where
+    no int8 kernel is faster) are float weights to it."""
     monkeypatch.setattr(linear, "choose_kernel", lambda: kernel)  # whatever this CPU's probe would pick
     path = make_tiny_model(tmp_path)
     model = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True).engine.model
     assert (compiled_step.gemms_unused(model) is None) == applied
     if applied:
-        return  # test_compiled_gemms_freeze_the_weights_and_match_eager compiles one
+        return  # test_compiled_gemms_freeze_the_weights_and_match_eager and the one below compile one
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(str(path), **COMMON, **COMPILED, quantization="int8", compile_gemms=True)
     assert llm.engine.runner.compiled is not None and not llm.engine.runner.compiled.gemms
     assert "--compile-gemms: not applied (the int8 weights are multiplied by torch._int_mm" in caplog.text
+
+
+@pytest.mark.skipif(not int8_kernels.OneDNNKernel().available(),
+                    reason="oneDNN's int8 linear returns wrong sums on this CPU (no VNNI): it is never used here")
+def test_compiled_gemms_lower_onednn_int8_weights_to_inductors_gemm(tmp_path, caplog, monkeypatch):
+    """--compile-gemms over int8 weights that oneDNN multiplies: the graph calls oneDNN's op over the packed weights
+    frozen into it, and Inductor lowers each call (it counts them: a graph whose weights stayed inputs lowers none,
+    and fails compiling). Integer sums are exact in any order, so tokens and logprobs are eager's within the int8
+    tolerance of the rest of the graph (its rotations and norms), alone and batched."""
+    monkeypatch.setattr(linear, "choose_kernel", int8_kernels.OneDNNKernel)
+    path = make_tiny_model(tmp_path)
+    eager = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True)
+    lowered = torch._dynamo.utils.counters["inductor"]["qlinear_unary_lower_count"]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        compiled = LLM(str(path), **COMMON, **COMPILED, quantization="int8", compile_gemms=True)
+    assert compiled.engine.runner.compiled is not None and compiled.engine.runner.compiled.failed is None
+    assert compiled.engine.runner.compiled.gemms and "--compile-gemms: not applied" not in caplog.text
+    assert torch._dynamo.utils.counters["inductor"]["qlinear_unary_lower_count"] - lowered >= 8  # 2 layers, 4 each
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    compare(eager, compiled, PROMPTS[:1], params, tolerance=INT8_LOGPROB_TOLERANCE)
+    compare(eager, compiled, ALIKE, params, tolerance=INT8_LOGPROB_TOLERANCE)
+    assert compiled.engine.runner.compiled.num_misses == 0
+
+
+def test_the_graphs_guard_the_step_not_the_weights(tmp_path, monkeypatch):
+    """Dynamo's guards on the model's weights and layers are dropped (the engine never changes them), those on the
+    step are kept: a step that no graph fits is still caught (the tests above on misses), and its inputs are
+    guarded here."""
+    seen, step_guards = [], compiled_step.step_guards
+
+    def spy(entries):
+        keep = step_guards(entries)
+        seen.extend(zip(entries, keep))
+        return keep
+
+    monkeypatch.setattr(compiled_step, "step_guards", spy)
+    LLM(str(make_tiny_model(tmp_path)), **COMMON, **COMPILED)
+    tensors = [(entry.name, keep) for entry, keep in seen if entry.guard_type == "TENSOR_MATCH"]
+    assert any(name.startswith("meta.layer_regions[") and not keep for name, keep in tensors), tensors
+    assert any(name == "input_ids" and keep for name, keep in tensors), tensors
+    assert any(name.startswith("meta.") and not name.startswith("meta.layer_regions[") and keep
+               for name, keep in tensors), tensors
 
 
 def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_path, caplog, monkeypatch):

@@ -43,7 +43,10 @@ tests/engine/test_compiled_step.py states both tolerances.
 them with its C++ GEMM template over a copy packed at compile time for its loops, where its compile-time benchmark
 finds that faster than the BLAS call. At one token a BLAS matrix-vector product here keeps to one core, the template
 uses them all: on both AMD EPYCs it took single-stream float32 decode to about twice the eager speed
-(docs/benchmarks.md). It is not applied over int8 weights that an int8 kernel multiplies (gemms_unused). The costs:
+(docs/benchmarks.md). Over int8 weights that oneDNN's quantized linear multiplies (the Intel Xeon's choice), the
+graph calls oneDNN's op over its packed weights, frozen, and Inductor lowers each call to the same template with
+int8 micro-kernels (AMX there), without oneDNN's per-call overhead: the single stream went past llama.cpp
+(docs/benchmarks.md). Over int8 weights that torch._int_mm multiplies it is not applied (gemms_unused). The costs:
 the graph holds its own packed copy of the weights (the eager steps keep theirs), and Inductor does not cache a
 graph with frozen weights (its packed oneDNN constants cannot be saved), so every start lowers and generates it
 again (its autotuning results and compiled C++ are cached)."""
@@ -345,8 +348,8 @@ ENGINE_CONSTANTS = ("G['_engine']", "meta.layer_regions[")
 def step_guards(entries) -> list[bool]:
     """Which of Dynamo's guards a compiled step checks (torch.compile's guard_filter_fn): those on the step (the
     inputs' sizes and kinds, the metadata, the cache), not those on the model's weights and layers, which the engine
-    never changes and whose graphs are its own (CompiledDecode). Those were most of the guards: every weight's
-    tensor check, that no two weights alias, that shared scales stay shared, at every step (docs/benchmarks.md)."""
+    never changes and whose graphs are its own (CompiledDecode). Those were most of the guards, checked at every
+    step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared."""
     return [not entry.name.startswith(ENGINE_CONSTANTS) for entry in entries]
 
 

@@ -80,6 +80,11 @@ RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuse
 # over its own packed copy where Inductor's benchmark at compile time finds it faster than the ATen (BLAS) call
 GEMM_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                 "max_autotune_report_choices_stats": False}
+# Inductor's generated wrapper checks every input's sizes and strides (and alignment, and scalar ranges) at every
+# call: some 1,100 checks a single-stream step of SmolLM2, 26 in each of its 30 layer regions' calls. Dynamo's guards
+# check the step's own inputs already, and the weights and the pool never change shape (docs/benchmarks.md,
+# "Inductor's per-call checks").
+STEP_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 compiles the same dynamic graph)
 
 
@@ -169,11 +174,11 @@ class CompiledDecode:
                                       _decode_forward.__name__)
 
         # only the step's sizes vary (_mark_dynamic)
-        guards = {"guard_filter_fn": step_guards}
-        self._forward = torch.compile(copy(), dynamic=False, options={**(GEMM_OPTIONS if gemms else {}), **guards})
+        options = {"guard_filter_fn": step_guards, **STEP_OPTIONS}
+        self._forward = torch.compile(copy(), dynamic=False, options={**(GEMM_OPTIONS if gemms else {}), **options})
         # several sequences, and steps the whole graph does not take: attention outside the graph (_outside_forward);
         # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
-        self._outside = torch.compile(copy(), dynamic=False, options=guards)
+        self._outside = torch.compile(copy(), dynamic=False, options=options)
         self._regions = layer_regions(model, cache, gemms)  # its layers as one region, traced and compiled once
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up

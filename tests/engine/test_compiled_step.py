@@ -428,3 +428,19 @@ def test_a_warm_up_that_dynamo_runs_eagerly_is_a_failure_said_once(tmp_path, cap
     assert llm.engine.runner.compiled is None
     assert caplog.text.count("compiled decode step failed (RuntimeError: torch.compile built no graph for 2 "
                              "sequence(s) with attention outside it") == 1
+
+
+def test_the_graphs_skip_inductors_per_call_input_checks(tmp_path):
+    """The step's generated code checks no input's sizes, strides or alignment at each call (Dynamo's guards check
+    the step's inputs; the weights and the pool never change): some 1,100 checks a step for SmolLM2
+    (docs/benchmarks.md). The graphs still compute eager's tokens."""
+    path = make_tiny_model(tmp_path)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # generate the code here, not load it from the cache
+        llm, codes = torch._inductor.utils.run_and_get_code(lambda: LLM(str(path), **COMMON, **COMPILED))
+    assert llm.engine.runner.compiled is not None
+    assert len(codes) >= 2, "both graphs' code (whole, attention outside)"
+    for code in codes:
+        assert "def call(" in code
+        assert "assert_size_stride(" not in code and "assert_alignment(" not in code
+    eager = LLM(str(path), **COMMON, enforce_eager=True)
+    compare(eager, llm, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, logprobs=1))

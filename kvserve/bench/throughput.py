@@ -16,7 +16,7 @@ import gc
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvserve.bench.rewrite import RewriteWorkload
@@ -326,13 +326,13 @@ def run_throughput(args: argparse.Namespace) -> int:
     workloads = {name: workloads[name] for name in dict.fromkeys(_names(args.workloads))}
     kv_memory = args.kv_cache_memory or (LONG_CONTEXT_KV_MEMORY if "long-context" in workloads else None)
     console.print(f"torch threads: {torch.get_num_threads()}; greedy, EOS ignored; CPU: {_cpu_name()}")
-    runs = _KvserveRuns(args, workloads, kv_memory, console)
+    run_llama = "llama.cpp" not in args.skip and _llama_cpp_ready(console)
+    runs = _KvserveRuns(args, workloads, kv_memory, console, paired_llama_cpp=run_llama)
     for _ in range(args.repeat):
         for config in configs:
             runs.run(config)
     rounds = runs.keep_medians(len(configs))
     prompts, batched, singles = runs.prompts, runs.batched, runs.singles
-    run_llama = "llama.cpp" not in args.skip and _llama_cpp_ready(console)
     hf, pad_id = None, 0
     if "transformers" not in args.skip and set(workloads) - {"long-context"}:
         hf = load_transformers(runs.model_path, torch.float32)
@@ -359,7 +359,7 @@ def run_throughput(args: argparse.Namespace) -> int:
                                                 "transformers" if use_cache else "transformers, no KV cache"))
         if run_llama:
             n_ctx = max(map(len, single)) + output_len
-            singles.append(run_llama_cpp(single, output_len, n_ctx, "llama.cpp"))
+            singles.append(runs.llama_cpp_median())
             if "off" not in methods or len(methods) > 1:  # against kvserve's speculation: llama.cpp's own
                 # (its draft's logits need room past the last token: 10 draft tokens + 1)
                 singles.append(run_llama_cpp(single, output_len, n_ctx + LOOKUP_ROOM, "llama.cpp + prompt lookup",
@@ -371,6 +371,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         _print_speculation(console, singles)
         _print_compiled_steps(console, singles[: len(configs)])
         _print_rounds(console, rounds["single stream"])
+        _print_llama_cpp_pairs(console, rounds["single stream"], runs.paired)
         if "roofline" not in args.skip:
             _print_decode_split(console, singles[: len(configs)], runs.model_config)
     if args.plot:
@@ -381,10 +382,14 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 class _KvserveRuns:
     """kvserve's rows: each configuration's engine is built, run on every workload (and one stream), then freed,
-    so that no more than one engine's weights and KV cache are in memory."""
+    so that no more than one engine's weights and KV cache are in memory. With `paired_llama_cpp`, llama.cpp's
+    single stream runs right after each of kvserve's: this machine's speed drifts by a quarter over tens of seconds,
+    so only runs side by side compare (docs/benchmarks.md, "Single streams side by side")."""
 
-    def __init__(self, args, workloads: dict[str, Workload], kv_memory, console):
+    def __init__(self, args, workloads: dict[str, Workload], kv_memory, console, paired_llama_cpp: bool = False):
         self.args, self.workloads, self.kv_memory, self.console = args, workloads, kv_memory, console
+        self.paired_llama_cpp = paired_llama_cpp
+        self.paired: list[RunResult | str] = []  # llama.cpp's single stream after each of self.singles
         self.max_len = max(max(w.max_len for w in workloads.values()), 1024)
         self.num_seqs = max(w.num_requests for w in workloads.values())
         self.prompts: dict[str, list[list[int]]] = {}
@@ -412,8 +417,20 @@ class _KvserveRuns:
             self.singles.append(_maybe_profiled(self.args.profile, self.console, "single stream", run_kvserve_serial,
                                                 llm, self.single_prompts(), self.workloads[first].output_len,
                                                 config.name))
+            if self.paired_llama_cpp:
+                single, output_len = self.single_prompts(), self.workloads[first].output_len
+                self.paired.append(run_llama_cpp(single, output_len, max(map(len, single)) + output_len,
+                                                 "llama.cpp"))
         del llm
         gc.collect()
+
+    def llama_cpp_median(self) -> RunResult | str:
+        """llama.cpp's single-stream row: the median of its paired runs (the first reason, if none ran)."""
+        ran = sorted((r for r in self.paired if isinstance(r, RunResult)), key=lambda r: r.tokens_per_s)
+        if not ran:
+            return self.paired[0]
+        median = ran[(len(ran) - 1) // 2]
+        return median if len(ran) == 1 else replace(median, name=f"llama.cpp (median of {len(ran)} runs)")
 
     def keep_medians(self, num_configs: int) -> dict[str, list[list[RunResult]]]:
         """After several rounds (each config in turn, round after round): keep each config's median run (by tokens/s)
@@ -449,6 +466,17 @@ def _print_rounds(console, per_config: list[list[RunResult]]) -> None:
         ratios = [r.tokens_per_s / first.tokens_per_s for r, first in zip(runs, per_config[0])]
         console.print(f"  {runs[0].name}: {', '.join(f'{x:.2f}x' for x in ratios)} "
                       f"({statistics.median(ratios):.2f}x)")
+
+
+def _print_llama_cpp_pairs(console, per_config: list[list[RunResult]], paired: list[RunResult | str]) -> None:
+    """Each kvserve single stream over the llama.cpp run right after it, run by run, and the median."""
+    if not paired or not all(isinstance(r, RunResult) for r in paired):
+        return
+    num_configs = len(per_config)
+    console.print("single stream ÷ llama.cpp run right after it, each run (median):")
+    for i, runs in enumerate(per_config):
+        ratios = [r.tokens_per_s / llama.tokens_per_s for r, llama in zip(runs, paired[i::num_configs])]
+        console.print(f"  {runs[0].name}: {', '.join(f'{x:.2f}x' for x in ratios)} ({statistics.median(ratios):.2f}x)")
 
 
 def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, model_config, with_hf: bool) -> None:

@@ -153,3 +153,40 @@ def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys):
     assert len(splits) == 2
     for total, matmuls, rest in splits:
         assert float(matmuls) > 0 and abs(float(total) - float(matmuls) - float(rest)) < 0.11
+
+
+@pytest.mark.slow
+def test_llama_cpps_single_stream_runs_right_after_each_of_kvserves(monkeypatch, capsys):
+    """This machine's speed drifts over tens of seconds, so each kvserve single stream is compared with a llama.cpp
+    run made right after it, run by run; llama.cpp's row is the median of those runs."""
+    events, speeds = [], iter([10.0, 40.0, 20.0])  # llama.cpp's tokens/s, run by run (a fake llama.cpp)
+    serial = throughput.run_kvserve_serial
+
+    def kvserve_single(*args):
+        events.append("kvserve")
+        return serial(*args)
+
+    def llama_cpp(prompts, output_len, n_ctx, name, batched=False, lookup=False):
+        events.append(name)
+        tokens = len(prompts) * output_len
+        seconds = tokens / next(speeds) if name == "llama.cpp" else 1.0
+        return throughput.RunResult(name, tokens, seconds)
+
+    monkeypatch.setattr(throughput, "_llama_cpp_ready", lambda console: True)
+    monkeypatch.setattr(throughput, "run_llama_cpp", llama_cpp)
+    monkeypatch.setattr(throughput, "run_kvserve_serial", kvserve_single)
+    argv = [*TINY_RUN, "roofline", "--repeat", "3"]
+    argv.remove("single")
+
+    assert main(argv) == 0
+
+    singles = [e for e in events if e in ("kvserve", "llama.cpp")]
+    assert singles == ["kvserve", "llama.cpp"] * 3
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("│ llama.cpp (median of 3 runs) "))
+    assert row.split("│")[4].strip() == "20.0"  # tokens/s: the median of 10, 40 and 20
+    line = next(x for x in out.splitlines() if x.strip().startswith("kvserve (float32):") and "x (" in x)
+    ratios = [float(x) for x in re.findall(r"([\d.]+)x", line)]
+    assert len(ratios) == 4  # three runs, each over its own llama.cpp run, and their median
+    assert ratios[0] / ratios[1] == pytest.approx(4.0, rel=0.5)  # 40 tokens/s after the second, 10 after the first
+    assert "single stream ÷ llama.cpp run right after it" in out

@@ -180,8 +180,12 @@ def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              scale: float) -> torch.Tensor:
     """paged_attention as one op a graph calls as it is (it writes the pool, which is no input of the graph: the
     graph orders it by its output, which the next layer reads). The layer is a tensor: the one region all layers
-    call passes its own (LayerRegion)."""
-    return _OUTSIDE_GRAPH.attend(q, k, v, int(layer), scale)
+    call passes its own (LayerRegion). It attends in inference mode, as an eager step does (the graph runs under
+    no_grad): a KV format's compiled decode kernel (int8, int4) was built for inference tensors, and Dynamo's guards
+    compare that: called with others, it compiled again while serving, was refused, and attended eagerly from then
+    on, with one warning (tests/engine/test_compiled_step.py checks it no longer does)."""
+    with torch.inference_mode():
+        return _OUTSIDE_GRAPH.attend(q, k, v, int(layer), scale)
 
 
 @_attention_outside_graph.register_fake

@@ -184,6 +184,11 @@ def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(
     compare(eager, compiled, PROMPTS, params, tolerance=tolerance, deviations=deviations)
     assert runner.compiled.num_outside_steps == runner.num_compiled_steps == 78
     assert runner.compiled.num_misses == 0 and runner.compiled.failed is None
+    # int8 and int4 attend with their own compiled kernel, called from the graph's attention op: those calls must fit
+    # the kernel's graphs (built in inference mode, as eager steps call it), or it fails and attends eagerly for good
+    fused = compiled.engine.cache.fused_decode
+    assert (fused is not None) == (options.get("kv_cache_dtype") in ("int8", "int4"))
+    assert fused is None or fused.failed is None, fused.failed
     print(f"\n{reason}: largest logprob deviation from eager {max(deviations):.1e} nats over {len(deviations)}")
 
 

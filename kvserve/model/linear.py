@@ -69,7 +69,7 @@ class Int8Linear:
         y = sums.mul_(x_scale[:, None]).mul_(self.weight_scale).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*lead, -1)
+        return y.view(*lead, y.shape[-1])  # not -1: a call may have no rows (a prefill chunk that samples nothing)
 
     def storages(self) -> dict[int, int]:
         return {**tensor_storages(self.weight_scale, self.bias), **self.kernel.storages(self.packed),

@@ -41,6 +41,15 @@ def test_int8_linear_is_within_the_rounding_bound_of_float(kernel):
 
 
 @pytest.mark.parametrize("kernel", AVAILABLE, ids=lambda k: k.name)
+def test_no_rows_give_no_rows(kernel):
+    # a prefill chunk that completes no prompt samples nothing: the output head gets zero rows (it raised, so an int8
+    # model failed every prompt longer than a step's token budget)
+    linear = Int8Linear(gaussian(40, 96, seed=2), gaussian(40, seed=3), kernel)
+    assert linear(torch.empty(0, 96)).shape == (0, 40)
+    assert linear(torch.empty(2, 0, 96)).shape == (2, 0, 40)
+
+
+@pytest.mark.parametrize("kernel", AVAILABLE, ids=lambda k: k.name)
 def test_each_row_is_the_same_alone_or_batched_in_fixed_tiles(kernel):
     linear, tiles = Int8Linear(gaussian(64, 128, seed=4), kernel=kernel), RowTiles(TILE_ROWS)
     batch = gaussian(33, 128, seed=5) * torch.linspace(0.01, 100, 33)[:, None]  # neighbours of every size

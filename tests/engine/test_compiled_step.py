@@ -14,6 +14,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -439,9 +440,14 @@ def test_the_graphs_skip_inductors_per_call_input_checks(tmp_path):
     """The step's generated code checks no input's sizes, strides or alignment at each call (Dynamo's guards check
     the step's inputs; the weights and the pool never change): some 1,100 checks a step for SmolLM2
     (docs/benchmarks.md). The graphs still compute eager's tokens."""
-    path = make_tiny_model(tmp_path)
-    with torch._inductor.config.patch(fx_graph_cache=False):  # generate the code here, not load it from the cache
-        llm, codes = torch._inductor.utils.run_and_get_code(lambda: LLM(str(path), **COMMON, **COMPILED))
+    from torch._inductor.graph import GraphLowering  # Inductor's, imported where it compiles
+
+    path, codes = make_tiny_model(tmp_path), []
+    # the code Inductor writes for each graph (not torch._inductor.utils.run_and_get_code: it resets Dynamo, which
+    # would drop the graphs of the engines other tests in this process hold), generated here, not loaded from cache
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        llm = LLM(str(path), **COMMON, **COMPILED)
     assert llm.engine.runner.compiled is not None
     assert len(codes) >= 2, "both graphs' code (whole, attention outside)"
     for code in codes:

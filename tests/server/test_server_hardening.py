@@ -304,7 +304,10 @@ def test_a_huge_body_barely_stalls_another_clients_stream(model_dir, record_prop
     """The neighbour's longest gap while each body is handled is reported as a multiple of its median gap between
     tokens before any of them arrived. Asserted, in a way that holds on any CPU: the stall is at most ten times
     the body's own parse in this process (the work the server cannot avoid) plus the stream's noise before them
-    (twice its longest gap, at least ten median gaps)."""
+    (twice its longest gap, at least ten median gaps, at least 100 ms). The 100 ms floor: a refused 50 MB body still
+    crosses the loopback while the client pushes it, on a 2-core machine shared with the client, the server and the
+    stream (CI once saw a 23 ms gap against 22 ms of measured noise); the freeze this guards against lasted over a
+    minute, and a 50 MB body parsed on the event loop would stall the stream for seconds."""
     arrivals: list[float] = []
     parse_s = {name: parse_time_s(body) for name, (_, body) in HUGE_BODIES.items()}
     body = {"prompt": "a steady stream", "stream": True, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
@@ -327,7 +330,7 @@ def test_a_huge_body_barely_stalls_another_clients_stream(model_dir, record_prop
     assert arrivals[-1] > max(end for _, end in windows.values()), "the stream ended before the last body"
     gaps = [(a, b - a) for a, b in zip(arrivals, arrivals[1:])]
     before = sorted(gap for at, gap in gaps if at < min(start for start, _ in windows.values()))
-    normal_gap_s, noise_s = before[len(before) // 2], max(10 * before[len(before) // 2], 2 * before[-1])
+    normal_gap_s, noise_s = before[len(before) // 2], max(10 * before[len(before) // 2], 2 * before[-1], 0.1)
     over = {}
     for name, (start, end) in windows.items():
         worst_s = max(gap for at, gap in gaps if at <= end and at + gap >= start)

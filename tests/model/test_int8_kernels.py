@@ -77,3 +77,20 @@ def test_the_fallback_is_exact_for_full_range_codes_and_independent_of_the_batch
     together = kernel.matmul(x, packed)
     assert all(torch.equal(kernel.matmul(x[i : i + 1], packed), together[i : i + 1]) for i in range(33))
     assert torch.allclose(together, (x.long() @ w.long().T).float(), rtol=1e-6)
+
+
+def test_a_kernel_slower_than_float32_at_one_token_is_not_timed_again_nor_at_more_tokens():
+    """A kernel that loses at one token cannot win (a winner beats float32 at every size probed): the probe stops
+    timing it after one timed call, and never times it at 64 tokens (oneDNN's int8 linear on the AMD EPYCs took
+    ~1.1 s a call there, ~6 s of every int8 start)."""
+    calls = []
+
+    class Counted(Slow):
+        def matmul(self, x, packed):
+            calls.append(x.shape[0])
+            return super().matmul(x, packed)
+
+    choice = probe_kernels((Counted(),))
+    assert isinstance(choice.kernel, FloatKernel)
+    # available()'s check (2 rows), the untimed first call and one timed call at 1 token
+    assert calls == [2, 1, 1]

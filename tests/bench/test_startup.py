@@ -1,0 +1,57 @@
+"""`kvserve bench startup`: each cached compiled start is compared with the eager start right beside it, every
+quantization starts from a compile cache of its own, and a real start of a tiny model is timed and read."""
+import re
+from pathlib import Path
+
+import pytest
+
+from kvserve.bench import startup
+from kvserve.cli import main
+from tests.conftest import make_tiny_model, save_char_tokenizer
+
+
+def test_cached_starts_are_paired_with_the_eager_start_beside_them(monkeypatch, capsys):
+    # launch-to-exit seconds of a fake start, in the order run: the machine slows down in the second pair, which
+    # a difference of medians (15 - 11.5 = 3.5 s) would not see; each pair says +3 s
+    seconds = {"eager": iter([10.0, 12.0, 30.0, 11.0] * 2), "compiled": iter([40.0, 15.0, 33.0, 14.0] * 2)}
+    calls = []
+
+    def fake_start(command, cache_dir):
+        compiled = "--compile-decode" in command
+        calls.append((command, cache_dir))
+        assert Path(cache_dir).is_dir()
+        return startup.Start(next(seconds["compiled" if compiled else "eager"]), 2.5 if compiled else None)
+
+    monkeypatch.setattr(startup, "run_start", fake_start)
+
+    assert main(["bench", "startup", "--rounds", "3"]) == 0
+
+    kinds = ["compiled" if "--compile-decode" in command else "eager" for command, _ in calls]
+    assert kinds == ["eager", "compiled"] * 4 * 2  # eager, first, then 3 pairs; for none and for int8
+    dirs = [d for _, d in calls]
+    assert len(set(dirs[:8])) == 1 and len(set(dirs[8:])) == 1 and dirs[0] != dirs[8]  # a cache per quantization
+    assert not Path(dirs[0]).exists()  # removed after
+    assert [c[c.index("--quantization") + 1] for c, _ in calls] == ["none"] * 8 + ["int8"] * 8
+    out = capsys.readouterr().out
+    assert "+30.0 s over the eager start before it" in out  # 40 - 10
+    assert re.search(r"cached compiled start: 15\.0 s, \+3\.0 s over the eager start beside it \(each pair: "
+                     r"\+3\.0, \+3\.0, \+3\.0; compile 2\.5 s\); goal under \+5 s: met", out)
+
+
+def test_a_start_that_falls_back_to_eager_is_named(monkeypatch):
+    monkeypatch.setattr(startup, "run_start", lambda command, cache_dir: startup.Start(5.0, None))
+    with pytest.raises(RuntimeError, match="--quantization none --compile-decode compiled no decode graph"):
+        startup.measure(None, "none", 1)
+
+
+@pytest.mark.slow
+def test_a_real_start_is_timed_and_its_compile_read(tmp_path):
+    model = save_char_tokenizer(make_tiny_model(tmp_path))
+    cache = tmp_path / "inductor"
+    eager = startup.run_start(startup.start_command(str(model), "none", compiled=False), str(cache))
+    first = startup.run_start(startup.start_command(str(model), "none", compiled=True), str(cache))
+    cached = startup.run_start(startup.start_command(str(model), "none", compiled=True), str(cache))
+    assert eager.compile_seconds is None and eager.seconds > 0
+    assert first.compile_seconds is not None and cached.compile_seconds is not None
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        startup.run_start([*startup.start_command(str(model), "none", compiled=False), "--no-such-flag"], str(cache))

@@ -19,8 +19,8 @@ logger = logging.getLogger("kvserve")
 PROBE_SHAPE = (2048, 1024)  # [N, K]: an MLP-sized weight, 2 MB in int8
 PROBE_ROWS = (1, 64)  # tokens per call: one decode step, and a batched step
 # A kernel whose timed call takes over this many float32 matmuls is not timed again: it cannot win. oneDNN's
-# quantized linear on the AMD EPYCs takes ~20 ms at 1 token and ~1.1 s at 64 against float32's 0.5 ms: timed
-# 12 times it was ~6 s of every int8 start, most of an eager one's extra time over float32.
+# quantized linear on the AVX-512 AMD EPYC is far slower than float32, most of all at 64 tokens: timed 12 times
+# it was most of an int8 start (docs/benchmarks.md, "Start-up side by side").
 GIVE_UP = 4
 
 

@@ -81,8 +81,8 @@ def test_the_fallback_is_exact_for_full_range_codes_and_independent_of_the_batch
 
 def test_a_kernel_slower_than_float32_at_one_token_is_not_timed_again_nor_at_more_tokens():
     """A kernel that loses at one token cannot win (a winner beats float32 at every size probed): the probe stops
-    timing it after one timed call, and never times it at 64 tokens (oneDNN's int8 linear on the AMD EPYCs took
-    ~1.1 s a call there, ~6 s of every int8 start)."""
+    timing it after one timed call, and never times it at 64 tokens (oneDNN's int8 linear on the AVX-512 AMD EPYC:
+    timed 12 times, it was most of an int8 start)."""
     calls = []
 
     class Counted(Slow):

@@ -7,6 +7,9 @@ prompts, 32 new tokens each: decode reads a lot of KV per token). kvserve runs o
 (--dtypes x --quantization x --kv-cache-dtype), taking all requests at once (continuous batching);
 transformers runs padded static batches through `generate`; llama.cpp (llama-cpp-python on the Q4_1 GGUF) runs
 them one after another and, through its batch API, all at once. Single stream: one request, tokens/s.
+With --repeat N the kvserve configurations run round after round, transformers' batched runs at the end of each
+round and llama.cpp's single stream right after each of kvserve's: every ratio is also given run by run against
+the baseline run beside it (the machine's speed drifts over minutes).
 A roofline line per workload compares each kvserve run's matmul FLOP/s with plain float32 torch matmuls of the
 same shapes replayed in the same run (kvserve/bench/roofline.py)."""
 from __future__ import annotations
@@ -328,21 +331,27 @@ def run_throughput(args: argparse.Namespace) -> int:
     console.print(f"torch threads: {torch.get_num_threads()}; greedy, EOS ignored; CPU: {_cpu_name()}")
     run_llama = "llama.cpp" not in args.skip and _llama_cpp_ready(console)
     runs = _KvserveRuns(args, workloads, kv_memory, console, paired_llama_cpp=run_llama)
+    hf, pad_id = None, 0
+    # transformers' batched runs, one per workload at the end of each round, beside that round's kvserve runs: the
+    # machine's speed drifts over minutes, and a ratio over one transformers run made after every round carried it
+    hf_rounds: dict[str, list[RunResult]] = ({name: [] for name in workloads if name != "long-context"}
+                                             if "transformers" not in args.skip else {})
     for _ in range(args.repeat):
         for config in configs:
             runs.run(config)
+        if hf_rounds and hf is None:
+            hf, pad_id = load_transformers(runs.model_path, torch.float32), runs.pad_id
+            run_transformers(hf, runs.prompts[next(iter(hf_rounds))][:2], 4, 2, pad_id)  # warm-up
+        for name, hf_runs in hf_rounds.items():
+            hf_runs.append(run_transformers(hf, runs.prompts[name], workloads[name].output_len, args.hf_batch_size,
+                                            pad_id))
     rounds = runs.keep_medians(len(configs))
     prompts, batched, singles = runs.prompts, runs.batched, runs.singles
-    hf, pad_id = None, 0
-    if "transformers" not in args.skip and set(workloads) - {"long-context"}:
-        hf = load_transformers(runs.model_path, torch.float32)
-        pad_id = runs.pad_id
-        run_transformers(hf, prompts[next(iter(prompts))][:2], 4, 2, pad_id)  # warm-up
     for name, workload in workloads.items():
         rows = batched[name]
         if name != "long-context":
             if hf is not None:
-                rows.append(run_transformers(hf, prompts[name], workload.output_len, args.hf_batch_size, pad_id))
+                rows.append(_median(hf_rounds[name]))
             if run_llama:
                 n_ctx = workload.max_len
                 rows.append(run_llama_cpp(prompts[name], workload.output_len, n_ctx, "llama.cpp (serial)"))
@@ -350,6 +359,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         _report_workload(console, args, workload, rows, len(configs), runs.model_config, hf is not None)
         _print_speculation(console, rows)
         _print_rounds(console, rounds[name])
+        _print_transformers_rounds(console, rounds[name], hf_rounds.get(name, []))
     if singles:
         single = runs.single_prompts()
         output_len = next(iter(workloads.values())).output_len
@@ -439,7 +449,7 @@ class _KvserveRuns:
         for name, rows in [*self.batched.items(), ("single stream", self.singles)]:
             per_config = [rows[i::num_configs] for i in range(num_configs)]
             rounds[name] = per_config
-            rows[:] = [sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2] for runs in per_config if runs]
+            rows[:] = [_median(runs) for runs in per_config if runs]
         return rounds
 
     def single_prompts(self) -> list[list[int]]:
@@ -466,6 +476,23 @@ def _print_rounds(console, per_config: list[list[RunResult]]) -> None:
         ratios = [r.tokens_per_s / first.tokens_per_s for r, first in zip(runs, per_config[0])]
         console.print(f"  {runs[0].name}: {', '.join(f'{x:.2f}x' for x in ratios)} "
                       f"({statistics.median(ratios):.2f}x)")
+
+
+def _median(runs: list[RunResult]) -> RunResult:
+    """The run of median tokens/s (the lower middle one of an even number)."""
+    return sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2]
+
+
+def _print_transformers_rounds(console, per_config: list[list[RunResult]], hf_runs: list[RunResult]) -> None:
+    """With --repeat: each kvserve row over the transformers run of its own round, round by round, and the median
+    (transformers' row is the median of its rounds)."""
+    if len(hf_runs) < 2:
+        return
+    console.print(f"transformers: median of {len(hf_runs)} runs, one at the end of each round; kvserve tokens/s ÷ "
+                  "transformers in the same round (median):")
+    for runs in per_config:
+        ratios = [r.tokens_per_s / hf.tokens_per_s for r, hf in zip(runs, hf_runs)]
+        console.print(f"  {runs[0].name}: {', '.join(f'{x:.2f}x' for x in ratios)} ({statistics.median(ratios):.2f}x)")
 
 
 def _print_llama_cpp_pairs(console, per_config: list[list[RunResult]], paired: list[RunResult | str]) -> None:

@@ -192,3 +192,40 @@ def test_llama_cpps_single_stream_runs_right_after_each_of_kvserves(monkeypatch,
     assert len(ratios) == 4  # three runs, each over its own llama.cpp run, and their median
     assert ratios[0] > 10 * ratios[1] and ratios[2] > 2 * ratios[1]  # over 1, 100 and 10 tokens/s: 100x and 10x
     assert "single stream ÷ llama.cpp run right after it" in out
+
+
+@pytest.mark.slow
+def test_transformers_runs_at_the_end_of_each_round_and_each_round_is_divided_by_its_own(monkeypatch, capsys):
+    """With --repeat, transformers' batched run comes after each round's kvserve runs (not once after all rounds),
+    its row is the median of those runs, and each kvserve run is divided by the transformers run of its round."""
+    events, speeds = [], iter([1.0, 100.0, 10.0])  # transformers' tokens/s, round by round (a fake transformers)
+    kvserve_batched = throughput.run_kvserve
+
+    def kvserve(*args, **kwargs):
+        events.append("kvserve")
+        return kvserve_batched(*args, **kwargs)
+
+    def transformers(model, prompts, output_len, batch_size, pad_id, use_cache=True, name="transformers"):
+        timed = batch_size == 16  # the --hf-batch-size default; the warm-up runs batches of 2
+        events.append(name if timed else "warm-up")
+        tokens = len(prompts) * output_len
+        return throughput.RunResult(name, tokens, tokens / next(speeds) if timed else 1.0,
+                                    [[0] * output_len for _ in prompts])
+
+    monkeypatch.setattr(throughput, "load_transformers", lambda path, dtype: object())
+    monkeypatch.setattr(throughput, "run_transformers", transformers)
+    monkeypatch.setattr(throughput, "run_kvserve", kvserve)
+    argv = [*TINY_RUN, "llama.cpp", "roofline", "--repeat", "3"]
+    argv.remove("transformers")
+
+    assert main(argv) == 0
+
+    # each round: kvserve's warm-up and timed run, then transformers (its warm-up once, after the first round)
+    assert events == ["kvserve", "kvserve", "warm-up", "transformers"] + ["kvserve", "kvserve", "transformers"] * 2
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("│ transformers "))
+    assert row.split("│")[4].strip() == "10.0"  # tokens/s: the median of 1, 100 and 10
+    assert "transformers: median of 3 runs, one at the end of each round" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("kvserve (float32):") and "x (" in x)
+    ratios = [float(x) for x in re.findall(r"([\d.]+)x", line)]
+    assert len(ratios) == 4 and ratios[0] > 10 * ratios[1] and ratios[2] > 2 * ratios[1]

@@ -105,6 +105,10 @@ def run_startup(args: argparse.Namespace) -> int:
     print(f"start-up, `kvserve generate {PROMPT} --max-tokens 4` launch to exit, eager and --compile-decode; each "
           "quantization in a new compile cache")
     for quantization in args.quantization:
-        for line in report(quantization, measure(args.model, quantization, args.rounds)):
+        try:
+            starts = measure(args.model, quantization, args.rounds)
+        except RuntimeError as exc:  # a start that failed or compiled nothing: its own error, no traceback
+            raise SystemExit(f"kvserve bench startup: {exc}") from exc
+        for line in report(quantization, starts):
             print(line, flush=True)
     return 0

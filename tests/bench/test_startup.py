@@ -40,8 +40,13 @@ def test_cached_starts_are_paired_with_the_eager_start_beside_them(monkeypatch, 
 
 def test_a_start_that_falls_back_to_eager_is_named(monkeypatch):
     monkeypatch.setattr(startup, "run_start", lambda command, cache_dir: startup.Start(5.0, None))
-    with pytest.raises(RuntimeError, match="--quantization none --compile-decode compiled no decode graph"):
-        startup.measure(None, "none", 1)
+    with pytest.raises(SystemExit, match="--quantization none --compile-decode compiled no decode graph"):
+        main(["bench", "startup", "--quantization", "none", "--rounds", "1"])
+
+
+def test_a_start_that_fails_is_named_with_its_error(tmp_path):
+    with pytest.raises(SystemExit, match=f"exited with 1: .*{tmp_path / 'absent'} does not exist"):
+        main(["bench", "startup", "--model", str(tmp_path / "absent"), "--quantization", "none", "--rounds", "1"])
 
 
 @pytest.mark.slow

@@ -72,12 +72,14 @@ class TierRun:
     returning: list[ReturningTurn] = field(default_factory=list)
     answers: list[list[int]] = field(default_factory=list)
     bytes_read: int = 0
+    queued_reads: int = 0  # blocks found still queued for the disk writer, taken from memory
     bytes_written: int = 0
     read_s: float = 0.0
 
     def add_disk_stats(self, stats: dict) -> None:
         if "disk_cache_bytes_read" in stats:
             self.bytes_read += stats["disk_cache_bytes_read"]
+            self.queued_reads += stats["disk_cache_queued_reads"]
             self.bytes_written += stats["disk_cache_bytes_written"]
             self.read_s += stats["disk_cache_read_seconds"]
 

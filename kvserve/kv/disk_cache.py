@@ -162,6 +162,17 @@ def decode_record(data: bytearray, fingerprint: str, key: BlockHash, parent: Blo
     return tensors
 
 
+class _Queued:
+    """The checksum of a record read from the writer's queue: this process's own bytes, nothing to check."""
+
+    @staticmethod
+    def matches() -> bool:
+        return True
+
+
+_QUEUED = _Queued()
+
+
 @dataclass(frozen=True)
 class Checksum:
     """A record's tensors' bytes and the CRC-32 its metadata gives for them (checked apart from the parse: the
@@ -214,6 +225,7 @@ def parse_record(data: bytearray, fingerprint: str, key: BlockHash, parent: Bloc
 @dataclass
 class DiskCacheCounters:
     num_reads: int = 0  # blocks read and verified
+    num_queued_reads: int = 0  # blocks found still queued for the writer, taken from memory
     bytes_read: int = 0
     read_s: float = 0.0  # wall time of admission's reads (files read, checked, decoded, put in the pool)
     num_writes: int = 0
@@ -244,7 +256,9 @@ class DiskBlockStore:
         self.num_own_records = 0  # of those, this fingerprint's
         self._scanned_at = 0.0
         self._queue: deque[BlockRecord] = deque()
-        self._pending: set[BlockHash] = set()
+        # queued or being written: a lookup finds these too, and a read takes their tensors from here (the writer
+        # may be behind the step thread by seconds when both want the GIL; a returning request must not miss them)
+        self._pending: dict[BlockHash, BlockRecord] = {}
         self._pending_bytes = 0
         self._writer: threading.Thread | None = None
         self._closing = False  # the interpreter is exiting: the writer ends after its record (stop_writer)
@@ -269,8 +283,9 @@ class DiskBlockStore:
 
     # ---- reads: lookups on the step thread, records read on the reader threads ---------------------------
     def contains(self, key: BlockHash) -> bool:
-        """Whether a record for `key` is on disk now (any process's); it is verified only when read."""
-        return os.path.exists(self._file(key))
+        """Whether a record for `key` is on disk now (any process's; it is verified only when read) or queued for
+        the writer here (read from memory)."""
+        return key in self._pending or os.path.exists(self._file(key))
 
     def read(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
              specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor] | None:
@@ -281,7 +296,14 @@ class DiskBlockStore:
     def read_chain(self, records: Sequence[tuple[BlockHash, BlockHash | None, Sequence[int]]],
                    specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[list[torch.Tensor]]:
         """The tensors of `records` ((key, parent, token ids) of a prefix's blocks, in order), verified, up to the
-        first miss.
+        first miss (read_chain_counted)."""
+        return self.read_chain_counted(records, specs)[0]
+
+    def read_chain_counted(self, records: Sequence[tuple[BlockHash, BlockHash | None, Sequence[int]]],
+                           specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
+                           ) -> tuple[list[list[torch.Tensor]], int]:
+        """The tensors of `records` ((key, parent, token ids) of a prefix's blocks, in order), verified, up to the
+        first miss, and how many of them came from the writer's queue rather than from disk.
 
         The next READ_AHEAD records are kept open ahead of the one being read; once a record is found outside the
         page cache, the kernel is asked to read those ahead too (posix_fadvise WILLNEED), so the disk sees many at
@@ -304,6 +326,19 @@ class DiskBlockStore:
             for (key, parent, token_ids), path in zip(records, paths):
                 open_ahead()
                 fd = ahead.popleft()
+                queued = self._queued(key, parent, token_ids)
+                if queued is not None:  # still on its way to disk: this process's own copy, nothing to check
+                    if fd is not None:
+                        os.close(fd)
+                    found.append(queued.tensors)
+                    batch.append(_QUEUED)
+                    sizes.append(0)  # no bytes read: how a queued one is told from a read one below
+                    if len(batch) == CHECK_BATCH:
+                        checks.append(self._checker.submit(_num_matching, batch))
+                        batch = []
+                    continue
+                if fd is None:  # written since it was opened ahead (it was queued), or else evicted since the lookup
+                    fd = _open_record(path, cold)
                 if fd is None:  # evicted, by this process or another, since the lookup saw it
                     break
                 try:
@@ -333,10 +368,20 @@ class DiskBlockStore:
                 self._reject(paths[bad], RecordRejected("corrupt", "checksum mismatch"))
                 del found[bad:]
                 break
+        num_queued = sum(1 for size in sizes[: len(found)] if not size)
         with self._cond:  # reads run on several threads
-            self.counters.num_reads += len(found)
+            self.counters.num_reads += len(found) - num_queued
+            self.counters.num_queued_reads += num_queued
             self.counters.bytes_read += sum(sizes[: len(found)])
-        return found
+        return found, num_queued
+
+    def _queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> BlockRecord | None:
+        """The record queued (or being written) for `key`, if it is the one the request's chain asks for."""
+        with self._cond:
+            record = self._pending.get(key)
+        if record is None or record.parent != parent or record.token_ids != tuple(token_ids):
+            return None
+        return record
 
     def _read_record(self, fd: int, path: str, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
                      specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
@@ -392,7 +437,7 @@ class DiskBlockStore:
                 self.counters.num_writes_skipped += 1
                 return False
             self._queue.append(record)
-            self._pending.add(record.key)
+            self._pending[record.key] = record
             self._pending_bytes += record.nbytes
             if self._writer is None:
                 writer = threading.Thread(target=self._write_queued, name="kvserve-disk-writer", daemon=True)
@@ -453,7 +498,7 @@ class DiskBlockStore:
             self._write(record)
         finally:
             with self._cond:
-                self._pending.discard(record.key)
+                del self._pending[record.key]
                 self._pending_bytes -= record.nbytes
                 self._cond.notify_all()
         return True
@@ -555,7 +600,8 @@ class DiskBlockStore:
             blocks, nbytes = self.num_own_records, self.nbytes
         return {"disk_cache_blocks": blocks, "disk_cache_bytes": nbytes,
                 "disk_cache_capacity_bytes": self.capacity_bytes,
-                "disk_cache_reads": c.num_reads, "disk_cache_bytes_read": c.bytes_read,
+                "disk_cache_reads": c.num_reads, "disk_cache_queued_reads": c.num_queued_reads,
+                "disk_cache_bytes_read": c.bytes_read,
                 "disk_cache_read_seconds": c.read_s, "disk_cache_writes": c.num_writes,
                 "disk_cache_bytes_written": c.bytes_written, "disk_cache_writes_skipped": c.num_writes_skipped,
                 "disk_cache_writes_retried": c.num_writes_retried,
@@ -740,11 +786,12 @@ class DiskKVCache:
         started = time.perf_counter()  # before the first read starts: a read may end before PrefixRead exists
         return PrefixRead(self, list(loads), self._readers.submit(self._read, list(loads)), started)
 
-    def _read(self, loads: list[BlockLoad]) -> tuple[list[list[torch.Tensor]], float]:
-        """The records of `loads` up to the first miss (the blocks after it would not be used), and when the reads
-        ended."""
-        found = self.store.read_chain([(load.key, load.parent, load.token_ids) for load in loads], self.specs)
-        return found, time.perf_counter()
+    def _read(self, loads: list[BlockLoad]) -> tuple[list[list[torch.Tensor]], float, int]:
+        """The records of `loads` up to the first miss (the blocks after it would not be used), when the reads
+        ended, and how many came from the writer's queue (no disk read: not in the measured read rate)."""
+        found, num_queued = self.store.read_chain_counted([(load.key, load.parent, load.token_ids) for load in loads],
+                                                          self.specs)
+        return found, time.perf_counter(), num_queued
 
     def stats(self) -> dict[str, float | int]:
         return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens,
@@ -773,13 +820,13 @@ class PrefixRead:
 
     def finish(self) -> int:
         """Put the records read into their pool blocks, in order up to the first miss (once done); returns how many."""
-        found, ended = self._read.result()
+        found, ended, num_queued = self._read.result()
         for load, tensors in zip(self.loads, found):
             self.tier.cache.import_block(load.block_id, tensors)
         num_loaded = len(found)
         read_s = ended - self._started
         self.tier.store.counters.read_s += read_s
-        if num_loaded:
-            self.tier.read_bytes_per_s = _averaged(self.tier.read_bytes_per_s,
-                                                   num_loaded * self.tier.record_bytes / max(read_s, 1e-6))
+        if num_loaded > num_queued:  # the rate of reading from disk: a block taken from the queue cost no read
+            self.tier.read_bytes_per_s = _averaged(self.tier.read_bytes_per_s, (num_loaded - num_queued) *
+                                                   self.tier.record_bytes / max(read_s, 1e-6))
         return num_loaded

@@ -56,6 +56,8 @@ DISK_COUNTERS = [
     ("kvserve:kv_disk_cache_recomputed_tokens", "disk_cache_recomputed_tokens",
      "Prompt tokens on disk prefilled instead, at the measured rates faster than reading them."),
     ("kvserve:kv_disk_cache_reads", "disk_cache_reads", "KV blocks read from disk and verified."),
+    ("kvserve:kv_disk_cache_queued_reads", "disk_cache_queued_reads",
+     "KV blocks a request found still queued for the disk writer, taken from memory."),
     ("kvserve:kv_disk_cache_read_bytes", "disk_cache_bytes_read", "Bytes read from the disk tier."),
     ("kvserve:kv_disk_cache_read_seconds", "disk_cache_read_seconds", "Time spent reading and verifying blocks."),
     ("kvserve:kv_disk_cache_writes", "disk_cache_writes", "KV blocks written to disk."),

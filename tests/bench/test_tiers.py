@@ -26,7 +26,9 @@ def test_the_disk_tier_rows_compute_the_new_input_and_survive_the_restart(tmp_pa
     assert disk.prefilled_tokens <= 1.25 * disk.new_tokens and restarted.prefilled_tokens == disk.prefilled_tokens
     for run in (disk, restarted):
         assert sum(t.cached_tokens for t in run.returning) >= 0.9 * sum(t.history_tokens for t in run.returning)
-        assert run.bytes_read > 0 and run.bytes_written > 0
+        # read from disk, or, where the writer thread was still behind, from its queue (a loaded CI machine)
+        assert (run.bytes_read > 0 or run.queued_reads > 0) and run.bytes_written > 0
+    assert restarted.bytes_read > 0  # after the restart: what the process before it wrote
     assert disk.answers == pool.answers == restarted.answers
     assert "sequential read of a 16 MiB file" in capsys.readouterr().out
 

@@ -206,8 +206,9 @@ def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, mo
     first = engine(llama, tmp_path)
     reference = first.generate(tokens, GREEDY)[0]
     written(first)
-    gate, read_chain = threading.Event(), DiskBlockStore.read_chain
-    monkeypatch.setattr(DiskBlockStore, "read_chain", lambda self, *args: gate.wait(10) and read_chain(self, *args))
+    gate, read_chain = threading.Event(), DiskBlockStore.read_chain_counted
+    monkeypatch.setattr(DiskBlockStore, "read_chain_counted",
+                        lambda self, *args: gate.wait(10) and read_chain(self, *args))
     llm = engine(llama, tmp_path).engine
     llm.add_request("from-disk", tokens, GREEDY)
     llm.add_request("other", prompt(40, seed=5), GREEDY)
@@ -225,8 +226,9 @@ def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, mo
 def test_a_request_aborted_while_its_prefix_is_read_gives_every_block_back(llama, tmp_path, monkeypatch):
     tokens = prompt(100)
     generated_and_written(engine(llama, tmp_path), tokens)
-    gate, read_chain = threading.Event(), DiskBlockStore.read_chain
-    monkeypatch.setattr(DiskBlockStore, "read_chain", lambda self, *args: gate.wait(10) and read_chain(self, *args))
+    gate, read_chain = threading.Event(), DiskBlockStore.read_chain_counted
+    monkeypatch.setattr(DiskBlockStore, "read_chain_counted",
+                        lambda self, *args: gate.wait(10) and read_chain(self, *args))
     llm = engine(llama, tmp_path).engine
     llm.add_request("from-disk", tokens, GREEDY)
     assert llm.step() == [] and llm.kv.pool.num_used_blocks == 6  # taken for the reads

@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -96,6 +97,25 @@ def test_pool_to_disk_to_pool_is_bitwise_in_every_format(tmp_path, format_name, 
     others = [b for b in range(BLOCKS) if b != 5]
     assert as_bytes(target.export_block(others[0])) == as_bytes(random_cache(format_name, layout, 1).export_block(
         others[0]))  # only the block read into changed
+
+
+def test_a_block_read_from_the_writers_queue_is_bitwise_and_no_measure_of_the_disk(tmp_path, monkeypatch):
+    layout = KVLayout.uniform(2)
+    source = random_cache("float32", layout, 0)
+    keys, tokens = chain(1)
+    held = threading.Event()
+    write = DiskBlockStore._write
+    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, r: held.wait(10) and write(self, r))
+    tier = DiskKVCache(store(tmp_path), source)
+    tier.save(3, keys[0], None, tokens[0])
+    assert tier.contains(keys[0]) and not tier.store.path(keys[0]).exists()
+    read = tier.start_reading([BlockLoad(5, keys[0], None, tokens[0])])
+    read.wait(10)
+    assert read.finish() == 1 and tier.store.counters.num_queued_reads == 1
+    assert tier.read_bytes_per_s is None  # a memory copy says nothing of how fast the disk reads
+    assert as_bytes(source.export_block(5)) == as_bytes(source.export_block(3))  # block 5 was other random bytes
+    held.set()
+    assert tier.store.flush(10)
 
 
 def test_records_are_owner_only_and_found_after_a_restart(tmp_path):
@@ -190,6 +210,33 @@ def test_damaged_records_are_misses_counted_logged_once_and_removed(tmp_path, ca
     assert not s.path(keys[1]).exists() and not s.path(keys[2]).exists()
     assert s.read(keys[0], None, tokens[0], SPECS) is not None and s.stats()["disk_cache_blocks"] == 1
 
+
+
+def test_a_record_still_queued_for_the_writer_is_found_and_read_from_memory(tmp_path, monkeypatch):
+    """A block registered a moment ago and not yet written (the writer thread behind the step thread) is a hit:
+    the lookup finds it and a read takes its tensors from the queue, in order with the records on disk; a queued
+    record is taken only for its own parent and tokens. CI's tiers test once recomputed half its histories so."""
+    keys, tokens = chain(4)
+    s = store(tmp_path)
+    written(s, record(0, keys, tokens), record(1, keys, tokens))  # on disk
+    held = threading.Event()
+    write = DiskBlockStore._write
+    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, r: held.wait(10) and write(self, r))
+    s.submit(record(2, keys, tokens))
+    s.submit(record(3, keys, tokens))
+    assert not s.path(keys[2]).exists() and s.contains(keys[2]) and s.contains(keys[3])
+    asked = [(keys[i], keys[i - 1] if i else None, tokens[i]) for i in range(4)]
+    found = s.read_chain(asked, SPECS)
+    assert [as_bytes(t) for t in found] == [as_bytes(record(i, keys, tokens).tensors) for i in range(4)]
+    assert (s.counters.num_reads, s.counters.num_queued_reads) == (2, 2)
+    assert s.counters.bytes_read == s.counters.bytes_written  # the two records on disk, not the queued ones
+    assert len(s.read_chain([*asked[:3], (keys[3], keys[3], tokens[3])], SPECS)) == 3  # another parent: a miss
+    assert len(s.read_chain([*asked[:3], (keys[3], keys[2], [0] * BS)], SPECS)) == 3  # other tokens: a miss
+    held.set()
+    assert s.flush(10) and s.path(keys[3]).exists() and not s._pending
+    reads, queued = s.counters.num_reads, s.counters.num_queued_reads
+    assert len(s.read_chain(asked, SPECS)) == 4  # from disk once written
+    assert (s.counters.num_reads, s.counters.num_queued_reads) == (reads + 4, queued)
 
 @pytest.mark.parametrize("bad", [0, 3, 8, 11, 19])  # in the first, a middle or the last of the checker's batches
 def test_a_chain_stops_at_its_first_bad_checksum_wherever_it_falls(tmp_path, bad):

@@ -1,5 +1,5 @@
-"""The disk tier in the engine (--kv-disk-cache): a prefix the pool evicted, or that an earlier engine computed,
-is read back bit for bit in every KV format and every layer group of a hybrid model, and greedy output is the same
+"""The disk tier in the engine (--kv-disk-cache): a prefix the pool evicted (even before the writer thread wrote it),
+or that an earlier engine computed, is read back bit for bit in every KV format and every layer group of a hybrid model, and greedy output is the same
 from the pool, from disk and recomputed; another model, format or cache_salt never hits; a record that fails its
 check halfway through a prefix costs only the blocks after it, and every block goes back to the pool; other requests
 run while a prefix is read."""
@@ -131,6 +131,27 @@ def test_a_prefix_the_pool_evicted_comes_back_from_disk(llama, tmp_path):
     again = llm.generate(tokens, GREEDY)[0]
     assert again.num_cached_tokens == 288 and again.outputs[0].token_ids == reference.outputs[0].token_ids
     assert llm.stats()["disk_cache_hit_tokens"] == 288
+
+
+def test_a_prefix_the_pool_evicted_before_the_writer_wrote_it_comes_back_from_its_queue(llama, tmp_path,
+                                                                                         monkeypatch):
+    """The writer thread can be behind the step thread (a busy machine): a prefix evicted from the pool before its
+    blocks reached the disk is read from the writer's queue, with the same output, not recomputed."""
+    held, write = threading.Event(), DiskBlockStore._write
+    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, r: held.wait(30) and write(self, r))
+    tokens, others = prompt(300), [prompt(300, seed) for seed in (1, 2, 3, 4, 5, 6)]
+    llm = engine(llama, tmp_path, kv_cache_memory="384KiB")  # 48 blocks: the other prompts push the first one out
+    reference = llm.generate(tokens, GREEDY)[0]
+    for other in others:
+        llm.generate(other, GREEDY)
+    assert all(llm.engine.kv.pool.lookup(key) is None for key in prefix_keys(llm, tokens, 18))
+    assert not any(llm.engine.disk_cache.store.path(key).exists() for key in prefix_keys(llm, tokens, 18))
+    again = llm.generate(tokens, GREEDY)[0]
+    held.set()
+    assert again.num_cached_tokens == 288 and again.outputs[0].token_ids == reference.outputs[0].token_ids
+    stats = llm.stats()
+    assert stats["disk_cache_queued_reads"] == 18 and stats["disk_cache_reads"] == 0
+    written(llm)
 
 
 def test_another_model_or_format_never_hits(llama, tmp_path, tmp_path_factory):

@@ -1,8 +1,8 @@
-"""The disk tier in the engine (--kv-disk-cache): a prefix the pool evicted (even before the writer thread wrote it),
-or that an earlier engine computed, is read back bit for bit in every KV format and every layer group of a hybrid model, and greedy output is the same
-from the pool, from disk and recomputed; another model, format or cache_salt never hits; a record that fails its
-check halfway through a prefix costs only the blocks after it, and every block goes back to the pool; other requests
-run while a prefix is read."""
+"""The disk tier in the engine (--kv-disk-cache): a prefix the pool evicted (even before the writer thread wrote
+it), or that an earlier engine computed, is read back bit for bit in every KV format and every layer group of a
+hybrid model, and greedy output is the same from the pool, from disk and recomputed; another model, format or
+cache_salt never hits; a record that fails its check halfway through a prefix costs only the blocks after it, and
+every block goes back to the pool; other requests run while a prefix is read."""
 import logging
 import subprocess
 import sys

@@ -436,10 +436,10 @@ class _KvserveRuns:
 
     def llama_cpp_median(self) -> RunResult | str:
         """llama.cpp's single-stream row: the median of its paired runs (the first reason, if none ran)."""
-        ran = sorted((r for r in self.paired if isinstance(r, RunResult)), key=lambda r: r.tokens_per_s)
+        ran = [r for r in self.paired if isinstance(r, RunResult)]
         if not ran:
             return self.paired[0]
-        median = ran[(len(ran) - 1) // 2]
+        median = _median(ran)
         return median if len(ran) == 1 else replace(median, name=f"llama.cpp (median of {len(ran)} runs)")
 
     def keep_medians(self, num_configs: int) -> dict[str, list[list[RunResult]]]:
@@ -488,21 +488,23 @@ def _print_transformers_rounds(console, per_config: list[list[RunResult]], hf_ru
     (transformers' row is the median of its rounds)."""
     if len(hf_runs) < 2:
         return
-    console.print(f"transformers: median of {len(hf_runs)} runs, one at the end of each round; kvserve tokens/s ÷ "
-                  "transformers in the same round (median):")
-    for runs in per_config:
-        ratios = [r.tokens_per_s / hf.tokens_per_s for r, hf in zip(runs, hf_runs)]
-        console.print(f"  {runs[0].name}: {', '.join(f'{x:.2f}x' for x in ratios)} ({statistics.median(ratios):.2f}x)")
+    _print_ratios(console, f"transformers: median of {len(hf_runs)} runs, one at the end of each round; kvserve "
+                  "tokens/s ÷ transformers in the same round (median):", per_config, [hf_runs] * len(per_config))
 
 
 def _print_llama_cpp_pairs(console, per_config: list[list[RunResult]], paired: list[RunResult | str]) -> None:
     """Each kvserve single stream over the llama.cpp run right after it, run by run, and the median."""
     if not paired or not all(isinstance(r, RunResult) for r in paired):
         return
-    num_configs = len(per_config)
-    console.print("single stream ÷ llama.cpp run right after it, each run (median):")
-    for i, runs in enumerate(per_config):
-        ratios = [r.tokens_per_s / llama.tokens_per_s for r, llama in zip(runs, paired[i::num_configs])]
+    _print_ratios(console, "single stream ÷ llama.cpp run right after it, each run (median):", per_config,
+                  [paired[i :: len(per_config)] for i in range(len(per_config))])
+
+
+def _print_ratios(console, header: str, per_config: list[list[RunResult]], baselines: list[list[RunResult]]) -> None:
+    """Each configuration's runs over their baseline runs, one by one, and the median ratio."""
+    console.print(header)
+    for runs, against in zip(per_config, baselines):
+        ratios = [r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, against)]
         console.print(f"  {runs[0].name}: {', '.join(f'{x:.2f}x' for x in ratios)} ({statistics.median(ratios):.2f}x)")
 
 

@@ -321,7 +321,8 @@ class DiskBlockStore:
         found: list[list[torch.Tensor]] = []
         checks: list[Future] = []  # each: how many of its batch of checksums match before the first that does not
         batch: list[Checksum] = []
-        sizes: list[int] = []
+        sizes: list[int] = []  # bytes read for each record found (0: taken from the writer's queue)
+        queued_flags: list[bool] = []
         try:
             for (key, parent, token_ids), path in zip(records, paths):
                 open_ahead()
@@ -332,7 +333,8 @@ class DiskBlockStore:
                         os.close(fd)
                     found.append(queued.tensors)
                     batch.append(_QUEUED)
-                    sizes.append(0)  # no bytes read: how a queued one is told from a read one below
+                    sizes.append(0)
+                    queued_flags.append(True)
                     if len(batch) == CHECK_BATCH:
                         checks.append(self._checker.submit(_num_matching, batch))
                         batch = []
@@ -354,6 +356,7 @@ class DiskBlockStore:
                 found.append(read[0])
                 batch.append(read[1])
                 sizes.append(read[2])
+                queued_flags.append(False)
                 if len(batch) == CHECK_BATCH:
                     checks.append(self._checker.submit(_num_matching, batch))
                     batch = []
@@ -368,7 +371,7 @@ class DiskBlockStore:
                 self._reject(paths[bad], RecordRejected("corrupt", "checksum mismatch"))
                 del found[bad:]
                 break
-        num_queued = sum(1 for size in sizes[: len(found)] if not size)
+        num_queued = sum(queued_flags[: len(found)])
         with self._cond:  # reads run on several threads
             self.counters.num_reads += len(found) - num_queued
             self.counters.num_queued_reads += num_queued

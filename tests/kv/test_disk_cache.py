@@ -211,7 +211,6 @@ def test_damaged_records_are_misses_counted_logged_once_and_removed(tmp_path, ca
     assert s.read(keys[0], None, tokens[0], SPECS) is not None and s.stats()["disk_cache_blocks"] == 1
 
 
-
 def test_a_record_still_queued_for_the_writer_is_found_and_read_from_memory(tmp_path, monkeypatch):
     """A block registered a moment ago and not yet written (the writer thread behind the step thread) is a hit:
     the lookup finds it and a read takes its tensors from the queue, in order with the records on disk; a queued

@@ -581,12 +581,16 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     int8_kernel = choose_kernel() if any("int8 weights" in run.name for run in ran) else FloatKernel()
     console.print(f"decode steps, per token: their matmuls alone (float32 torch, every layer's own weights, "
                   f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
+    single = all(rows == 1 for _, rows in steps)  # the single stream's steps: one row each
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
         int8_own = "int8 weights" in run.name and not isinstance(int8_kernel, FloatKernel)
         # --compile-gemms: the template, over float weights or oneDNN's int8 ones (compiled_step.gemms_unused)
         if "compiled GEMMs" in run.name and (not int8_own or int8_kernel.inductor_template):
             own = "Inductor's GEMM template, not these BLAS calls"
+        elif single and "compiled decode" in run.name and "int8 weights" not in run.name:
+            # float weights (float32, bfloat16), one row in the graph: model/linear.py, one_row_in_graph
+            own = "Inductor's matrix-vector loops over every core, not these BLAS calls"
         elif int8_own:
             own = f"{int8_kernel.name}'s int8 ones"
         else:  # the replayed float32 BLAS calls (float32 weights, or int8 codes multiplied as float32)

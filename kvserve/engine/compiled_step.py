@@ -39,6 +39,13 @@ differently from eager by a few float32 ulps; with int8 weights it also rotates 
 (kvserve/rotation.py), where those ulps can move an activation to the next int8 code:
 tests/engine/test_compiled_step.py states both tolerances.
 
+A graph over one row (a single stream's steps) multiplies float32 and bfloat16 weights not with a BLAS call but with
+a loop of Inductor's own (model/linear.py, one_row_in_graph), which splits the weights' rows over every core: MKL's
+matrix-vector product keeps to one core on the AMD EPYCs and reads the weights at half the bandwidth that two do.
+One row's logits (head_in_graph: an output head of such weights, for SmolLM2 a fifth of them) run in a small graph
+of their own for the same reason; several rows' run eagerly. Both add their sums in another order than the BLAS, a
+few float32 ulps apart, within the tolerance the tests state.
+
 `--compile-gemms` also freezes the weights (nn.Parameters) into the graph as constants, so Inductor can multiply
 them with its C++ GEMM template over a copy packed at compile time for its loops, where its compile-time benchmark
 finds that faster than the BLAS call. At one token a BLAS matrix-vector product here keeps to one core, the template
@@ -71,6 +78,7 @@ from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerReg
                                      attention_outside_graph)
 from kvserve.model.gemma3 import Gemma3Model
 from kvserve.model.int8_kernels import FloatKernel
+from kvserve.model.linear import GRAPH_MATRIX_VECTOR_DTYPES, Linear
 from kvserve.model.llama import LlamaModel
 
 logger = logging.getLogger("kvserve")
@@ -140,6 +148,19 @@ def _decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: Pag
     return _raw_forward(_engine.model, input_ids, meta, cache)  # noqa: F821 - the copy's globals
 
 
+def _decode_logits(hidden: torch.Tensor) -> torch.Tensor:
+    """The model's output head over one row; as _decode_forward, each engine runs a copy of its own."""
+    return _raw_logits(_engine.model, hidden)  # noqa: F821 - the copy's globals
+
+
+def head_in_graph(model) -> bool:
+    """Whether one row's logits run compiled: an output head of float weights, whose matrix-vector product the graph
+    splits over every core (model/linear.py, one_row_in_graph). An int8 head's call is the same kernel in a graph and
+    out of one."""
+    head = model.lm_head
+    return isinstance(head, Linear) and head.weight.dtype in GRAPH_MATRIX_VECTOR_DTYPES
+
+
 class _ModelSlot:
     """An engine's model as its forward copy's globals reach it. Dynamo's guards keep those globals alive after the
     engine is gone (neither `reset_code` nor `torch._dynamo.reset()` lets go of them), so they hold this slot, which
@@ -161,6 +182,7 @@ class CompiledDecode:
         # traced under no_grad rather than forward's inference_mode: AOTAutograd cannot mutate the pool's
         # (normal) tensors through inference-mode views
         raw_forward = getattr(type(model).forward, "__wrapped__", type(model).forward)
+        raw_logits = getattr(type(model).compute_logits, "__wrapped__", type(model).compute_logits)
         # The model is reached through the function's globals, not a closure or an argument: only then does Dynamo
         # lift its weights (nn.Parameters) as the graph's parameters, which --compile-gemms freezes into constants.
         # Dynamo keeps compiled graphs on the function's code object, at most recompile_limit (8) of them: a copy of
@@ -168,10 +190,10 @@ class CompiledDecode:
         slot = _ModelSlot(model)
         weakref.finalize(self, setattr, slot, "model", None)  # the weights go with the engine (_ModelSlot)
 
-        def copy():  # a forward of the engine's own: its own code object, so its own graphs and guards
-            return types.FunctionType(_decode_forward.__code__.replace(),
-                                      {"__builtins__": __builtins__, "_raw_forward": raw_forward, "_engine": slot},
-                                      _decode_forward.__name__)
+        def copy(function=_decode_forward):  # the engine's own: its own code object, so its own graphs and guards
+            return types.FunctionType(function.__code__.replace(),
+                                      {"__builtins__": __builtins__, "_raw_forward": raw_forward,
+                                       "_raw_logits": raw_logits, "_engine": slot}, function.__name__)
 
         # only the step's sizes vary (_mark_dynamic)
         options = {"guard_filter_fn": step_guards, **STEP_OPTIONS}
@@ -180,6 +202,9 @@ class CompiledDecode:
         # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
         self._outside = torch.compile(copy(), dynamic=False, options=options)
         self._regions = layer_regions(model, cache, gemms)  # its layers as one region, traced and compiled once
+        # one row's logits (a single stream's every step, prefill included): a graph of its own where it pays
+        self._head = torch.compile(copy(_decode_logits), dynamic=False, options=options) \
+            if head_in_graph(model) else None
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
         self.compile_seconds = 0.0
@@ -259,6 +284,17 @@ class CompiledDecode:
         with torch.no_grad(), attention_outside_graph(attend):
             return self._outside(input_ids, stand_in, self.cache)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """One row's logits from the compiled head (head_in_graph), or None: the runner computes them eagerly (no
+        compiled head, several rows, or the graphs failed)."""
+        if self._head is None or self.failed is not None or hidden.shape[0] != 1:
+            return None
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"), torch.no_grad():
+                return self._head(hidden)
+        except Exception as exc:
+            return self._refused(exc)
+
     def _refused(self, exc: Exception) -> None:
         """A step the graphs did not run: eager for this step (a recompile refused) or from now on (a failure)."""
         if RECOMPILE in str(exc):  # a step no graph built at start fits: compiling now would stall serving
@@ -300,6 +336,13 @@ class CompiledDecode:
                 if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
                     raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) with attention "
                                        "outside it (its warnings say why)")
+            if self._head is not None:
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                with torch.no_grad():
+                    weight = self.model.lm_head.weight
+                    self._head(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=self.cache.device))
+                if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
+                    raise RuntimeError("torch.compile built no graph for the output head (its warnings say why)")
         except Exception as exc:
             self._fail(exc)
         finally:

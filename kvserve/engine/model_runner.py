@@ -97,7 +97,10 @@ class ModelRunner:
         return StepLogits(self._logits(hidden[rows]), [seq for seq, _ in sampling], prompt_logits, draft_logits)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tiles.map(self.model.compute_logits, hidden).cpu()
+        logits = self.compiled.logits(hidden) if self.compiled is not None else None  # one row: compiled head
+        if logits is None:
+            logits = self.tiles.map(self.model.compute_logits, hidden)
+        return logits.cpu()
 
     @staticmethod
     def _prompt_rows(seq: Sequence, chunk: _Chunk) -> tuple[int, int] | None:

@@ -13,6 +13,8 @@ cost from +4.61% to +0.75% (docs/quality.md). R is a Kronecker product of two sm
 rotation of x costs two small matmuls; W R is computed once at load."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,9 @@ from kvserve.model.int8_kernels import Int8Kernel, choose_kernel
 from kvserve.rotation import KroneckerRotation, kronecker_rotation
 
 INT8_MAX = 127
+# weight dtypes whose product with one row a compiled graph writes as a loop of Inductor's own (one_row_in_graph):
+# measured faster than the BLAS call in the graph on the AVX-512 EPYC, float32 and bfloat16 (docs/benchmarks.md)
+GRAPH_MATRIX_VECTOR_DTYPES = (torch.float32, torch.bfloat16)
 MIN_AMAX = torch.finfo(torch.float32).tiny
 
 
@@ -32,6 +37,9 @@ class Linear:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
+            y = (x.unsqueeze(-2) * self.weight).sum(-1)  # Inductor's own loop over every core (one_row_in_graph)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
     def storages(self) -> dict[int, int]:
@@ -177,3 +185,17 @@ def weights_nbytes(*holders) -> int:
     for holder in holders:
         seen.update(holder.storages() if hasattr(holder, "storages") else tensor_storages(holder))
     return sum(seen.values())
+
+
+def one_row_in_graph(x: torch.Tensor) -> bool:
+    """Whether `x` is one row (token) of a graph that torch.compile is tracing, its size fixed there (not a symbol).
+
+    There a matrix-vector product (GRAPH_MATRIX_VECTOR_DTYPES) is written as a product and a sum, which Inductor
+    compiles to a loop of its own, vectorized and split over every core, accumulating in float32: the BLAS call at
+    one row (MKL's sgemv on the AMD EPYCs) keeps to one core and reads the weights at about half the memory bandwidth
+    that the two cores reach (docs/benchmarks.md, "One row's matrix-vector product as the graph's own loop"). Its sums
+    are added in another order than the BLAS's, a few float32 ulps apart."""
+    if not torch.compiler.is_compiling():
+        return False
+    lead = x.shape[:-1]
+    return all(type(size) is int for size in lead) and math.prod(lead) == 1

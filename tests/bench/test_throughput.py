@@ -1,8 +1,12 @@
 """`kvserve bench throughput` without llama-cpp-python (the `[bench]` extra): it says so and runs the rest; one
 row per kvserve configuration (dtype x weights x KV format), a roofline line, and bad values named."""
+import io
 import re
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from kvserve.bench import llama_cpp_baseline, throughput
 from kvserve.cli import main
@@ -153,6 +157,33 @@ def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys):
     assert len(splits) == 2
     for total, matmuls, rest in splits:
         assert float(matmuls) > 0 and abs(float(total) - float(matmuls) - float(rest)) < 0.11
+
+
+def test_a_compiled_single_stream_is_not_split_by_blas_matmuls():
+    """A compiled graph multiplies one row by float weights in Inductor's own loops (model/linear.py,
+    one_row_in_graph), not the BLAS calls the split replays: its single stream's time is not split (its rest would
+    come out below zero); an eager single stream's is, and so are compiled batched steps and int8 weights' rows
+    (their own kernel's, said as such)."""
+    cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
+                          vocab_size=64)
+
+    def printed(rows: int) -> str:
+        runs = [throughput.RunResult(name, 8, 1.0, decode_tokens=8, decode_seconds=0.5,
+                                     steps=Counter({(rows, rows): 8 // rows}))
+                for name in ("kvserve (float32)", "kvserve (float32, compiled decode)",
+                             "kvserve (bfloat16, compiled decode)", "kvserve (float32, int8 weights, compiled decode)")]
+        console = Console(file=io.StringIO(), width=400)
+        throughput._print_decode_split(console, runs, cfg)
+        return console.file.getvalue()
+
+    single = printed(1)
+    assert "kvserve (float32): 62.5 ms = matmuls" in single
+    assert single.count("(no split: its matmuls are Inductor's matrix-vector loops over every core") == 2
+    assert "kvserve (float32, int8 weights, compiled decode): 62.5 ms, " in single
+    batched = printed(4)
+    assert "kvserve (float32, compiled decode): 62.5 ms = matmuls" in batched
+    assert "kvserve (bfloat16, compiled decode): 62.5 ms = matmuls" in batched
+    assert "Inductor's matrix-vector loops" not in batched
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The compiled decode step (kvserve/engine/compiled_step.py): decode steps run as one graph and give eager's
 tokens (except at a near-tie, which rounding may break either way) and logprobs within a float32 tolerance (the
-graph fuses norms, RoPE and activations, which rounds a few ulps differently on every CPU; the matmuls and
-attention are the same kernels); batch sizes and context lengths the warm-up never saw run the same graph (no
+graph fuses norms, RoPE and activations, which rounds a few ulps differently on every CPU, and multiplies one row by
+float weights in loops of its own, whose sums are added in another order; attention is the same kernel); batch sizes and context lengths the warm-up never saw run the same graph (no
 recompilation); steps the graph does not cover run eagerly and the start-up line says why; a graph that fails
 falls back to eager, with one warning, and serving goes on."""
 from __future__ import annotations
@@ -132,6 +132,30 @@ def test_new_batch_sizes_and_context_lengths_run_the_same_graph(engines):
     assert compiled.engine.runner.num_compiled_steps >= steps + 3 * 69
 
 
+def test_one_rows_logits_run_the_compiled_head(engines, monkeypatch):
+    """A float output head (compiled_step.head_in_graph): one row's logits, a single stream's at every step (its
+    prompt's last row too), run in a graph of their own, where the matrix-vector product is Inductor's loop over every
+    core (model/linear.py, one_row_in_graph); several rows' logits run eagerly. Both within the tolerance (compare)."""
+    eager, compiled = engines
+    model = compiled.engine.model
+    eager_rows = []
+    head = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: eager_rows.append(hidden.shape[0]) or head(hidden))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    compare(eager, compiled, PROMPTS[:1], params)
+    assert eager_rows == [], "a single stream's logits ran the eager head"
+    compare(eager, compiled, ALIKE[:2], params)
+    assert eager_rows and all(rows > 1 for rows in eager_rows)
+
+
+def test_an_int8_head_is_not_compiled_on_its_own(tmp_path):
+    """An int8 head's call is the same kernel in a graph and out of one: no graph of its own for it."""
+    path = make_tiny_model(tmp_path)
+    assert compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
+    int8 = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True).engine.model
+    assert not compiled_step.head_in_graph(int8)
+
+
 def test_preemption_mid_decode_matches_eager(tmp_path):
     path = make_tiny_model(tmp_path)
     tight = dict(kv_cache_memory="48KiB", max_model_len=96)  # 96 tokens: the four requests cannot all stay
@@ -227,8 +251,9 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, kin
     with caplog.at_level(logging.INFO, logger="kvserve"):
         compiled = LLM(str(path), **COMMON, **COMPILED, compile_gemms=True)
     assert compiled.engine.runner.compiled is not None and compiled.engine.runner.compiled.failed is None
-    # the frozen graph, and the one with attention outside, whose weights stay inputs (no second packed copy)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
+    # the frozen graph, the one with attention outside, whose weights stay inputs (no second packed copy), and the
+    # float32 output head's for one row (compiled_step.head_in_graph)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3
     # two layers, four linears each
     assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed >= 8
     assert "multiplied by Inductor's C++ GEMM template over its own packed copy" in caplog.text
@@ -242,7 +267,7 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, kin
     compare(eager, compiled, PROMPTS, params)  # lengths far apart: the graph with attention outside
     assert compiled.engine.runner.compiled.num_outside_steps > 0
     assert compiled.engine.runner.compiled.num_misses == 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2, "serving compiled a graph"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3, "serving compiled a graph"
 
 
 @pytest.mark.parametrize("kernel, applied", [(int8_kernels.IntMMKernel(), False), (int8_kernels.FloatKernel(), True),
@@ -395,14 +420,15 @@ def test_a_step_no_graph_fits_runs_eagerly_with_one_warning_and_serving_goes_on(
 
 def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path):
     """Dynamo keeps at most 8 graphs per code object; engines of different sizes in one process each build their
-    own two, so the fifth and later still compile (they ran eagerly, unsaid, when all shared one code object)."""
+    own three (the two decode graphs and the float output head's), so the fifth and later still compile (they ran
+    eagerly, unsaid, when all shared one code object)."""
     path = make_tiny_model(tmp_path)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(6):
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         llm = LLM(str(path), kv_cache_memory=f"{2 + i}MiB", max_model_len=512, **COMPILED)  # pool sizes differ
         assert llm.engine.runner.compiled is not None
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2, f"engine {i} built no graphs"
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3, f"engine {i} built no graphs"
         llm.generate([PROMPTS[0]], params)
         assert llm.engine.runner.num_compiled_steps == 19
 

@@ -6,6 +6,7 @@ import torch
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.model.int8_kernels import KERNELS, FloatKernel, IntMMKernel
+from kvserve.model import linear
 from kvserve.model.linear import Embedding, Int8Linear, Linear, Linears, quantize_rows, weights_nbytes
 
 AVAILABLE = [k for k in KERNELS if k.available()] + [FloatKernel()]
@@ -109,3 +110,27 @@ def test_an_outlier_channel_costs_little_once_rotated(kernel):
     unrotated = (codes.float() * scale[:, None]) @ (w_codes.float() * w_scale[:, None]).T
     error = lambda y: ((y - reference).norm() / rest.norm()).item()  # noqa: E731
     assert error(rotated) < 0.08 and error(unrotated) > 0.2
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_one_row_in_a_graph_is_a_product_and_a_sum_within_float_rounding(dtype, tolerance):
+    """In a graph torch.compile traces, a float linear over one row (its size fixed) is written as a product and a
+    sum (Inductor's loop over every core, not a one-core BLAS call); over rows whose number is a symbol, and eagerly,
+    it stays F.linear. Either way the result is the matmul's up to rounding: float32 sums in another order (and for
+    bfloat16, each output rounded to it)."""
+    torch.manual_seed(0)
+    layer = Linear(torch.randn(48, 96).to(dtype), torch.randn(48).to(dtype))
+    seen = []
+
+    def call(x):
+        seen.append(linear.one_row_in_graph(x))
+        return layer(x)
+
+    compiled = torch.compile(call, dynamic=False, fullgraph=True)
+    one, rows = torch.randn(1, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    assert not linear.one_row_in_graph(one)  # eagerly
+    torch.testing.assert_close(compiled(one), layer(one), rtol=tolerance, atol=tolerance)
+    torch._dynamo.mark_dynamic(rows, 0)
+    torch.testing.assert_close(compiled(rows), layer(rows), rtol=tolerance, atol=tolerance)
+    assert seen == [True, False]  # traced once per graph: one row, then a symbolic number of rows
+    assert not linear.one_row_in_graph(one)

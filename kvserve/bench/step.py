@@ -68,7 +68,8 @@ def run_step(args: argparse.Namespace) -> int:
         cells = ", ".join(f"{name} {m * 1e3:.2f}" + ("" if name == "eager" else f" ({medians['eager'] / m:.2f}x)")
                           for name, m in medians.items())
         calls = max(len(groups) for groups in meta.groups)
-        served = "whole graph" if n == 1 else "attention outside"
+        # --compile-gemms: the frozen whole graph runs every step it takes, several alike sequences too
+        served = "whole graph" if "whole graph" in runners and (n == 1 or compiled.gemms) else "attention outside"
         print(f"{n} sequence{'s' if n > 1 else ''}, {kind} contexts ({calls} attention call"
               f"{'s' if calls > 1 else ''} per layer group): {cells}; serving runs: {served}")
         for request_id in list(engine.requests):

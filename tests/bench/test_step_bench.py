@@ -42,9 +42,12 @@ def test_bench_step_needs_the_compiled_graphs(tmp_path):
 def test_bench_step_with_compile_gemms_times_one_sequence(tmp_path, capsys):
     """--compile-gemms runs one sequence's whole graph as two rows, which writes two rows' slots: each replay begins
     the step's own slots again, so the eager replay after it writes one row (it failed with index_copy_'s size
-    error)."""
-    status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "--repeat", "2",
-                   "--kv-cache-memory", "4MiB", "--compile-gemms"])
+    error). Serving runs its frozen whole graph for alike batches too, and the line says so."""
+    status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "2", "--contexts",
+                   "alike", "--repeat", "2", "--kv-cache-memory", "4MiB", "--compile-gemms"])
     assert status == 0
+    out = capsys.readouterr().out
     assert re.search(rf"^1 sequence, alike contexts \(1 attention call per layer group\): eager {MS}, whole graph "
-                     rf"{MS} \({MS}x\); serving runs: whole graph$", capsys.readouterr().out, re.MULTILINE)
+                     rf"{MS} \({MS}x\); serving runs: whole graph$", out, re.MULTILINE)
+    assert re.search(rf"^2 sequences, alike contexts \(1 attention call per layer group\): eager {MS}, whole graph "
+                     rf"{MS} \({MS}x\), attention outside {MS} \({MS}x\); serving runs: whole graph$", out, re.MULTILINE)

@@ -38,7 +38,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
-            y = (x.unsqueeze(-2) * self.weight).sum(-1)  # Inductor's own loop over every core (one_row_in_graph)
+            # Inductor's own loop over every core (one_row_in_graph), products and sums in float32 (the casts are
+            # fused into the loop: bfloat16 weights are read as they are)
+            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

@@ -567,6 +567,7 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     float32, every layer's own weights, the first row's decode steps) and the rest (attention, norms, RoPE, the
     step's Python); the matmuls alone are also the fastest a decode step of these shapes can be on this CPU."""
     from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds
+    from kvserve.model.float_kernels import BLAS
     from kvserve.model.int8_kernels import FloatKernel, choose_kernel
 
     ran = [r for r in runs if isinstance(r, RunResult) and r.decode_tokens]
@@ -588,6 +589,8 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
         # --compile-gemms: the template, over float weights or oneDNN's int8 ones (compiled_step.gemms_unused)
         if "compiled GEMMs" in run.name and (not int8_own or int8_kernel.inductor_template):
             own = "Inductor's GEMM template, not these BLAS calls"
+        elif (matmul := _float_matmul(run.name)) is not BLAS:
+            own = f"{matmul.name}'s over packed weights, not these BLAS calls"
         elif single and "compiled decode" in run.name and "int8 weights" not in run.name:
             # float weights (float32, bfloat16), one row in the graph: model/linear.py, one_row_in_graph
             own = "Inductor's matrix-vector loops over every core, not these BLAS calls"
@@ -601,6 +604,19 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
             continue
         console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest "
                       f"{total_ms - matmul_ms:.1f} (attention, norms, RoPE, Python)")
+
+
+def _float_matmul(name: str):
+    """What multiplied a kvserve row's float weights (model/float_kernels.py): the start-up probe's choice for its
+    dtype, made once a process; F.linear for int8 weights and under --batch-invariant."""
+    import torch
+
+    from kvserve.model.float_kernels import BLAS, choose_matmul
+
+    if "int8 weights" in name or "batch-invariant" in name or not name.startswith("kvserve ("):
+        return BLAS
+    dtype = getattr(torch, name.removeprefix("kvserve (").split(",")[0].rstrip(")"), None)
+    return choose_matmul(dtype) if isinstance(dtype, torch.dtype) else BLAS
 
 
 def _cpu_name() -> str:

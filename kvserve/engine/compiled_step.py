@@ -39,7 +39,9 @@ differently from eager by a few float32 ulps; with int8 weights it also rotates 
 (kvserve/rotation.py), where those ulps can move an activation to the next int8 code:
 tests/engine/test_compiled_step.py states both tolerances.
 
-A graph over one row (a single stream's steps) multiplies float32 and bfloat16 weights not with a BLAS call but with
+Float weights are multiplied as the start-up probe chose (model/float_kernels.py): oneDNN's linear over packed
+copies, which the graph calls as an op of kvserve's own, or F.linear over the weights as they are. With F.linear, a
+graph over one row (a single stream's steps) multiplies float32 and bfloat16 weights not with the BLAS call but with
 a loop of Inductor's own (model/linear.py, one_row_in_graph), which splits the weights' rows over every core: MKL's
 matrix-vector product keeps to one core on the AMD EPYCs and reads the weights at half the bandwidth that two do.
 One row's logits (head_in_graph: an output head of such weights, for SmolLM2 a fifth of them) run in a small graph
@@ -77,6 +79,7 @@ from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerRegion, attend_over,
                                      attention_outside_graph)
 from kvserve.model.gemma3 import Gemma3Model
+from kvserve.model.float_kernels import BLAS
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.linear import GRAPH_MATRIX_VECTOR_DTYPES, Linear
 from kvserve.model.llama import LlamaModel
@@ -121,12 +124,15 @@ def attention_outside(cache: PagedKVCache, needs_scores: bool) -> str | None:
 
 def gemms_unused(model) -> str | None:
     """Why --compile-gemms would add nothing but its costs to this model's graph (None: it applies). Inductor's GEMM
-    template multiplies float weights, and int8 ones that oneDNN's quantized linear multiplies (it lowers that op over
-    frozen weights: on the Intel Xeon the single stream's fastest graph, docs/benchmarks.md); torch._int_mm's calls
-    stay its calls, and freezing them made the step slower (docs/benchmarks.md, the AVX-512 EPYC)."""
+    template multiplies float weights that F.linear multiplies, and int8 ones that oneDNN's quantized linear multiplies
+    (it lowers that op over frozen weights: on the Intel Xeon the single stream's fastest graph, docs/benchmarks.md);
+    torch._int_mm's calls stay its calls, and freezing them made the step slower (docs/benchmarks.md, the AVX-512
+    EPYC), and so do calls of oneDNN's float linear over its packed weights (model/float_kernels.py)."""
     kernel = model.linears.kernel
     if kernel is not None and not isinstance(kernel, FloatKernel) and not kernel.inductor_template:
         return f"the int8 weights are multiplied by {kernel.name}, which Inductor's GEMM template does not replace"
+    if model.linears.matmul is not BLAS:
+        return f"the weights are multiplied by {model.linears.matmul.name}, which Inductor's GEMM template does not replace"
     return None
 
 
@@ -155,10 +161,10 @@ def _decode_logits(hidden: torch.Tensor) -> torch.Tensor:
 
 def head_in_graph(model) -> bool:
     """Whether one row's logits run compiled: an output head of float weights, whose matrix-vector product the graph
-    splits over every core (model/linear.py, one_row_in_graph). An int8 head's call is the same kernel in a graph and
-    out of one."""
+    splits over every core (model/linear.py, one_row_in_graph). An int8 head's call, or oneDNN's linear over a packed
+    head (model/float_kernels.py), is the same kernel in a graph and out of one."""
     head = model.lm_head
-    return isinstance(head, Linear) and head.weight.dtype in GRAPH_MATRIX_VECTOR_DTYPES
+    return isinstance(head, Linear) and head.packed is None and head.dtype in GRAPH_MATRIX_VECTOR_DTYPES
 
 
 class _ModelSlot:
@@ -339,8 +345,8 @@ class CompiledDecode:
             if self._head is not None:
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                 with torch.no_grad():
-                    weight = self.model.lm_head.weight
-                    self._head(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=self.cache.device))
+                    head = self.model.lm_head
+                    self._head(torch.zeros(1, head.in_features, dtype=head.dtype, device=self.cache.device))
                 if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
                     raise RuntimeError("torch.compile built no graph for the output head (its warnings say why)")
         except Exception as exc:

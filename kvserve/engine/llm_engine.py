@@ -87,7 +87,7 @@ class LLMEngine:
             logger.info(keep_freed_heap())  # each step's temporaries live on the C heap
         weights = load_weights(source.path, config.torch_dtype)
         self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device,
-                                 config.quantization)
+                                 config.quantization, config.batch_invariant)
         del weights
         logger.info(self._weights_line())
         model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
@@ -180,6 +180,10 @@ class LLMEngine:
                          "(lookups read the codes, the output head its packed copy)")
         else:
             form = self.config.dtype
+            copy = self.model.linears.tied_copy_nbytes
+            if copy:
+                form += (f" (of which {copy / 1e6:,.1f} MB is {self.model.linears.matmul.name}'s packed copy of the "
+                         "tied embedding table: lookups read the table, the output head its packed copy)")
         return f"weights: {self.model.weights_nbytes / 1e6:,.1f} MB {form}"
 
     def capacity_line(self) -> str:

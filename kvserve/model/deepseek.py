@@ -335,9 +335,10 @@ class DeepseekModel:
     """Weights plus forward(); the KV cache it writes holds one latent + rope vector per token and layer."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none",
+                 batch_invariant: bool = False):
         w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
-                                                            quantization)
+                                                            quantization, batch_invariant)
         ds = cfg.deepseek
         self.cfg = cfg
         self.quantization = quantization

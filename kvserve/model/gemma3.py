@@ -90,9 +90,10 @@ class Gemma3Model:
     """Weights plus forward(); `layer_types` says which layers slide over the last `sliding_window` tokens."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none",
+                 batch_invariant: bool = False):
         w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
-                                                            quantization)
+                                                            quantization, batch_invariant)
         self.cfg = cfg
         self.quantization = quantization
         self.linears = linears

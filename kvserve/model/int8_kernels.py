@@ -185,8 +185,8 @@ def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
         for m in PROBE_ROWS:
             x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
             x_float = x.float()
-            float_s = _best_time(lambda: torch.nn.functional.linear(x_float, float_weight))
-            speedups[m] = float_s / _best_time(lambda: kernel.matmul(x, packed))
+            float_s = best_time(lambda: torch.nn.functional.linear(x_float, float_weight))
+            speedups[m] = float_s / best_time(lambda: kernel.matmul(x, packed))
             # a winner beats float32 at every size probed: this one cannot win, and is not timed at more tokens
             # (oneDNN's quantized linear on the AVX-512 AMD EPYC, far slower than float32 at 64 tokens, was most of
             # an int8 start: docs/benchmarks.md, "Start-up side by side")
@@ -202,7 +202,7 @@ def _mean(choice: KernelChoice) -> float:
     return sum(choice.speedup_by_rows.values()) / len(choice.speedup_by_rows)
 
 
-def _best_time(fn, reps: int = 5) -> float:
+def best_time(fn, reps: int = 5) -> float:
     fn()  # the first call may pack or allocate
     times = []
     for _ in range(reps):

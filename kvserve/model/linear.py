@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.float_kernels import BLAS, FloatMatmul, choose_matmul
 from kvserve.model.int8_kernels import Int8Kernel, choose_kernel
 from kvserve.rotation import KroneckerRotation, kronecker_rotation
 
@@ -29,14 +30,21 @@ MIN_AMAX = torch.finfo(torch.float32).tiny
 
 
 class Linear:
-    """y = x W^T (+ b) in the model dtype. W is held as an nn.Parameter (the same tensor), which is what
-    the compiled decode step's --compile-gemms freezes into its graph (engine/compiled_step.py)."""
+    """y = x W^T (+ b) in the model dtype, multiplied by `matmul` (kvserve/model/float_kernels.py): F.linear over W
+    held as an nn.Parameter (the same tensor), which is what the compiled decode step's --compile-gemms freezes into
+    its graph (engine/compiled_step.py), or oneDNN's linear over its packed copy of W, which then replaces W
+    (`weight` None)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = parameter(weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, matmul: FloatMatmul | None = None):
+        self.matmul = matmul or BLAS
         self.bias = bias
+        self.in_features, self.dtype = weight.shape[1], weight.dtype
+        self.packed = self.matmul.pack(weight)
+        self.weight = parameter(weight) if self.packed is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.matmul.linear(x, None, self.packed, self.bias)
         if x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
             # Inductor's own loop over every core (one_row_in_graph), products and sums in float32 (the casts are
             # fused into the loop: bfloat16 weights are read as they are)
@@ -45,7 +53,7 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def storages(self) -> dict[int, int]:
-        return tensor_storages(self.weight, self.bias)
+        return {**tensor_storages(self.weight, self.bias), **self.matmul.storages(self.packed)}
 
 
 class Int8Linear:
@@ -137,24 +145,31 @@ class Linears:
     A tied int8 table is quantized once (rotated, as the head's input is); lookups read its codes and rotate them
     back, and the head multiplies by them, through a view
     or, when the kernel keeps a packed copy of its own (oneDNN), through that copy: then the table is held twice
-    (`tied_copy_nbytes`)."""
+    (`tied_copy_nbytes`). So is a tied float table that oneDNN's linear multiplies (float_kernels.py): lookups read
+    the table, the head its packed copy. Float weights are multiplied by `matmul`, by default the probe's choice
+    (choose_matmul); load_linears gives the BLAS call under --batch-invariant and off the CPU."""
 
-    def __init__(self, quantization: str, dtype: torch.dtype, kernel: Int8Kernel | None = None):
+    def __init__(self, quantization: str, dtype: torch.dtype, kernel: Int8Kernel | None = None,
+                 matmul: FloatMatmul | None = None):
         self.quantization = quantization
         self.dtype = dtype
         self.kernel = (kernel or choose_kernel()) if quantization == "int8" else None
+        self.matmul = matmul or (BLAS if self.kernel is not None else choose_matmul(dtype))
         self.tied_copy_nbytes = 0
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         if self.kernel is None:
-            return Linear(weight, bias)
+            return Linear(weight, bias, self.matmul)
         return Int8Linear(weight, bias, self.kernel)
 
     def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
                                                                                             Embedding]:
         """The output projection and the input embedding; `lm_head` None means tied to `embed` (one table kept)."""
         if self.kernel is None:
-            return self.linear(lm_head if lm_head is not None else embed), Embedding(embed)
+            head = self.linear(lm_head if lm_head is not None else embed)
+            if lm_head is None and head.packed is not None:
+                self.tied_copy_nbytes = sum(head.storages().values())
+            return head, Embedding(embed)
         rotation = input_rotation(embed)
         codes, scale = quantize_rows(rotation(embed.float()))
         embedding = Embedding(codes, scale, self.dtype, rotation)
@@ -166,10 +181,12 @@ class Linears:
 
 
 def load_linears(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype, device: str | torch.device,
-                 quantization: str) -> tuple[dict[str, torch.Tensor], Linears, Linear | Int8Linear, Embedding]:
+                 quantization: str, batch_invariant: bool = False) -> tuple[dict[str, torch.Tensor], Linears,
+                                                                           Linear | Int8Linear, Embedding]:
     """A decoder's weights in `dtype` on `device` (the tables taken out), its Linears, output head and embedding."""
     w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
-    linears = Linears(quantization, dtype)
+    cpu = torch.device(device).type == "cpu"  # oneDNN's linear is a CPU route
+    linears = Linears(quantization, dtype, matmul=BLAS if batch_invariant or not cpu else None)
     lm_head, embed = linears.head_and_embedding(w.pop("model.embed_tokens.weight"),
                                                 None if tied else w.pop("lm_head.weight"))
     return w, linears, lm_head, embed

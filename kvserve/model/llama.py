@@ -69,9 +69,10 @@ class LlamaModel:
     """Weights plus forward(); holds no per-request state (that lives in the cache and the metadata)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none",
+                 batch_invariant: bool = False):
         w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
-                                                            quantization)
+                                                            quantization, batch_invariant)
         self.cfg = cfg
         self.quantization = quantization
         self.linears = linears

@@ -6,6 +6,8 @@ import re
 import pytest
 
 from kvserve.cli import main
+from kvserve.model import linear
+from kvserve.model.float_kernels import BLAS
 from tests.conftest import make_tiny_model
 
 MS = r"[\d.]+"
@@ -39,10 +41,11 @@ def test_bench_step_needs_the_compiled_graphs(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_step_with_compile_gemms_times_one_sequence(tmp_path, capsys):
+def test_bench_step_with_compile_gemms_times_one_sequence(tmp_path, capsys, monkeypatch):
     """--compile-gemms runs one sequence's whole graph as two rows, which writes two rows' slots: each replay begins
     the step's own slots again, so the eager replay after it writes one row (it failed with index_copy_'s size
     error). Serving runs its frozen whole graph for alike batches too, and the line says so."""
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: BLAS)  # weights --compile-gemms freezes
     status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "2", "--contexts",
                    "alike", "--repeat", "2", "--kv-cache-memory", "4MiB", "--compile-gemms"])
     assert status == 0

@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 
 from kvserve.bench import llama_cpp_baseline, throughput
+from kvserve.model import float_kernels
 from kvserve.cli import main
 from tests.conftest import make_tiny_model
 
@@ -159,13 +160,15 @@ def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys):
         assert float(matmuls) > 0 and abs(float(total) - float(matmuls) - float(rest)) < 0.11
 
 
-def test_a_compiled_single_stream_is_not_split_by_blas_matmuls():
+def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     """A compiled graph multiplies one row by float weights in Inductor's own loops (model/linear.py,
     one_row_in_graph), not the BLAS calls the split replays: its single stream's time is not split (its rest would
     come out below zero); an eager single stream's is, and so are compiled batched steps and int8 weights' rows
     (their own kernel's, said as such)."""
     cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
                           vocab_size=64)
+
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)  # F.linear's weights
 
     def printed(rows: int) -> str:
         runs = [throughput.RunResult(name, 8, 1.0, decode_tokens=8, decode_seconds=0.5,
@@ -184,6 +187,8 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls():
     assert "kvserve (float32, compiled decode): 62.5 ms = matmuls" in batched
     assert "kvserve (bfloat16, compiled decode): 62.5 ms = matmuls" in batched
     assert "Inductor's matrix-vector loops" not in batched
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.OneDNNMatmul())
+    assert printed(4).count("(no split: its matmuls are oneDNN linear's over packed weights") == 3
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ recompilation); steps the graph does not cover run eagerly and the start-up line
 falls back to eager, with one warning, and serving goes on."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -22,6 +23,7 @@ import torch
 from kvserve.engine import compiled_step
 from kvserve.engine.llm import LLM
 from kvserve.model import int8_kernels, linear
+from kvserve.model.float_kernels import BLAS, OneDNNMatmul
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
 
@@ -40,13 +42,26 @@ PROMPTS = [list(range(3, 40)), list(range(5, 90)), list(range(7, 20)), list(rang
 ALIKE = [list(range(3, 40)), list(range(5, 44)), list(range(7, 41)), list(range(11, 50))]  # 34-39 tokens
 
 
-@pytest.fixture(scope="module", params=["llama-gqa", "gemma3-mqa"])
+@contextlib.contextmanager
+def float_matmul(matmul):
+    """Engines built inside multiply float weights by `matmul`, whatever this CPU's probe would pick."""
+    with mock.patch.object(linear, "choose_matmul", lambda dtype: matmul):
+        yield
+
+
+@pytest.fixture(scope="module", params=[("llama-gqa", "blas"), ("gemma3-mqa", "blas"), ("llama-gqa", "onednn")],
+                ids="-".join)
 def engines(request, tmp_path_factory):
     """An eager and a compiled engine on one tiny model (gemma3-mqa: a sliding and a full-attention layer, two
-    layer groups with their own block tables)."""
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param), kind=request.param)
-    eager = LLM(str(path), **COMMON, enforce_eager=True)
-    compiled = LLM(str(path), **COMMON, **COMPILED)
+    layer groups with their own block tables), their float weights multiplied by F.linear (in the graph at one row:
+    the graph's own loop) or by oneDNN's linear over packed copies (model/float_kernels.py: an op of kvserve's own
+    in the graph)."""
+    kind, matmul = request.param
+    path = make_tiny_model(tmp_path_factory.mktemp(kind), kind=kind)
+    with float_matmul(BLAS if matmul == "blas" else OneDNNMatmul()):
+        eager = LLM(str(path), **COMMON, enforce_eager=True)
+        compiled = LLM(str(path), **COMMON, **COMPILED)
+    assert (compiled.engine.model.linears.matmul is BLAS) == (matmul == "blas")
     assert compiled.engine.runner.compiled is not None, "the decode step did not compile"
     # the warm-up's writes are put back: the pool is as zeroed as eager's
     assert all(bool((t == 0).all()) for t in compiled.engine.cache._block_tensors())
@@ -143,15 +158,22 @@ def test_one_rows_logits_run_the_compiled_head(engines, monkeypatch):
     monkeypatch.setattr(model, "compute_logits", lambda hidden: eager_rows.append(hidden.shape[0]) or head(hidden))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params)
+    if model.linears.matmul is not BLAS:  # oneDNN's packed head: the same kernel in a graph, so none is built
+        assert not compiled_step.head_in_graph(model) and eager_rows and set(eager_rows) == {1}
+        return
     assert eager_rows == [], "a single stream's logits ran the eager head"
     compare(eager, compiled, ALIKE[:2], params)
     assert eager_rows and all(rows > 1 for rows in eager_rows)
 
 
 def test_an_int8_head_is_not_compiled_on_its_own(tmp_path):
-    """An int8 head's call is the same kernel in a graph and out of one: no graph of its own for it."""
+    """An int8 head's call, or oneDNN's over a packed float head, is the same kernel in a graph and out of one: no
+    graph of its own for it."""
     path = make_tiny_model(tmp_path)
-    assert compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
+    with float_matmul(BLAS):
+        assert compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
+    with float_matmul(OneDNNMatmul()):
+        assert not compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
     int8 = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True).engine.model
     assert not compiled_step.head_in_graph(int8)
 
@@ -238,12 +260,14 @@ def test_compile_decode_and_enforce_eager_contradict(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "gemma3-mqa"])  # gemma3-mqa: two layer groups, each padded
-def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, kind):
+def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, monkeypatch, kind):
     """--compile-gemms: the weights are frozen into the graph (Inductor's freezing packs each linear's weight, which
     it counts; a graph that kept the weights as inputs packs none and fails here), whichever GEMM its benchmark then
     picks on this CPU, the template or the BLAS call. It is one graph, one packed copy: a single sequence runs it as
     two identical ones. Decode steps give eager's tokens and logprobs within the tolerance, alone and batched, and the
-    weights the eager steps use are the model's own, unchanged."""
+    weights the eager steps use are the model's own, unchanged. (Weights that F.linear multiplies: oneDNN's packed
+    ones are not frozen, test_compile_gemms_is_not_applied_over_onednn_float_weights.)"""
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: BLAS)
     path = make_tiny_model(tmp_path, kind=kind)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
     packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
@@ -287,6 +311,17 @@ def test_compile_gemms_is_not_applied_over_an_int8_kernel(tmp_path, caplog, monk
         llm = LLM(str(path), **COMMON, **COMPILED, quantization="int8", compile_gemms=True)
     assert llm.engine.runner.compiled is not None and not llm.engine.runner.compiled.gemms
     assert "--compile-gemms: not applied (the int8 weights are multiplied by torch._int_mm" in caplog.text
+
+
+def test_compile_gemms_is_not_applied_over_onednn_float_weights(tmp_path, caplog, monkeypatch):
+    """Float weights that oneDNN's linear multiplies over its packed copies (model/float_kernels.py) are an op of
+    kvserve's own in the graph, which Inductor's GEMM template does not replace: --compile-gemms is not applied, and
+    the start-up line says so."""
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: OneDNNMatmul())
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        llm = LLM(str(make_tiny_model(tmp_path)), **COMMON, **COMPILED, compile_gemms=True)
+    assert llm.engine.runner.compiled is not None and not llm.engine.runner.compiled.gemms
+    assert "--compile-gemms: not applied (the weights are multiplied by oneDNN linear" in caplog.text
 
 
 @pytest.mark.skipif(not int8_kernels.OneDNNKernel().available(),
@@ -418,10 +453,11 @@ def test_a_step_no_graph_fits_runs_eagerly_with_one_warning_and_serving_goes_on(
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "serving compiled a graph"
 
 
-def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path):
+def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path, monkeypatch):
     """Dynamo keeps at most 8 graphs per code object; engines of different sizes in one process each build their
     own three (the two decode graphs and the float output head's), so the fifth and later still compile (they ran
     eagerly, unsaid, when all shared one code object)."""
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: BLAS)  # F.linear's head: a graph of its own
     path = make_tiny_model(tmp_path)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(6):

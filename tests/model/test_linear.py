@@ -3,10 +3,12 @@ within the worst-case rounding bound, about 1% on Gaussian data, each row indepe
 numbers through every kernel route."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.model.int8_kernels import KERNELS, FloatKernel, IntMMKernel
-from kvserve.model import linear
+from kvserve.model import float_kernels, linear
+from kvserve.model.float_kernels import BLAS, OneDNNMatmul
 from kvserve.model.linear import Embedding, Int8Linear, Linear, Linears, quantize_rows, weights_nbytes
 
 AVAILABLE = [k for k in KERNELS if k.available()] + [FloatKernel()]
@@ -87,10 +89,48 @@ def test_tied_int8_embedding_reads_the_head_codes(kernel):
 
 def test_float_linears_are_plain_and_tied_tables_count_once():
     table = gaussian(50, 16)
-    head, embedding = Linears("none", torch.float32).head_and_embedding(table, None)
+    head, embedding = Linears("none", torch.float32, matmul=BLAS).head_and_embedding(table, None)
     assert isinstance(head, Linear) and isinstance(embedding, Embedding)
     assert torch.equal(head(table[:2]), table[:2] @ table.T)
     assert weights_nbytes(head, embedding) == table.nbytes
+
+
+@pytest.mark.skipif(not OneDNNMatmul().available(torch.float32), reason="no oneDNN in this torch build")
+def test_onednn_float_linears_replace_the_weight_and_a_tied_table_is_held_twice():
+    """oneDNN's linear multiplies a packed copy of the weight, which replaces the dense one (the same bytes); a tied
+    table stays for lookups beside the head's packed copy, counted as tied_copy_nbytes. Results are F.linear's up to
+    float32 rounding, for any number of rows, none included."""
+    table, weight, bias = gaussian(50, 16), gaussian(24, 16, seed=1), gaussian(24, seed=2)
+    linears = Linears("none", torch.float32, matmul=OneDNNMatmul())
+    head, embedding = linears.head_and_embedding(table, None)
+    layer = linears.linear(weight, bias)
+    assert head.weight is None and layer.weight is None and head.packed is not None
+    assert linears.tied_copy_nbytes == table.nbytes
+    assert weights_nbytes(head, embedding) == 2 * table.nbytes
+    assert weights_nbytes(layer) == weight.nbytes + bias.nbytes
+    for rows in (0, 1, 3, 40):
+        x = gaussian(rows, 16, seed=rows)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(head(x), x @ table.T, rtol=1e-5, atol=1e-5)
+    assert layer(gaussian(2, 3, 16)).shape == (2, 3, 24)
+
+
+def test_the_float_matmul_probe_picks_a_route_only_where_it_wins_at_every_size(monkeypatch):
+    """A route wins only if it beats F.linear at one token and at 64 (it is not timed at 64 once it lost at one);
+    otherwise the BLAS call stays and the line says nothing beat it. The timings are fakes, in the probe's order
+    (F.linear, then the route, at each size): which route wins is the probe's rule, not this CPU's."""
+    monkeypatch.setattr(float_kernels, "PROBE_SHAPE", (8, 4))
+    route = OneDNNMatmul()
+    monkeypatch.setattr(route, "available", lambda dtype: True)
+    monkeypatch.setattr(route, "pack", lambda weight: weight)
+    for route_times, wins, timed in (([0.5, 0.5], True, 4), ([0.5, 2.0], False, 4), ([2.0, 0.5], False, 2)):
+        times = iter([1.0, route_times[0], 1.0, route_times[1]])
+        calls = []
+        monkeypatch.setattr(float_kernels, "best_time", lambda fn, reps=5: calls.append(fn) or next(times))
+        choice = float_kernels.probe_matmuls(torch.float32, (route,))
+        assert (choice.matmul is route) == wins and len(calls) == timed, route_times
+        assert ("start-up probe: 2.0x F.linear at 1 token, 2.0x F.linear at 64 tokens" in choice.describe()) if wins \
+            else choice.describe() == "float32 matmuls: F.linear, PyTorch's BLAS call (MKL on x86) (nothing else beat it here)"
 
 
 @pytest.mark.parametrize("kernel", AVAILABLE, ids=lambda k: k.name)

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from kvserve.bench import llama_cpp_baseline, throughput
-from kvserve.model import float_kernels
+from kvserve.model import float_kernels, linear
 from kvserve.cli import main
 from tests.conftest import make_tiny_model
 
@@ -146,7 +146,10 @@ def test_speculation_rows_say_how_much_was_accepted(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys):
+def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys, monkeypatch):
+    # F.linear's weights, which the split replays (oneDNN's packed ones are not split: the test above)
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: float_kernels.BLAS)
     argv = [*TINY_RUN, "llama.cpp", "--output-len", "4"]
     argv.remove("single")
 

@@ -388,6 +388,9 @@ def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_pat
 STARTING_PROCESS = """
 import json, sys, torch
 from kvserve.engine.llm import LLM
+from kvserve.model import float_kernels, linear
+# the float matmul pinned (its probe could pick another route in a start on a loaded machine: another graph)
+linear.choose_matmul = lambda dtype: float_kernels.BLAS
 llm = LLM(sys.argv[1], kv_cache_memory="2MiB", max_model_len=512, compile_decode=True, **json.loads(sys.argv[2]))
 assert llm.engine.runner.compiled is not None
 counters = torch._dynamo.utils.counters  # AOTAutograd's cache, and the FX graph cache below it

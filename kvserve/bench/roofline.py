@@ -1,8 +1,9 @@
 """The machine's own matmul rate for a workload, to say what share of "what this CPU can do" an engine reaches.
 
 An engine run records each step's shape: tokens through the layers, rows through the output head. The same
-matmuls (the model's linear shapes, plain float32 `torch` on random weights, no attention, no Python around them)
-are replayed and timed here, in the same process and run; the workload's matmul FLOPs divided by that time is the
+matmuls (the model's linear shapes, float32 on random weights, no attention, no Python around them, multiplied as
+the engine multiplies float32 weights in this process: F.linear, or oneDNN's linear over packed copies where the
+start-up probe chose it, kvserve/model/float_kernels.py) are replayed and timed here, in the same process and run; the workload's matmul FLOPs divided by that time is the
 roofline an engine's achieved rate is compared with. Every layer has weights of its own, as the model does: a step
 of one token reads them all from memory, which is what bounds a single stream (with one set of weights shared by
 the layers, 14 MB for SmolLM2, the replay would read them from the CPU's cache)."""
@@ -13,9 +14,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.model.config import ModelConfig
+from kvserve.model import float_kernels
 
 StepShapes = Counter  # (tokens through the layers, rows through the head) -> number of such steps
 
@@ -55,24 +56,36 @@ def matmul_roofline(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> f
 
 
 def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> float:
-    """Seconds plain float32 matmuls take to replay `steps`, each layer with weights of its own."""
+    """Seconds float32 matmuls take to replay `steps`, each layer with weights of its own, multiplied by the float32
+    route this process's engines use (replay_matmul)."""
     gen = torch.Generator().manual_seed(0)
-    layers = [[torch.empty(n, k).uniform_(-1, 1, generator=gen) for n, k in shapes.per_layer]
-              for _ in range(shapes.num_layers)]
-    head = torch.empty(*shapes.head).uniform_(-1, 1, generator=gen)
+    matmul = replay_matmul()
+
+    def weight(n: int, k: int) -> tuple[torch.Tensor | None, object]:
+        w = torch.empty(n, k).uniform_(-1, 1, generator=gen)
+        packed = matmul.pack(w)
+        return (w if packed is None else None), packed  # a packed copy replaces the weight, as in the engine
+
+    layers = [[weight(n, k) for n, k in shapes.per_layer] for _ in range(shapes.num_layers)]
+    head = weight(*shapes.head)
     seconds = 0.0
     for (tokens, rows), count in steps.items():
         inputs = [torch.randn(tokens, n_in, generator=gen) for _, n_in in shapes.per_layer]
-        head_in = torch.randn(rows, head.shape[1], generator=gen)
+        head_in = torch.randn(rows, shapes.head[1], generator=gen)
 
         def step() -> None:
             for weights in layers:
-                for w, xi in zip(weights, inputs):
-                    F.linear(xi, w)
-            F.linear(head_in, head)
+                for (w, packed), xi in zip(weights, inputs):
+                    matmul.linear(xi, w, packed, None)
+            matmul.linear(head_in, *head, None)
 
         seconds += count * _best_time(step, reps)
     return seconds
+
+
+def replay_matmul():
+    """The route that multiplies float32 weights in this process (model/float_kernels.py: the probe's choice)."""
+    return float_kernels.choose_matmul(torch.float32)
 
 
 def _best_time(fn, reps: int) -> float:

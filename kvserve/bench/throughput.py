@@ -10,8 +10,8 @@ them one after another and, through its batch API, all at once. Single stream: o
 With --repeat N the kvserve configurations run round after round, transformers' batched runs at the end of each
 round and llama.cpp's single stream right after each of kvserve's: every ratio is also given run by run against
 the baseline run beside it (the machine's speed drifts over minutes).
-A roofline line per workload compares each kvserve run's matmul FLOP/s with plain float32 torch matmuls of the
-same shapes replayed in the same run (kvserve/bench/roofline.py)."""
+A roofline line per workload compares each kvserve run's matmul FLOP/s with float32 matmuls of the same shapes
+replayed in the same run, multiplied as the engine multiplies float32 (kvserve/bench/roofline.py)."""
 from __future__ import annotations
 
 import argparse
@@ -548,15 +548,15 @@ def _print_speculation(console, rows: list[RunResult | str]) -> None:
 
 
 def _print_roofline(console, runs: list[RunResult], model_config) -> None:
-    from kvserve.bench.roofline import MatmulShapes, matmul_roofline, workload_flops
+    from kvserve.bench.roofline import MatmulShapes, matmul_roofline, replay_matmul, workload_flops
 
     shapes = MatmulShapes.of(model_config)
     reference = runs[0]
     roof = matmul_roofline(shapes, reference.steps)
     flops = workload_flops(shapes, reference.steps)
     console.print(f"roofline: this workload's matmuls (linears and output head; attention not counted) are "
-                  f"{flops / 1e9:,.0f} GFLOP; plain float32 torch matmuls of the same shapes, replayed step by step "
-                  f"now, run at {roof / 1e9:,.1f} GFLOP/s")
+                  f"{flops / 1e9:,.0f} GFLOP; float32 matmuls of the same shapes ({replay_matmul().name}, as the "
+                  f"engine multiplies float32 here), replayed step by step now, run at {roof / 1e9:,.1f} GFLOP/s")
     for run in runs:
         achieved = workload_flops(shapes, run.steps) / run.seconds
         console.print(f"  {run.name}: {achieved / 1e9:,.1f} GFLOP/s = {achieved / roof:.0%} of that")
@@ -566,7 +566,7 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     """Each kvserve row's decode-only time per token, split into what its matmuls alone take (replayed now: plain
     float32, every layer's own weights, the first row's decode steps) and the rest (attention, norms, RoPE, the
     step's Python); the matmuls alone are also the fastest a decode step of these shapes can be on this CPU."""
-    from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds
+    from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds, replay_matmul
     from kvserve.model.float_kernels import BLAS
     from kvserve.model.int8_kernels import FloatKernel, choose_kernel
 
@@ -580,23 +580,25 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     matmul_ms = matmul_seconds(MatmulShapes.of(model_config), steps) / tokens * 1e3
     # what rows with int8 weights multiply by: the start-up probe's choice, made once a process
     int8_kernel = choose_kernel() if any("int8 weights" in run.name for run in ran) else FloatKernel()
-    console.print(f"decode steps, per token: their matmuls alone (float32 torch, every layer's own weights, "
-                  f"replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
+    replayed = replay_matmul()
+    console.print(f"decode steps, per token: their matmuls alone (float32, {replayed.name}, every layer's own "
+                  f"weights, replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
     single = all(rows == 1 for _, rows in steps)  # the single stream's steps: one row each
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
         int8_own = "int8 weights" in run.name and not isinstance(int8_kernel, FloatKernel)
         # --compile-gemms: the template, over float weights or oneDNN's int8 ones (compiled_step.gemms_unused)
+        matmul = _float_matmul(run.name)
         if "compiled GEMMs" in run.name and (not int8_own or int8_kernel.inductor_template):
-            own = "Inductor's GEMM template, not these BLAS calls"
-        elif (matmul := _float_matmul(run.name)) is not BLAS:
-            own = f"{matmul.name}'s over packed weights, not these BLAS calls"
-        elif single and "compiled decode" in run.name and "int8 weights" not in run.name:
-            # float weights (float32, bfloat16), one row in the graph: model/linear.py, one_row_in_graph
-            own = "Inductor's matrix-vector loops over every core, not these BLAS calls"
+            own = f"Inductor's GEMM template, not the replayed {replayed.name}"
         elif int8_own:
             own = f"{int8_kernel.name}'s int8 ones"
-        else:  # the replayed float32 BLAS calls (float32 weights, or int8 codes multiplied as float32)
+        elif matmul is not replayed:  # float weights by another route (or int8 codes as float32 by F.linear)
+            own = f"{matmul.name}'s, not the replayed {replayed.name}"
+        elif single and "compiled decode" in run.name and "int8 weights" not in run.name and matmul is BLAS:
+            # float weights (float32, bfloat16), one row in the graph: model/linear.py, one_row_in_graph
+            own = "Inductor's matrix-vector loops over every core, not these BLAS calls"
+        else:  # the replayed calls (float32 weights, or int8 codes multiplied as float32)
             own = None
         if own is not None:  # no split
             console.print(f"  {run.name}: {total_ms:.1f} ms, {total_ms / matmul_ms:.2f}x the replayed matmuls alone "
@@ -608,7 +610,8 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
 
 def _float_matmul(name: str):
     """What multiplied a kvserve row's float weights (model/float_kernels.py): the start-up probe's choice for its
-    dtype, made once a process; F.linear for int8 weights and under --batch-invariant."""
+    dtype, made once a process; F.linear under --batch-invariant, and for int8 weights (whose codes F.linear
+    multiplies as float32 where no int8 kernel beats it)."""
     import torch
 
     from kvserve.model.float_kernels import BLAS, choose_matmul

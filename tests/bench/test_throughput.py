@@ -173,11 +173,12 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
 
     monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)  # F.linear's weights
 
-    def printed(rows: int) -> str:
+    def printed(rows: int, extra: tuple[str, ...] = ()) -> str:
         runs = [throughput.RunResult(name, 8, 1.0, decode_tokens=8, decode_seconds=0.5,
                                      steps=Counter({(rows, rows): 8 // rows}))
                 for name in ("kvserve (float32)", "kvserve (float32, compiled decode)",
-                             "kvserve (bfloat16, compiled decode)", "kvserve (float32, int8 weights, compiled decode)")]
+                             "kvserve (bfloat16, compiled decode)", "kvserve (float32, int8 weights, compiled decode)",
+                             *extra)]
         console = Console(file=io.StringIO(), width=400)
         throughput._print_decode_split(console, runs, cfg)
         return console.file.getvalue()
@@ -190,8 +191,14 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     assert "kvserve (float32, compiled decode): 62.5 ms = matmuls" in batched
     assert "kvserve (bfloat16, compiled decode): 62.5 ms = matmuls" in batched
     assert "Inductor's matrix-vector loops" not in batched
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.OneDNNMatmul())
-    assert printed(4).count("(no split: its matmuls are oneDNN linear's over packed weights") == 3
+    # oneDNN's float linear: the replay multiplies as the engine did, so those rows are split; a row that kept
+    # F.linear (--batch-invariant) is not
+    route = float_kernels.OneDNNMatmul()
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: route)
+    onednn = printed(1, extra=("kvserve (float32, batch-invariant)",))
+    assert "kvserve (float32, compiled decode): 62.5 ms = matmuls" in onednn and "matrix-vector loops" not in onednn
+    assert "(float32, batch-invariant): 62.5 ms, " in onednn
+    assert "(no split: its matmuls are F.linear's, not the replayed oneDNN linear)" in onednn
 
 
 @pytest.mark.slow

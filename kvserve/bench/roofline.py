@@ -3,10 +3,11 @@
 An engine run records each step's shape: tokens through the layers, rows through the output head. The same
 matmuls (the model's linear shapes, float32 on random weights, no attention, no Python around them, multiplied as
 the engine multiplies float32 weights in this process: F.linear, or oneDNN's linear over packed copies where the
-start-up probe chose it, kvserve/model/float_kernels.py) are replayed and timed here, in the same process and run; the workload's matmul FLOPs divided by that time is the
-roofline an engine's achieved rate is compared with. Every layer has weights of its own, as the model does: a step
-of one token reads them all from memory, which is what bounds a single stream (with one set of weights shared by
-the layers, 14 MB for SmolLM2, the replay would read them from the CPU's cache)."""
+start-up probe chose it, kvserve/model/float_kernels.py) are replayed and timed here, in the same process and
+run; the workload's matmul FLOPs divided by that time is the roofline an engine's achieved rate is compared with.
+Every layer has weights of its own, as the model does: a step of one token reads them all from memory, which is what
+bounds a single stream (with one set of weights shared by the layers, 14 MB for SmolLM2, the replay would read them
+from the CPU's cache)."""
 from __future__ import annotations
 
 import time

@@ -132,7 +132,8 @@ def gemms_unused(model) -> str | None:
     if kernel is not None and not isinstance(kernel, FloatKernel) and not kernel.inductor_template:
         return f"the int8 weights are multiplied by {kernel.name}, which Inductor's GEMM template does not replace"
     if model.linears.matmul is not BLAS:
-        return f"the weights are multiplied by {model.linears.matmul.name}, which Inductor's GEMM template does not replace"
+        return (f"the weights are multiplied by {model.linears.matmul.name}, which Inductor's GEMM template does not "
+                "replace")
     return None
 
 

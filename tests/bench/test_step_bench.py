@@ -53,4 +53,5 @@ def test_bench_step_with_compile_gemms_times_one_sequence(tmp_path, capsys, monk
     assert re.search(rf"^1 sequence, alike contexts \(1 attention call per layer group\): eager {MS}, whole graph "
                      rf"{MS} \({MS}x\); serving runs: whole graph$", out, re.MULTILINE)
     assert re.search(rf"^2 sequences, alike contexts \(1 attention call per layer group\): eager {MS}, whole graph "
-                     rf"{MS} \({MS}x\), attention outside {MS} \({MS}x\); serving runs: whole graph$", out, re.MULTILINE)
+                     rf"{MS} \({MS}x\), attention outside {MS} \({MS}x\); serving runs: whole graph$", out,
+                     re.MULTILINE)

@@ -1,9 +1,10 @@
 """The compiled decode step (kvserve/engine/compiled_step.py): decode steps run as one graph and give eager's
 tokens (except at a near-tie, which rounding may break either way) and logprobs within a float32 tolerance (the
 graph fuses norms, RoPE and activations, which rounds a few ulps differently on every CPU, and multiplies one row by
-float weights in loops of its own, whose sums are added in another order; attention is the same kernel); batch sizes and context lengths the warm-up never saw run the same graph (no
-recompilation); steps the graph does not cover run eagerly and the start-up line says why; a graph that fails
-falls back to eager, with one warning, and serving goes on."""
+float weights in loops of its own, whose sums are added in another order; attention is the same kernel); batch
+sizes and context lengths the warm-up never saw run the same graph (no recompilation); steps the graph does not
+cover run eagerly and the start-up line says why; a graph that fails falls back to eager, with one warning, and
+serving goes on."""
 from __future__ import annotations
 
 import contextlib

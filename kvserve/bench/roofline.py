@@ -10,6 +10,7 @@ bounds a single stream (with one set of weights shared by the layers, 14 MB for 
 from the CPU's cache)."""
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -82,6 +83,14 @@ def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> fl
 
         seconds += count * _best_time(step, reps)
     return seconds
+
+
+@functools.cache
+def read_bandwidth(nbytes: int = 2**30, reps: int = 3) -> float:
+    """Bytes/s this CPU reads from memory with every core: the best of `reps` sums over `nbytes` of float32 (far more
+    than its caches hold), what a decode step reading its weights or a K/V cache once can at best reach."""
+    data = torch.ones(nbytes // 4)
+    return nbytes / _best_time(data.sum, reps)
 
 
 def replay_matmul():

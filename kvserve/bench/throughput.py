@@ -80,6 +80,9 @@ class RunResult:
     drafts: int = 0  # ... in this many verifications
     decode_steps: int = 0  # steps that prefilled nothing (kvserve) ...
     compiled_steps: int = 0  # ... and those of them that ran the compiled graph (--compile-decode)
+    # the least the decode-only steps' attention reads: each sequence's K/V over its whole context once a step, in the
+    # KV format's bytes a token (kvserve; every layer over every key: a sliding layer would read less)
+    decode_kv_bytes: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,7 +103,8 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     lengths = dict.fromkeys(ids, 0)
     outputs: dict[str, list[int]] = {}
     steps: Counter = Counter()
-    decode_tokens, decode_seconds, decode_steps = 0, 0.0, 0
+    decode_tokens, decode_seconds, decode_steps, decode_keys = 0, 0.0, 0, 0
+    prompt_lens = {request_id: len(prompt) for request_id, prompt in zip(ids, prompts)}
     prefill_start, compiled_start = engine.num_prefill_tokens, engine.runner.num_compiled_steps
     spec_start = _spec_counts(engine)
     start = time.perf_counter()
@@ -111,10 +115,12 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
         step_start = time.perf_counter()
         step_outputs = engine.step()
         step_seconds = time.perf_counter() - step_start
-        sampled = 0
+        sampled, keys = 0, 0
         for output in step_outputs:
             token_ids = output.outputs[0].token_ids
             sampled += len(token_ids) - lengths[output.request_id]
+            if len(token_ids) > lengths[output.request_id]:  # its newest token's step attended over all before it
+                keys += prompt_lens[output.request_id] + len(token_ids) - 1
             lengths[output.request_id] = len(token_ids)
             if output.finished:
                 outputs[output.request_id] = list(token_ids)
@@ -124,12 +130,14 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
             decode_tokens += sampled
             decode_seconds += step_seconds
             decode_steps += 1
+            decode_keys += keys
     seconds = time.perf_counter() - start
     tokens = [outputs[i] for i in ids]
     spec = [b - a for a, b in zip(spec_start, _spec_counts(engine))]
     return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
                      engine.num_prefill_tokens - prefill_start, *spec, decode_steps,
-                     engine.runner.num_compiled_steps - compiled_start)
+                     engine.runner.num_compiled_steps - compiled_start,
+                     decode_keys * engine.cache_plan.kv_bytes_per_token)
 
 
 def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
@@ -139,7 +147,7 @@ def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str
     return RunResult(name, total("output_tokens"), total("seconds"), [r.outputs[0] for r in runs],
                      total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
                      total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"),
-                     total("decode_steps"), total("compiled_steps"))
+                     total("decode_steps"), total("compiled_steps"), total("decode_kv_bytes"))
 
 
 def _reset(llm) -> None:
@@ -548,25 +556,39 @@ def _print_speculation(console, rows: list[RunResult | str]) -> None:
 
 
 def _print_roofline(console, runs: list[RunResult], model_config) -> None:
-    from kvserve.bench.roofline import MatmulShapes, matmul_roofline, replay_matmul, workload_flops
+    """Each row's matmul FLOP/s over the replayed rate, and the most that share can be once attention reads its
+    K/V: the replayed matmuls' time over that time plus the decode steps' least K/V reads at the CPU's read
+    bandwidth (prefill's attention left out, so the true ceiling is lower still)."""
+    from kvserve.bench.roofline import MatmulShapes, matmul_roofline, read_bandwidth, replay_matmul, workload_flops
 
     shapes = MatmulShapes.of(model_config)
     reference = runs[0]
     roof = matmul_roofline(shapes, reference.steps)
     flops = workload_flops(shapes, reference.steps)
+    bandwidth = read_bandwidth()
     console.print(f"roofline: this workload's matmuls (linears and output head; attention not counted) are "
                   f"{flops / 1e9:,.0f} GFLOP; float32 matmuls of the same shapes ({replay_matmul().name}, as the "
-                  f"engine multiplies float32 here), replayed step by step now, run at {roof / 1e9:,.1f} GFLOP/s")
+                  f"engine multiplies float32 here), replayed step by step now, run at {roof / 1e9:,.1f} GFLOP/s. "
+                  f"Ceiling: the share the matmuls can be of a run that also reads its decode steps' K/V once "
+                  f"(each sequence's context a step) at this CPU's read bandwidth, {bandwidth / 1e9:.1f} GB/s now")
     for run in runs:
-        achieved = workload_flops(shapes, run.steps) / run.seconds
-        console.print(f"  {run.name}: {achieved / 1e9:,.1f} GFLOP/s = {achieved / roof:.0%} of that")
+        run_flops = workload_flops(shapes, run.steps)
+        achieved = run_flops / run.seconds
+        line = f"  {run.name}: {achieved / 1e9:,.1f} GFLOP/s = {achieved / roof:.0%} of that"
+        if run.decode_kv_bytes:
+            matmul_seconds = run_flops / roof
+            ceiling = matmul_seconds / (matmul_seconds + run.decode_kv_bytes / bandwidth)
+            line += f" (ceiling {ceiling:.0%}: {run.decode_kv_bytes / 1e9:,.1f} GB of K/V)"
+        console.print(line)
 
 
 def _print_decode_split(console, runs: list[RunResult | str], model_config) -> None:
     """Each kvserve row's decode-only time per token, split into what its matmuls alone take (replayed now: plain
     float32, every layer's own weights, the first row's decode steps) and the rest (attention, norms, RoPE, the
-    step's Python); the matmuls alone are also the fastest a decode step of these shapes can be on this CPU."""
-    from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds, replay_matmul
+    step's Python). Two bounds beside it: those matmuls plus the row's K/V read once at the CPU's read bandwidth,
+    the least a token takes with the engine's matmul route; and the float32 weights read once a step at that
+    bandwidth, the least any matmul kernel needs."""
+    from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds, read_bandwidth, replay_matmul
     from kvserve.model.float_kernels import BLAS
     from kvserve.model.int8_kernels import FloatKernel, choose_kernel
 
@@ -581,8 +603,14 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     # what rows with int8 weights multiply by: the start-up probe's choice, made once a process
     int8_kernel = choose_kernel() if any("int8 weights" in run.name for run in ran) else FloatKernel()
     replayed = replay_matmul()
+    bandwidth = read_bandwidth()
+    shapes = MatmulShapes.of(model_config)
+    weights_ms = 4 * shapes.flops(1, 1) / 2 * sum(steps.values()) / tokens / bandwidth * 1e3  # float32, once a step
     console.print(f"decode steps, per token: their matmuls alone (float32, {replayed.name}, every layer's own "
-                  f"weights, replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s")
+                  f"weights, replayed now) take {matmul_ms:.1f} ms, at most {1e3 / matmul_ms:,.1f} tokens/s; with "
+                  f"a row's K/V read once (its contexts, at {bandwidth / 1e9:.1f} GB/s, this CPU's read bandwidth "
+                  f"now) the least a token can take with these matmuls. Reading the float32 weights once a step at "
+                  f"that bandwidth takes {weights_ms:.1f} ms a token: the floor under any matmul kernel")
     single = all(rows == 1 for _, rows in steps)  # the single stream's steps: one row each
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
@@ -604,8 +632,11 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
             console.print(f"  {run.name}: {total_ms:.1f} ms, {total_ms / matmul_ms:.2f}x the replayed matmuls alone "
                           f"(no split: its matmuls are {own})")
             continue
+        kv_ms = run.decode_kv_bytes / run.decode_tokens / bandwidth * 1e3
+        least = (f"; least {matmul_ms + kv_ms:.1f} ms with its K/V read once ({kv_ms:.1f} ms), "
+                 f"{(matmul_ms + kv_ms) / total_ms:.0%} of its time") if run.decode_kv_bytes else ""
         console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest "
-                      f"{total_ms - matmul_ms:.1f} (attention, norms, RoPE, Python)")
+                      f"{total_ms - matmul_ms:.1f} (attention, norms, RoPE, Python){least}")
 
 
 def _float_matmul(name: str):

@@ -2,7 +2,8 @@
 and the replayed rate comes from real matmuls of those shapes."""
 from collections import Counter
 
-from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_roofline, matmul_seconds, workload_flops
+from kvserve.bench.roofline import (MatmulShapes, decode_steps, matmul_roofline, matmul_seconds, read_bandwidth,
+                                    workload_flops)
 from kvserve.model.config import ModelConfig
 
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
@@ -35,3 +36,9 @@ def test_replayed_seconds_are_a_positive_time():
                 num_key_value_heads=2, vocab_size=256)
     shapes = MatmulShapes.of(ModelConfig.from_hf(tiny))
     assert 0 < matmul_seconds(shapes, Counter({(1, 1): 3})) < 1
+
+
+def test_read_bandwidth_is_bytes_over_the_time_a_sum_takes(monkeypatch):
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.5])  # three sums: 0.5 s, 0.25 s, 0.5 s; the best counts
+    monkeypatch.setattr("kvserve.bench.roofline.time.perf_counter", lambda: next(ticks))
+    assert read_bandwidth.__wrapped__(2**20, reps=3) == 2**20 / 0.25

@@ -92,6 +92,17 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     assert [result.prefill_tokens for _, result in runs] == [prompt_tokens for prompt_tokens, _ in runs]
 
 
+def test_decode_steps_count_each_sequences_context_once_as_the_kv_they_read(tmp_path):
+    from kvserve import LLM
+
+    llm = LLM(model=str(make_tiny_model(tmp_path)), kv_cache_memory="16MiB")
+    result = throughput.run_kvserve(llm, [[5] * 5, [7] * 9], 4)  # both prefill in the first step, then decode
+
+    # the steps sampling tokens 2..4 attend over prompt + (tokens so far - 1) keys: 5+1, 5+2, 5+3 and 9+1, 9+2, 9+3
+    assert result.decode_tokens == 6 and result.decode_steps == 3
+    assert result.decode_kv_bytes == (21 + 33) * llm.engine.cache_plan.kv_bytes_per_token > 0
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("--repeat", "0", "--repeat must be at least 1, got 0"),
     ("--quantization", "int4", "quantization='int4' is not supported; choose one of none, int8"),
@@ -161,6 +172,11 @@ def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys, monkey
     assert len(splits) == 2
     for total, matmuls, rest in splits:
         assert float(matmuls) > 0 and abs(float(total) - float(matmuls) - float(rest)) < 0.11
+    least = re.findall(r"\(attention, norms, RoPE, Python\); least ([\d.]+) ms with its K/V read once \(([\d.]+) ms\)", out)
+    assert out.count("a token: the floor under any matmul kernel") == 2
+    assert len(least) == 2  # a tiny model's K/V is a few KiB a token: its time prints as 0.0 ms
+    assert all(abs(float(bound) - float(matmuls) - float(kv)) < 0.11 for (bound, kv), (_, matmuls, _) in
+               zip(least, splits))
 
 
 def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):

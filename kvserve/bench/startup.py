@@ -24,13 +24,14 @@ from dataclasses import dataclass
 PROMPT = "Hello"
 FIRST_START_GOAL_S = 60.0  # issue 29: the first compiled start at most this much over an eager one
 CACHED_START_GOAL_S = 5.0  # and a cached one at most this much
-COMPILED_LINE = re.compile(r"decode steps: (.*?), in ([\d.]+) s")
+COMPILED_LINE = re.compile(r"decode steps: (.*?), in ([\d.]+) s(?: \(([^)]*)\))?")
 
 
 @dataclass
 class Start:
     seconds: float  # launch to exit
     compile_seconds: float | None  # from the start-up line; None: no graph compiled (eager, or it fell back)
+    phases: str = ""  # where the compile went, as the start-up line says (torch.compile's own timers)
 
 
 def add_startup_parser(bench_subparsers) -> None:
@@ -58,7 +59,7 @@ def run_start(command: list[str], cache_dir: str) -> Start:
         raise RuntimeError(f"{' '.join(command[2:])} exited with {done.returncode}: {done.stderr[-1500:]}")
     found = COMPILED_LINE.search(done.stderr)
     compiled = found is not None and "compiled" in found.group(1)
-    return Start(seconds, float(found.group(2)) if compiled else None)
+    return Start(seconds, float(found.group(2)) if compiled else None, (found.group(3) or "") if compiled else "")
 
 
 def measure(model: str | None, quantization: str, rounds: int) -> dict[str, list[Start]]:
@@ -85,6 +86,7 @@ def report(quantization: str, starts: dict[str, list[Start]]) -> list[str]:
     pairs = [c.seconds - e for c, e in zip(starts["cached"], eager[1:])]
     cached_over = statistics.median(pairs)
     cached_compile = statistics.median(s.compile_seconds for s in starts["cached"])
+    last_phases = starts["cached"][-1].phases
     return [
         f"--quantization {quantization}:",
         f"  eager start: {statistics.median(eager):.1f} s (median of {len(eager)}: "
@@ -94,7 +96,8 @@ def report(quantization: str, starts: dict[str, list[Start]]) -> list[str]:
         f"{'met' if first_over < FIRST_START_GOAL_S else 'NOT met'}",
         f"  cached compiled start: {statistics.median(s.seconds for s in starts['cached']):.1f} s, "
         f"+{cached_over:.1f} s over the eager start beside it (each pair: "
-        f"{', '.join(f'{p:+.1f}' for p in pairs)}; compile {cached_compile:.1f} s); goal under "
+        f"{', '.join(f'{p:+.1f}' for p in pairs)}; compile {cached_compile:.1f} s"
+        f"{f', the last: {last_phases}' if last_phases else ''}); goal under "
         f"+{CACHED_START_GOAL_S:.0f} s: {'met' if cached_over < CACHED_START_GOAL_S else 'NOT met'}",
     ]
 

@@ -215,6 +215,7 @@ class CompiledDecode:
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
         self.compile_seconds = 0.0
+        self.compile_phases: dict[str, float] = {}  # seconds of the start's compile by phase (compile_phases_line)
         self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
         self._miss_reasons: set[str] = set()
 
@@ -320,7 +321,7 @@ class CompiledDecode:
         over the pool's first blocks (the one block it writes to is put back after), and the graph with attention
         outside for two sequences (without the whole graph, for one too; its attention op returns zeros there: it
         writes nothing). Returns whether all compiled."""
-        started, resident = time.perf_counter(), _resident_bytes()
+        started, resident, phases = time.perf_counter(), _resident_bytes(), _phase_seconds()
         remember_vec_isa_probe()  # a child process per vector ISA at every start, otherwise (kvserve/inductor_isa.py)
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block) if self.whole else None  # the one block it writes, put back after
@@ -356,8 +357,16 @@ class CompiledDecode:
             if saved is not None:
                 self.cache.import_block(block, saved)
         self.compile_seconds = time.perf_counter() - started
+        self.compile_phases = {name: seconds - phases.get(name, 0.0) for name, seconds in _phase_seconds().items()}
         self.resident_growth = _resident_bytes() - resident
         return self.failed is None
+
+    def compile_phases_line(self) -> str:
+        """Where the start's compile went, as torch.compile times it (empty where it does not say): what a cached
+        start still pays, Dynamo's tracing of the model's Python, is apart from what the caches save."""
+        parts = [f"{label} {self.compile_phases[name]:.1f} s" for name, label in COMPILE_PHASES.items()
+                 if self.compile_phases.get(name, 0.0) > 0]
+        return f" ({', '.join(parts)})" if parts else ""
 
     def gemms_line(self) -> str:
         """What --compile-gemms adds to the start-up line (empty without it)."""
@@ -406,6 +415,18 @@ def step_guards(entries) -> list[bool]:
     never changes and whose graphs are its own (CompiledDecode). Those were most of the guards, checked at every
     step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared."""
     return [not entry.name.startswith(ENGINE_CONSTANTS) for entry in entries]
+
+
+# torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics) named in the start-up line
+COMPILE_PHASES = {"bytecode_tracing": "Dynamo's tracing", "OutputGraph.call_user_compiler": "Inductor",
+                  "build_guards": "guards"}
+
+
+def _phase_seconds() -> dict[str, float]:
+    """Seconds torch.compile has spent so far in this process in each of COMPILE_PHASES (its own timers, a module
+    dict of torch._dynamo.utils; none where a torch version keeps no such dict)."""
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    return {name: float(sum(metrics.get(name, ()))) for name in COMPILE_PHASES}
 
 
 def _freezing(on: bool):

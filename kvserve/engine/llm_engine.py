@@ -152,7 +152,8 @@ class LLMEngine:
                       "number, any context lengths) in one with attention outside it")
         else:
             graphs = f"one compiled graph with attention outside it (torch.compile, --compile-decode; {outside})"
-        logger.info(f"decode steps: {graphs}, in {compiled.compile_seconds:.1f} s{compiled.gemms_line()}; prefill "
+        logger.info(f"decode steps: {graphs}, in {compiled.compile_seconds:.1f} s{compiled.compile_phases_line()}"
+                    f"{compiled.gemms_line()}; prefill "
                     "and mixed steps run eagerly")
         return compiled
 

@@ -215,11 +215,15 @@ class FullPrecisionKVCache(PagedKVCache):
         self._v_slots.index_copy_(0, slots, v.to(self.storage_dtype))
 
     def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # whole blocks rather than single slots: the same bytes in 16x fewer, larger pieces
+        # whole blocks rather than single slots: the same bytes in 16x fewer, larger pieces. Selected as [blocks,
+        # block_size, slot elements], not [blocks, all elements]: in a compiled graph Inductor then reads each slot's
+        # elements as one vectorized run; from the flat rows it computed every element's source with a division and
+        # a modulo, one element at a time (10x slower: docs/benchmarks.md, "The compiled gather")
         blocks = block_tables.reshape(-1) + row * self.num_blocks
         shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, *self._k_slots.shape[1:])
-        k = self._k_slots.view(self.num_layers * self.num_blocks, -1).index_select(0, blocks)
-        v = self._v_slots.view(self.num_layers * self.num_blocks, -1).index_select(0, blocks)
+        per_block = (self.num_layers * self.num_blocks, self.block_size, -1)
+        k = self._k_slots.view(per_block).index_select(0, blocks)
+        v = self._v_slots.view(per_block).index_select(0, blocks)
         return k.view(shape).to(self.dtype), v.view(shape).to(self.dtype)
 
     def _block_tensors(self) -> list[torch.Tensor]:

@@ -218,7 +218,7 @@ class FullPrecisionKVCache(PagedKVCache):
         # whole blocks rather than single slots: the same bytes in 16x fewer, larger pieces. Selected as [blocks,
         # block_size, slot elements], not [blocks, all elements]: in a compiled graph Inductor then reads each slot's
         # elements as one vectorized run; from the flat rows it computed every element's source with a division and
-        # a modulo, one element at a time (10x slower: docs/benchmarks.md, "The compiled gather")
+        # a modulo, one element at a time (docs/benchmarks.md, "The compiled gather")
         blocks = block_tables.reshape(-1) + row * self.num_blocks
         shape = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, *self._k_slots.shape[1:])
         per_block = (self.num_layers * self.num_blocks, self.block_size, -1)

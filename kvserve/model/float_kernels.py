@@ -142,4 +142,3 @@ def probe_matmuls(dtype: torch.dtype, matmuls=MATMULS) -> MatmulChoice:
                                              len(best.speedup_by_rows)):
             best = MatmulChoice(matmul, dtype, speedups)
     return best or MatmulChoice(BLAS, dtype)
-

@@ -172,7 +172,8 @@ def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys, monkey
     assert len(splits) == 2
     for total, matmuls, rest in splits:
         assert float(matmuls) > 0 and abs(float(total) - float(matmuls) - float(rest)) < 0.11
-    least = re.findall(r"\(attention, norms, RoPE, Python\); least ([\d.]+) ms with its K/V read once \(([\d.]+) ms\)", out)
+    least = re.findall(r"\(attention, norms, RoPE, Python\); least ([\d.]+) ms with its K/V read once "
+                       r"\(([\d.]+) ms\)", out)
     assert out.count("a token: the floor under any matmul kernel") == 2
     assert len(least) == 2  # a tiny model's K/V is a few KiB a token: its time prints as 0.0 ms
     assert all(abs(float(bound) - float(matmuls) - float(kv)) < 0.11 for (bound, kv), (_, matmuls, _) in

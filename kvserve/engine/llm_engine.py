@@ -173,8 +173,8 @@ class LLMEngine:
         if self.config.quantization == "int8":
             form = "int8 (per-output-channel scales, activations quantized per token, both rotated; norms in " \
                    f"{self.config.dtype})"
-            if isinstance(self.model.linears.kernel, FloatKernel):
-                form += "; the codes are held as float32 for the fallback kernel (no int8 kernel beats float32 here)"
+            if isinstance(kernel := self.model.linears.kernel, FloatKernel):
+                form += f"; the codes are held as float32 for the fallback kernel ({kernel.reason})"
             copy = self.model.linears.tied_copy_nbytes
             if copy:
                 form += (f"; of which {copy / 1e6:,.1f} MB is the int8 kernel's own copy of the tied embedding table "

@@ -160,8 +160,8 @@ class ModelRunner:
         query_index = torch.where(valid, offsets + q_idx, 0)
         out_rows = out_tokens = None
         if not (whole_batch and bool(valid.all())):
-            out_rows = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
-            out_tokens = query_index.reshape(-1)[out_rows].to(self.device)
+            rows = valid.reshape(-1).nonzero().squeeze(1)  # indexed here, on the CPU, then moved
+            out_rows, out_tokens = rows.to(self.device), query_index.reshape(-1)[rows].to(self.device)
         window = self.kv.windows[group]
         plain = self.cache.exact and not self.kv.eviction.evicts and (window is None or num_q <= window)
         if plain and all(c.context_len == c.num_tokens > 1 for c in chunks):

@@ -211,7 +211,7 @@ def _group_attention(
                                      group.residual_blocks, k[group.query_index], v[group.query_index], group.mask,
                                      scale)
         if out is not None:
-            return out.view(S, Q, H, D)
+            return out.reshape(S, Q, H, D)
     if group.fresh:
         # Prompts computed from their first token: the keys are the new tokens themselves, and plain causal
         # masking is exact even with padding (a real query never sees a later, padded key) and skips half the work.
@@ -237,7 +237,7 @@ def _group_attention(
         # stays grouped: its mask would have to be repeated per head, which measured slower.
         out = F.scaled_dot_product_attention(queries.view(S, kv_heads, H // kv_heads, D), keys.transpose(1, 2),
                                              values.transpose(1, 2), attn_mask=mask, scale=scale)
-        out = out.view(S, Q, H, D)
+        out = out.reshape(S, Q, H, D)  # a view where the kernel wrote it contiguously (the CPU's); CUDA's may not
     else:
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),
@@ -275,8 +275,8 @@ def _tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         mask = call.mask[:, None, :, None, :].expand(S, kv_heads, P, per_kv, num_keys).reshape(S, -1, 1, num_keys)
         rows = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                               scale=scale, enable_gqa=True)  # [S, KVH * P * per_kv, 1, D]
-        out[call.query_index.reshape(-1)] = rows.view(S, kv_heads, P, per_kv, dim).transpose(1, 2).reshape(-1, heads,
-                                                                                                          dim)
+        out[call.query_index.reshape(-1)] = rows.reshape(S, kv_heads, P, per_kv, dim).transpose(1, 2).reshape(
+            -1, heads, dim)
     return out if rotation is None else meta.tiles.map(lambda x: x @ rotation.T, out)
 
 

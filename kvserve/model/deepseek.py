@@ -216,7 +216,7 @@ def _tile_attention(attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.T
         mask = call.mask[:, :, None, None, :].expand(S, P, attn.heads, 1, num_keys).reshape(S, -1, 1, num_keys)
         result = F.scaled_dot_product_attention(rows, keys, keys[..., : attn.rank], attn_mask=mask, scale=attn.scale,
                                                 enable_gqa=True)  # [S, P * H, 1, rank]
-        out[call.query_index.reshape(-1)] = result.view(S * P, attn.heads, attn.rank)
+        out[call.query_index.reshape(-1)] = result.reshape(S * P, attn.heads, attn.rank)
     return meta.tiles.map(attn.absorb_output, out)
 
 

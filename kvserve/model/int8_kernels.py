@@ -129,7 +129,10 @@ class FloatKernel(Int8Kernel):
     in one fixed order. So a row's result never depends on the rows beside it, as with the integer kernels."""
 
     name = "float32 matmul of the int8 codes"
-    library = "fallback: no int8 kernel beat float32 here"
+
+    def __init__(self, reason: str = "no int8 kernel beat float32 here"):
+        self.reason = reason  # why the codes are multiplied as float32 (the start-up line says it)
+        self.library = f"fallback: {reason}"
 
     def pack(self, weight: torch.Tensor) -> list[torch.Tensor]:
         # nn.Parameters, as the float weights are, for the compiled decode step's --compile-gemms to freeze (the

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.float_kernels import BLAS, FloatMatmul, choose_matmul
-from kvserve.model.int8_kernels import Int8Kernel, choose_kernel
+from kvserve.model.int8_kernels import FloatKernel, Int8Kernel, choose_kernel
 from kvserve.rotation import KroneckerRotation, kronecker_rotation
 
 INT8_MAX = 127
@@ -185,8 +185,9 @@ def load_linears(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtyp
                                                                            Linear | Int8Linear, Embedding]:
     """A decoder's weights in `dtype` on `device` (the tables taken out), its Linears, output head and embedding."""
     w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
-    cpu = torch.device(device).type == "cpu"  # oneDNN's linear is a CPU route
-    linears = Linears(quantization, dtype, matmul=BLAS if batch_invariant or not cpu else None)
+    cpu = torch.device(device).type == "cpu"  # oneDNN's linears and the int8 kernels' probe are CPU routes
+    kernel = None if cpu or quantization != "int8" else FloatKernel("the int8 kernels are probed on a CPU only")
+    linears = Linears(quantization, dtype, kernel, matmul=BLAS if batch_invariant or not cpu else None)
     lm_head, embed = linears.head_and_embedding(w.pop("model.embed_tokens.weight"),
                                                 None if tied else w.pop("lm_head.weight"))
     return w, linears, lm_head, embed

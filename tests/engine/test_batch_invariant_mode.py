@@ -169,6 +169,13 @@ def test_the_flag_must_be_a_bool(model_dir):
         make(model_dir, batch_invariant="yes")
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps"])
+def test_the_mode_is_refused_off_the_cpu(model_dir, device):
+    # refused before any weight moves: no such device is needed to see it
+    with pytest.raises(ValueError, match=f"guaranteed on a CPU only; device='{device}'"):
+        make(model_dir, device=device)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"quantization": "int8", "kv_cache_dtype": "fp8"}], ids=["float32", "int8-fp8"])
 def test_the_embedded_model_is_bitwise_the_same_alone_or_batched(options):

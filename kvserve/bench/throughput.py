@@ -66,6 +66,21 @@ SPECULATIVE_METHODS = ("off", "ngram", "suffix")
 
 
 @dataclass(frozen=True)
+class Routes:
+    """How a kvserve row's engine multiplied its weights and ran its decode steps, read from the engine itself: what
+    the decode split compares with the matmuls it replays."""
+    float_matmul: object  # model/float_kernels.py: what multiplied float weights (int8 weights: F.linear, unused)
+    int8_kernel: object | None  # model/int8_kernels.py: what multiplied int8 weights (None: float weights)
+    compiled: bool  # --compile-decode: a graph was built for decode steps (engine/compiled_step.py)
+    gemms: bool  # ... with --compile-gemms applied (Inductor's GEMM template)
+
+    @classmethod
+    def of(cls, engine) -> Routes:
+        linears, compiled = engine.model.linears, engine.runner.compiled
+        return cls(linears.matmul, linears.kernel, compiled is not None, compiled is not None and compiled.gemms)
+
+
+@dataclass(frozen=True)
 class RunResult:
     name: str
     output_tokens: int
@@ -83,6 +98,7 @@ class RunResult:
     # the least the decode-only steps' attention reads: each sequence's K/V over its whole context once a step, in the
     # KV format's bytes a token (kvserve; every layer over every key: a sliding layer would read less)
     decode_kv_bytes: int = 0
+    routes: Routes | None = None  # how its engine multiplied and ran decode steps (kvserve)
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,7 +153,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
                      engine.num_prefill_tokens - prefill_start, *spec, decode_steps,
                      engine.runner.num_compiled_steps - compiled_start,
-                     decode_keys * engine.cache_plan.kv_bytes_per_token)
+                     decode_keys * engine.cache_plan.kv_bytes_per_token, Routes.of(engine))
 
 
 def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
@@ -147,7 +163,7 @@ def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str
     return RunResult(name, total("output_tokens"), total("seconds"), [r.outputs[0] for r in runs],
                      total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
                      total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"),
-                     total("decode_steps"), total("compiled_steps"), total("decode_kv_bytes"))
+                     total("decode_steps"), total("compiled_steps"), total("decode_kv_bytes"), runs[0].routes)
 
 
 def _reset(llm) -> None:
@@ -590,9 +606,9 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     bandwidth, the least any matmul kernel needs."""
     from kvserve.bench.roofline import MatmulShapes, decode_steps, matmul_seconds, read_bandwidth, replay_matmul
     from kvserve.model.float_kernels import BLAS
-    from kvserve.model.int8_kernels import FloatKernel, choose_kernel
+    from kvserve.model.int8_kernels import FloatKernel
 
-    ran = [r for r in runs if isinstance(r, RunResult) and r.decode_tokens]
+    ran = [r for r in runs if isinstance(r, RunResult) and r.decode_tokens and r.routes is not None]
     if not ran:
         return
     steps = decode_steps(ran[0].steps)
@@ -600,8 +616,6 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     if not tokens:
         return
     matmul_ms = matmul_seconds(MatmulShapes.of(model_config), steps) / tokens * 1e3
-    # what rows with int8 weights multiply by: the start-up probe's choice, made once a process
-    int8_kernel = choose_kernel() if any("int8 weights" in run.name for run in ran) else FloatKernel()
     replayed = replay_matmul()
     bandwidth = read_bandwidth()
     shapes = MatmulShapes.of(model_config)
@@ -614,16 +628,17 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
     single = all(rows == 1 for _, rows in steps)  # the single stream's steps: one row each
     for run in ran:
         total_ms = run.decode_seconds / run.decode_tokens * 1e3
-        int8_own = "int8 weights" in run.name and not isinstance(int8_kernel, FloatKernel)
-        # --compile-gemms: the template, over float weights or oneDNN's int8 ones (compiled_step.gemms_unused)
-        matmul = _float_matmul(run.name)
-        if "compiled GEMMs" in run.name and (not int8_own or int8_kernel.inductor_template):
+        routes = run.routes
+        int8_kernel = routes.int8_kernel
+        int8_own = int8_kernel is not None and not isinstance(int8_kernel, FloatKernel)
+        matmul = routes.float_matmul  # int8 weights: F.linear, as their codes are multiplied as float32 (FloatKernel)
+        if routes.gemms:  # the template, over float weights or oneDNN's int8 ones (compiled_step.gemms_unused)
             own = f"Inductor's GEMM template, not the replayed {replayed.name}"
         elif int8_own:
             own = f"{int8_kernel.name}'s int8 ones"
         elif matmul is not replayed:  # float weights by another route (or int8 codes as float32 by F.linear)
             own = f"{matmul.name}'s, not the replayed {replayed.name}"
-        elif single and "compiled decode" in run.name and "int8 weights" not in run.name and matmul is BLAS:
+        elif single and routes.compiled and int8_kernel is None and matmul is BLAS:
             # float weights (float32, bfloat16), one row in the graph: model/linear.py, one_row_in_graph
             own = "Inductor's matrix-vector loops over every core, not these BLAS calls"
         else:  # the replayed calls (float32 weights, or int8 codes multiplied as float32)
@@ -637,20 +652,6 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
                  f"{(matmul_ms + kv_ms) / total_ms:.0%} of its time") if run.decode_kv_bytes else ""
         console.print(f"  {run.name}: {total_ms:.1f} ms = matmuls {matmul_ms:.1f} + the rest "
                       f"{total_ms - matmul_ms:.1f} (attention, norms, RoPE, Python){least}")
-
-
-def _float_matmul(name: str):
-    """What multiplied a kvserve row's float weights (model/float_kernels.py): the start-up probe's choice for its
-    dtype, made once a process; F.linear under --batch-invariant, and for int8 weights (whose codes F.linear
-    multiplies as float32 where no int8 kernel beats it)."""
-    import torch
-
-    from kvserve.model.float_kernels import BLAS, choose_matmul
-
-    if "int8 weights" in name or "batch-invariant" in name or not name.startswith("kvserve ("):
-        return BLAS
-    dtype = getattr(torch, name.removeprefix("kvserve (").split(",")[0].rstrip(")"), None)
-    return choose_matmul(dtype) if isinstance(dtype, torch.dtype) else BLAS
 
 
 def _cpu_name() -> str:

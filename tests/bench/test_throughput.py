@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from kvserve.bench import llama_cpp_baseline, throughput
-from kvserve.model import float_kernels, linear
+from kvserve.model import float_kernels, int8_kernels, linear
 from kvserve.cli import main
 from tests.conftest import make_tiny_model
 
@@ -184,38 +184,42 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     """A compiled graph multiplies one row by float weights in Inductor's own loops (model/linear.py,
     one_row_in_graph), not the BLAS calls the split replays: its single stream's time is not split (its rest would
     come out below zero); an eager single stream's is, and so are compiled batched steps and int8 weights' rows
-    (their own kernel's, said as such)."""
+    (their own kernel's, said as such). Each row's routes are its engine's (Routes), whatever its name says."""
     cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
                           vocab_size=64)
+    blas, int8 = float_kernels.BLAS, int8_kernels.IntMMKernel()
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: blas)  # what the split replays
 
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)  # F.linear's weights
-
-    def printed(rows: int, extra: tuple[str, ...] = ()) -> str:
+    def printed(rows: int, float_matmul=blas, extra: tuple = ()) -> str:
+        rows_routes = [("row a", throughput.Routes(float_matmul, None, False, False)),
+                       ("row b", throughput.Routes(float_matmul, None, True, False)),
+                       ("row c", throughput.Routes(blas, int8, True, False)),
+                       ("row d", throughput.Routes(blas, int8_kernels.FloatKernel(), True, False)), *extra]
         runs = [throughput.RunResult(name, 8, 1.0, decode_tokens=8, decode_seconds=0.5,
-                                     steps=Counter({(rows, rows): 8 // rows}))
-                for name in ("kvserve (float32)", "kvserve (float32, compiled decode)",
-                             "kvserve (bfloat16, compiled decode)", "kvserve (float32, int8 weights, compiled decode)",
-                             *extra)]
+                                     steps=Counter({(rows, rows): 8 // rows}), routes=routes)
+                for name, routes in rows_routes]
         console = Console(file=io.StringIO(), width=400)
         throughput._print_decode_split(console, runs, cfg)
         return console.file.getvalue()
 
     single = printed(1)
-    assert "kvserve (float32): 62.5 ms = matmuls" in single
-    assert single.count("(no split: its matmuls are Inductor's matrix-vector loops over every core") == 2
-    assert "kvserve (float32, int8 weights, compiled decode): 62.5 ms, " in single
+    assert "row a: 62.5 ms = matmuls" in single
+    assert "row b: 62.5 ms, " in single and "(no split: its matmuls are Inductor's matrix-vector loops" in single
+    assert "row c: 62.5 ms, " in single and "(no split: its matmuls are torch._int_mm's int8 ones)" in single
+    assert "row d: 62.5 ms = matmuls" in single  # int8 codes multiplied as float32 by F.linear, as replayed
     batched = printed(4)
-    assert "kvserve (float32, compiled decode): 62.5 ms = matmuls" in batched
-    assert "kvserve (bfloat16, compiled decode): 62.5 ms = matmuls" in batched
-    assert "Inductor's matrix-vector loops" not in batched
+    assert "row b: 62.5 ms = matmuls" in batched and "Inductor's matrix-vector loops" not in batched
     # oneDNN's float linear: the replay multiplies as the engine did, so those rows are split; a row that kept
     # F.linear (--batch-invariant) is not
     route = float_kernels.OneDNNMatmul()
     monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: route)
-    onednn = printed(1, extra=("kvserve (float32, batch-invariant)",))
-    assert "kvserve (float32, compiled decode): 62.5 ms = matmuls" in onednn and "matrix-vector loops" not in onednn
-    assert "(float32, batch-invariant): 62.5 ms, " in onednn
-    assert "(no split: its matmuls are F.linear's, not the replayed oneDNN linear)" in onednn
+    onednn = printed(1, route, extra=[("row e", throughput.Routes(blas, None, False, False)),
+                                      ("row f", throughput.Routes(route, None, True, True))])
+    assert "row b: 62.5 ms = matmuls" in onednn and "matrix-vector loops" not in onednn
+    assert "row e: 62.5 ms, " in onednn and "(no split: its matmuls are F.linear's, not the replayed oneDNN" in onednn
+    assert "row f: 62.5 ms, " in onednn and "(no split: its matmuls are Inductor's GEMM template" in onednn
+    # a row without routes (not kvserve's) is not split at all
+    assert "transformers" not in printed(1, extra=[("transformers", None)])
 
 
 @pytest.mark.slow

@@ -73,11 +73,13 @@ class Routes:
     int8_kernel: object | None  # model/int8_kernels.py: what multiplied int8 weights (None: float weights)
     compiled: bool  # --compile-decode: a graph was built for decode steps (engine/compiled_step.py)
     gemms: bool  # ... with --compile-gemms applied (Inductor's GEMM template)
+    one_row_loops: bool = False  # ... whose one-row steps multiply float weights in loops of its own (Linears)
 
     @classmethod
     def of(cls, engine) -> Routes:
         linears, compiled = engine.model.linears, engine.runner.compiled
-        return cls(linears.matmul, linears.kernel, compiled is not None, compiled is not None and compiled.gemms)
+        return cls(linears.matmul, linears.kernel, compiled is not None, compiled is not None and compiled.gemms,
+                   compiled is not None and compiled.whole and linears.one_row_loops)
 
 
 @dataclass(frozen=True)
@@ -638,7 +640,7 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
             own = f"{int8_kernel.name}'s int8 ones"
         elif matmul is not replayed:  # float weights by another route (or int8 codes as float32 by F.linear)
             own = f"{matmul.name}'s, not the replayed {replayed.name}"
-        elif single and routes.compiled and int8_kernel is None and matmul is BLAS:
+        elif single and routes.one_row_loops:
             # float weights (float32, bfloat16), one row in the graph: model/linear.py, one_row_in_graph
             own = "Inductor's matrix-vector loops over every core, not these BLAS calls"
         else:  # the replayed calls (float32 weights, or int8 codes multiplied as float32)

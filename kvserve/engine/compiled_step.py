@@ -40,10 +40,13 @@ differently from eager by a few float32 ulps; with int8 weights it also rotates 
 tests/engine/test_compiled_step.py states both tolerances.
 
 Float weights are multiplied as the start-up probe chose (model/float_kernels.py): oneDNN's linear over packed
-copies, which the graph calls as an op of kvserve's own, or F.linear over the weights as they are. With F.linear, a
-graph over one row (a single stream's steps) multiplies float32 and bfloat16 weights not with the BLAS call but with
-a loop of Inductor's own (model/linear.py, one_row_in_graph), which splits the weights' rows over every core: MKL's
-matrix-vector product keeps to one core on the AMD EPYCs and reads the weights at half the bandwidth that two do.
+copies, which the graph calls as an op of kvserve's own, or F.linear over the weights as they are. A graph over one
+row (a single stream's steps) multiplies float32 and bfloat16 weights with neither, but with a loop of Inductor's own
+(model/linear.py, one_row_in_graph), which splits the weights' rows over every core: MKL's matrix-vector product
+keeps to one core on the AMD EPYCs and reads the weights at half the bandwidth that two do, and oneDNN's call at one
+row was slower than the loop too (docs/benchmarks.md, "Dense weights for the one-row loops"). The loop reads dense
+weights, so beside oneDNN's packed copies --compile-decode keeps them too: float weight memory twice over, said in
+the start-up line.
 One row's logits (head_in_graph: an output head of such weights, for SmolLM2 a fifth of them) run in a small graph
 of their own for the same reason; several rows' run eagerly. Both add their sums in another order than the BLAS, a
 few float32 ulps apart, within the tolerance the tests state.
@@ -161,11 +164,11 @@ def _decode_logits(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def head_in_graph(model) -> bool:
-    """Whether one row's logits run compiled: an output head of float weights, whose matrix-vector product the graph
-    splits over every core (model/linear.py, one_row_in_graph). An int8 head's call, or oneDNN's linear over a packed
-    head (model/float_kernels.py), is the same kernel in a graph and out of one."""
+    """Whether one row's logits run compiled: an output head of dense float weights (with a packed copy too under
+    --compile-decode: model/linear.py, keep_dense), whose matrix-vector product the graph splits over every core
+    (one_row_in_graph). An int8 head's call is the same kernel in a graph and out of one."""
     head = model.lm_head
-    return isinstance(head, Linear) and head.packed is None and head.dtype in GRAPH_MATRIX_VECTOR_DTYPES
+    return isinstance(head, Linear) and head.weight is not None and head.dtype in GRAPH_MATRIX_VECTOR_DTYPES
 
 
 class _ModelSlot:

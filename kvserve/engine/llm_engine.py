@@ -86,8 +86,10 @@ class LLMEngine:
         if torch.device(config.device).type == "cpu":
             logger.info(keep_freed_heap())  # each step's temporaries live on the C heap
         weights = load_weights(source.path, config.torch_dtype)
+        # --compile-decode: the single stream's graph multiplies float weights in loops of its own, over dense weights
         self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device,
-                                 config.quantization, config.batch_invariant)
+                                 config.quantization, config.batch_invariant,
+                                 dense_in_graph=config.compile_decode and not config.batch_invariant)
         del weights
         logger.info(self._weights_line())
         model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
@@ -181,10 +183,17 @@ class LLMEngine:
                          "(lookups read the codes, the output head its packed copy)")
         else:
             form = self.config.dtype
-            copy = self.model.linears.tied_copy_nbytes
-            if copy:
-                form += (f" (of which {copy / 1e6:,.1f} MB is {self.model.linears.matmul.name}'s packed copy of the "
-                         "tied embedding table: lookups read the table, the output head its packed copy)")
+            linears = self.model.linears
+            copies = []
+            if linears.tied_copy_nbytes:
+                copies.append(f"{linears.tied_copy_nbytes / 1e6:,.1f} MB is {linears.matmul.name}'s packed copy of "
+                              "the tied embedding table: lookups read the table, the output head its packed copy")
+            if linears.dense_copy_nbytes:
+                copies.append(f"{linears.dense_copy_nbytes / 1e6:,.1f} MB the dense weights kept beside "
+                              f"{linears.matmul.name}'s packed copies for --compile-decode: the single stream's graph "
+                              "multiplies them in loops of its own")
+            if copies:
+                form += f" (of which {'; '.join(copies)})"
         return f"weights: {self.model.weights_nbytes / 1e6:,.1f} MB {form}"
 
     def capacity_line(self) -> str:

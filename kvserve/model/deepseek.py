@@ -336,9 +336,9 @@ class DeepseekModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, dense_in_graph: bool = False):
         w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
-                                                            quantization, batch_invariant)
+                                                            quantization, batch_invariant, dense_in_graph)
         ds = cfg.deepseek
         self.cfg = cfg
         self.quantization = quantization

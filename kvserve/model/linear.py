@@ -33,24 +33,31 @@ class Linear:
     """y = x W^T (+ b) in the model dtype, multiplied by `matmul` (kvserve/model/float_kernels.py): F.linear over W
     held as an nn.Parameter (the same tensor), which is what the compiled decode step's --compile-gemms freezes into
     its graph (engine/compiled_step.py), or oneDNN's linear over its packed copy of W, which then replaces W
-    (`weight` None)."""
+    (`weight` None) unless `keep_dense`: a compiled graph's one-row steps multiply W in loops of their own
+    (one_row_in_graph), which beat oneDNN's call at one row, so --compile-decode keeps W beside the packed copy."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, matmul: FloatMatmul | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, matmul: FloatMatmul | None = None,
+                 keep_dense: bool = False):
         self.matmul = matmul or BLAS
         self.bias = bias
         self.in_features, self.dtype = weight.shape[1], weight.dtype
         self.packed = self.matmul.pack(weight)
-        self.weight = parameter(weight) if self.packed is None else None
+        self.weight = parameter(weight) if self.packed is None or keep_dense else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.matmul.linear(x, None, self.packed, self.bias)
-        if x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
+        if self.weight is not None and x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
             # Inductor's own loop over every core (one_row_in_graph), products and sums in float32 (the casts are
             # fused into the loop: bfloat16 weights are read as they are)
             y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        if self.packed is not None:
+            return self.matmul.linear(x, None, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def dense_copy_nbytes(self) -> int:
+        """Bytes of the dense weight kept beside a packed copy (keep_dense); 0 without one."""
+        return self.weight.nbytes if self.packed is not None and self.weight is not None else 0
 
     def storages(self) -> dict[int, int]:
         return {**tensor_storages(self.weight, self.bias), **self.matmul.storages(self.packed)}
@@ -147,20 +154,31 @@ class Linears:
     or, when the kernel keeps a packed copy of its own (oneDNN), through that copy: then the table is held twice
     (`tied_copy_nbytes`). So is a tied float table that oneDNN's linear multiplies (float_kernels.py): lookups read
     the table, the head its packed copy. Float weights are multiplied by `matmul`, by default the probe's choice
-    (choose_matmul); load_linears gives the BLAS call under --batch-invariant and off the CPU."""
+    (choose_matmul); load_linears gives the BLAS call under --batch-invariant and off the CPU. `dense_in_graph`: float
+    weights that a packed route multiplies keep their dense form too (Linear's keep_dense; `dense_copy_nbytes`)."""
 
     def __init__(self, quantization: str, dtype: torch.dtype, kernel: Int8Kernel | None = None,
-                 matmul: FloatMatmul | None = None):
+                 matmul: FloatMatmul | None = None, dense_in_graph: bool = False):
         self.quantization = quantization
         self.dtype = dtype
         self.kernel = (kernel or choose_kernel()) if quantization == "int8" else None
         self.matmul = matmul or (BLAS if self.kernel is not None else choose_matmul(dtype))
+        self.dense_in_graph = dense_in_graph
         self.tied_copy_nbytes = 0
+        self.dense_copy_nbytes = 0
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         if self.kernel is None:
-            return Linear(weight, bias, self.matmul)
+            linear = Linear(weight, bias, self.matmul, keep_dense=self.dense_in_graph)
+            self.dense_copy_nbytes += linear.dense_copy_nbytes
+            return linear
         return Int8Linear(weight, bias, self.kernel)
+
+    @property
+    def one_row_loops(self) -> bool:
+        """Whether a compiled graph's one-row steps multiply these float weights in loops of its own (Linear)."""
+        return self.kernel is None and self.dtype in GRAPH_MATRIX_VECTOR_DTYPES and \
+            (self.matmul is BLAS or self.dense_in_graph)
 
     def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
                                                                                             Embedding]:
@@ -168,7 +186,8 @@ class Linears:
         if self.kernel is None:
             head = self.linear(lm_head if lm_head is not None else embed)
             if lm_head is None and head.packed is not None:
-                self.tied_copy_nbytes = sum(head.storages().values())
+                self.tied_copy_nbytes = sum(self.matmul.storages(head.packed).values())
+                self.dense_copy_nbytes -= head.dense_copy_nbytes  # the table itself, which the lookups keep anyway
             return head, Embedding(embed)
         rotation = input_rotation(embed)
         codes, scale = quantize_rows(rotation(embed.float()))
@@ -181,13 +200,14 @@ class Linears:
 
 
 def load_linears(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype, device: str | torch.device,
-                 quantization: str, batch_invariant: bool = False) -> tuple[dict[str, torch.Tensor], Linears,
-                                                                           Linear | Int8Linear, Embedding]:
+                 quantization: str, batch_invariant: bool = False,
+                 dense_in_graph: bool = False) -> tuple[dict[str, torch.Tensor], Linears, Linear | Int8Linear, Embedding]:
     """A decoder's weights in `dtype` on `device` (the tables taken out), its Linears, output head and embedding."""
     w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
     cpu = torch.device(device).type == "cpu"  # oneDNN's linears and the int8 kernels' probe are CPU routes
     kernel = None if cpu or quantization != "int8" else FloatKernel("the int8 kernels are probed on a CPU only")
-    linears = Linears(quantization, dtype, kernel, matmul=BLAS if batch_invariant or not cpu else None)
+    linears = Linears(quantization, dtype, kernel, matmul=BLAS if batch_invariant or not cpu else None,
+                      dense_in_graph=dense_in_graph)
     lm_head, embed = linears.head_and_embedding(w.pop("model.embed_tokens.weight"),
                                                 None if tied else w.pop("lm_head.weight"))
     return w, linears, lm_head, embed

@@ -192,7 +192,7 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
 
     def printed(rows: int, float_matmul=blas, extra: tuple = ()) -> str:
         rows_routes = [("row a", throughput.Routes(float_matmul, None, False, False)),
-                       ("row b", throughput.Routes(float_matmul, None, True, False)),
+                       ("row b", throughput.Routes(float_matmul, None, True, False, one_row_loops=True)),
                        ("row c", throughput.Routes(blas, int8, True, False)),
                        ("row d", throughput.Routes(blas, int8_kernels.FloatKernel(), True, False)), *extra]
         runs = [throughput.RunResult(name, 8, 1.0, decode_tokens=8, decode_seconds=0.5,
@@ -214,8 +214,10 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     route = float_kernels.OneDNNMatmul()
     monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: route)
     onednn = printed(1, route, extra=[("row e", throughput.Routes(blas, None, False, False)),
-                                      ("row f", throughput.Routes(route, None, True, True))])
-    assert "row b: 62.5 ms = matmuls" in onednn and "matrix-vector loops" not in onednn
+                                      ("row f", throughput.Routes(route, None, True, True)),
+                                      ("row g", throughput.Routes(route, None, True, False))])
+    assert "row b: 62.5 ms, " in onednn  # --compile-decode's dense weights: the graph's loops at one row
+    assert "row g: 62.5 ms = matmuls" in onednn and onednn.count("matrix-vector loops") == 1
     assert "row e: 62.5 ms, " in onednn and "(no split: its matmuls are F.linear's, not the replayed oneDNN" in onednn
     assert "row f: 62.5 ms, " in onednn and "(no split: its matmuls are Inductor's GEMM template" in onednn
     # a row without routes (not kvserve's) is not split at all

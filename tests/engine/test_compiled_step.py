@@ -23,7 +23,7 @@ import torch
 
 from kvserve.engine import compiled_step
 from kvserve.engine.llm import LLM
-from kvserve.model import int8_kernels, linear
+from kvserve.model import float_kernels, int8_kernels, linear
 from kvserve.model.float_kernels import BLAS, OneDNNMatmul
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
@@ -151,7 +151,8 @@ def test_new_batch_sizes_and_context_lengths_run_the_same_graph(engines):
 def test_one_rows_logits_run_the_compiled_head(engines, monkeypatch):
     """A float output head (compiled_step.head_in_graph): one row's logits, a single stream's at every step (its
     prompt's last row too), run in a graph of their own, where the matrix-vector product is Inductor's loop over every
-    core (model/linear.py, one_row_in_graph); several rows' logits run eagerly. Both within the tolerance (compare)."""
+    core (model/linear.py, one_row_in_graph), over the dense weights that --compile-decode keeps beside oneDNN's
+    packed copy too; several rows' logits run eagerly. Both within the tolerance (compare)."""
     eager, compiled = engines
     model = compiled.engine.model
     eager_rows = []
@@ -159,17 +160,14 @@ def test_one_rows_logits_run_the_compiled_head(engines, monkeypatch):
     monkeypatch.setattr(model, "compute_logits", lambda hidden: eager_rows.append(hidden.shape[0]) or head(hidden))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params)
-    if model.linears.matmul is not BLAS:  # oneDNN's packed head: the same kernel in a graph, so none is built
-        assert not compiled_step.head_in_graph(model) and eager_rows and set(eager_rows) == {1}
-        return
     assert eager_rows == [], "a single stream's logits ran the eager head"
     compare(eager, compiled, ALIKE[:2], params)
     assert eager_rows and all(rows > 1 for rows in eager_rows)
 
 
 def test_an_int8_head_is_not_compiled_on_its_own(tmp_path):
-    """An int8 head's call, or oneDNN's over a packed float head, is the same kernel in a graph and out of one: no
-    graph of its own for it."""
+    """An int8 head's call is the same kernel in a graph and out of one: no graph of its own for it; nor for
+    oneDNN's packed float head without the dense weights that only --compile-decode keeps."""
     path = make_tiny_model(tmp_path)
     with float_matmul(BLAS):
         assert compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
@@ -177,6 +175,38 @@ def test_an_int8_head_is_not_compiled_on_its_own(tmp_path):
         assert not compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
     int8 = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True).engine.model
     assert not compiled_step.head_in_graph(int8)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_compile_decode_keeps_dense_weights_beside_onednns_for_the_one_row_loops(tmp_path, caplog, monkeypatch, tied):
+    """oneDNN's packed float weights replace the dense ones (model/float_kernels.py), but a compiled single stream
+    multiplies one row in loops of its own over dense weights (model/linear.py, one_row_in_graph): --compile-decode
+    keeps them beside the packed copies, its cost counted in the weights and said at start (a tied head reads the
+    embedding table, kept anyway), and the single stream's steps call oneDNN no more; batched steps still do."""
+    path = make_tiny_model(tmp_path, tie_word_embeddings=tied)
+    with float_matmul(OneDNNMatmul()):
+        eager = LLM(str(path), **COMMON, enforce_eager=True).engine.model
+        with caplog.at_level(logging.INFO, logger="kvserve"):
+            llm = LLM(str(path), **COMMON, **COMPILED)
+    model = llm.engine.model
+    assert eager.linears.dense_copy_nbytes == 0 and all(layer.qkv.weight is None for layer in eager.layers)
+    dense = sum(linear.weight.nbytes for layer in model.layers for linear in layer.weight_parts()[:4])
+    if not tied:
+        dense += model.lm_head.weight.nbytes
+    assert model.linears.dense_copy_nbytes == dense > 0
+    assert model.weights_nbytes == eager.weights_nbytes + dense
+    assert f"{dense / 1e6:,.1f} MB the dense weights kept beside oneDNN linear's packed copies" in caplog.text
+    calls = []
+    onednn = float_kernels._onednn_linear_eager
+    monkeypatch.setattr(float_kernels, "_onednn_linear_eager", lambda *args: calls.append(args[0].shape[0]) or
+                        onednn(*args))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before = llm.engine.runner.num_compiled_steps
+    llm.generate(PROMPTS[:1], params)
+    assert llm.engine.runner.num_compiled_steps - before == 5 and calls and all(rows > 1 for rows in calls)  # prefill
+    calls.clear()
+    llm.generate(ALIKE[:2], params)
+    assert 2 in calls  # the batched graph's steps: oneDNN over its packed copies
 
 
 def test_preemption_mid_decode_matches_eager(tmp_path):

@@ -642,7 +642,7 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
             own = f"{matmul.name}'s, not the replayed {replayed.name}"
         elif single and routes.one_row_loops:
             # float weights (float32, bfloat16), one row in the graph: model/linear.py, one_row_in_graph
-            own = "Inductor's matrix-vector loops over every core, not these BLAS calls"
+            own = f"Inductor's matrix-vector loops over every core, not the replayed {replayed.name}'s calls"
         else:  # the replayed calls (float32 weights, or int8 codes multiplied as float32)
             own = None
         if own is not None:  # no split

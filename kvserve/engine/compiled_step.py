@@ -102,10 +102,11 @@ STEP_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asser
 WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 compiles the same dynamic graph)
 
 
-def unsupported(model, batch_invariant: bool, unbounded_positions: bool) -> str | None:
-    """Why no decode step of this engine can run compiled (None: decode steps can)."""
-    if not isinstance(model, (LlamaModel, Gemma3Model)):
-        return f"{type(model).__name__} is not compiled (Llama and Gemma 3 families only)"
+def unsupported(model_class: type, batch_invariant: bool, unbounded_positions: bool) -> str | None:
+    """Why no decode step of an engine of this model class can run compiled (None: decode steps can). Asked before
+    the model is built: only then does it keep the dense weights the graph's one-row loops read (model/linear.py)."""
+    if not issubclass(model_class, (LlamaModel, Gemma3Model)):
+        return f"{model_class.__name__} is not compiled (Llama and Gemma 3 families only)"
     if batch_invariant:
         return "--batch-invariant runs fixed tiles eagerly"
     if unbounded_positions:

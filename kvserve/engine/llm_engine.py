@@ -32,7 +32,7 @@ from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.model.config import ModelConfig
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.loader import load_weights, resolve_model
-from kvserve.model.registry import build_model
+from kvserve.model.registry import MODEL_CLASSES, build_model
 from kvserve.outputs import RequestOutput
 from kvserve.planner.capacity import KVCachePlan, plan_kv_cache
 from kvserve.planner.kv_size import kv_layout
@@ -86,10 +86,13 @@ class LLMEngine:
         if torch.device(config.device).type == "cpu":
             logger.info(keep_freed_heap())  # each step's temporaries live on the C heap
         weights = load_weights(source.path, config.torch_dtype)
-        # --compile-decode: the single stream's graph multiplies float weights in loops of its own, over dense weights
+        # --compile-decode: why no decode step can run compiled, if none can; else a one-row graph multiplies float
+        # weights in loops of its own, over dense weights (model/linear.py)
+        self.eager_decode_reason = unsupported(MODEL_CLASSES[mc.architecture], config.batch_invariant,
+                                               self.eviction.unbounded_length) if config.compile_decode else None
         self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device,
                                  config.quantization, config.batch_invariant,
-                                 dense_in_graph=config.compile_decode and not config.batch_invariant)
+                                 dense_in_graph=config.compile_decode and self.eager_decode_reason is None)
         del weights
         logger.info(self._weights_line())
         model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
@@ -137,9 +140,8 @@ class LLMEngine:
         config = self.config
         if not config.compile_decode:
             return None
-        reason = unsupported(self.model, config.batch_invariant, self.eviction.unbounded_length)
-        if reason is not None:
-            logger.info(f"decode steps: eager ({reason})")
+        if self.eager_decode_reason is not None:
+            logger.info(f"decode steps: eager ({self.eager_decode_reason})")
             return None
         outside = attention_outside(self.cache, self.eviction.needs_attention_scores)
         gemms = config.compile_gemms

@@ -27,6 +27,7 @@ from kvserve.model import float_kernels, int8_kernels, linear
 from kvserve.model.float_kernels import BLAS, OneDNNMatmul
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
+from tests.model.test_deepseek import make_deepseek
 
 COMPILED = dict(compile_decode=True)
 COMMON = dict(kv_cache_memory="2MiB", max_model_len=512)
@@ -273,13 +274,19 @@ def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(
 @pytest.mark.parametrize("options, reason", [
     (dict(batch_invariant=True), "--batch-invariant runs fixed tiles eagerly"),
     (dict(kv_eviction="streaming", kv_recent_tokens=64), "a streaming sequence's positions outgrow"),
+    (dict(deepseek=True), "DeepseekModel is not compiled (Llama and Gemma 3 families only)"),
 ])
 def test_what_the_graph_does_not_cover_runs_eagerly_and_says_why(tmp_path, caplog, options, reason):
-    path = make_tiny_model(tmp_path)
-    with caplog.at_level(logging.INFO, logger="kvserve"):
+    """...and keeps no dense weights beside oneDNN's packed ones: no graph would read them."""
+    options = dict(options)
+    path = make_deepseek(tmp_path) if options.pop("deepseek", False) else make_tiny_model(tmp_path)
+    with caplog.at_level(logging.INFO, logger="kvserve"), float_matmul(OneDNNMatmul()):
         llm = LLM(str(path), **COMMON, **COMPILED, **options)
     assert llm.engine.runner.compiled is None
     assert f"decode steps: eager ({reason}" in caplog.text
+    batch_invariant = options.get("batch_invariant", False)  # which keeps F.linear, over the dense weights
+    assert llm.engine.model.linears.dense_copy_nbytes == 0 and not llm.engine.model.linears.dense_in_graph
+    assert (llm.engine.model.lm_head.weight is None) != batch_invariant
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
 
 

@@ -8,7 +8,8 @@ the compiler, Python or torch.
 
 `remember_vec_isa_probe()` records the answer in a JSON file in Inductor's cache directory, keyed by those four.
 When every ISA the CPU's flags allow loaded, later starts with the same key set Inductor's `cpp.vec_isa_ok`,
-which takes them all as valid without probing: Inductor then picks the same ISA as its probe did. If any failed,
+which takes them all as valid without probing: Inductor then picks the same ISA as its probe did, and the libraries
+its ISA extensions' checks load are answered from the record too (`_remember_library_loads`). If any failed,
 nothing is set and Inductor probes as usual. A `vec_isa_ok` set by the user is left alone."""
 from __future__ import annotations
 
@@ -37,13 +38,41 @@ def remember_vec_isa_probe() -> bool | None:
     record = _read(path)
     if record.get(key) is True:
         config.cpp.vec_isa_ok = True
+        _remember_library_loads(key, path)
         return True
     valid = all(bool(isa) for isa in allowed)  # Inductor's own probe, one child process per ISA (cached per process)
     record[key] = valid
     _write(path, record)
     if valid:
         config.cpp.vec_isa_ok = True
+        _remember_library_loads(key, path)
     return valid
+
+
+def _remember_library_loads(key: str, path: Path) -> None:
+    """vec_isa_ok answers the probe of each ISA, but an ISA with extensions (AVX-512's BF16 and VNNI) still builds
+    a library per extension and loads it in a child process at every start: three children, 0.2 s of a cached start
+    on the AVX-512 EPYC (cProfile). Each library that loaded is recorded under this machine's key; a later start
+    with that key takes a recorded library that is still there as loaded, and loads any other as Inductor would."""
+    from torch._inductor import cpu_vec_isa
+
+    probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
+    if probe is None or getattr(probe, "remembered_by_kvserve", False):
+        return
+
+    def probe_load(isa, output_path: str) -> bool:
+        entry = f"{key} | loaded {output_path}"
+        record = _read(path)
+        if record.get(entry) is True and os.path.isfile(output_path):
+            return True
+        loaded = probe(isa, output_path)
+        if loaded:
+            record[entry] = True
+            _write(path, record)
+        return loaded
+
+    probe_load.remembered_by_kvserve = True
+    cpu_vec_isa.VecISA._probe_load = probe_load
 
 
 def _allowed_isas() -> list:

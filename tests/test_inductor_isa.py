@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from torch._inductor import config
+from torch._inductor import config, cpu_vec_isa
 
 from kvserve import inductor_isa
 
@@ -30,7 +30,42 @@ def machine(tmp_path, monkeypatch):
     monkeypatch.setattr(inductor_isa.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(inductor_isa, "_allowed_isas", lambda: isas)
     monkeypatch.setattr(inductor_isa, "_record_path", lambda: tmp_path / inductor_isa.RECORD_NAME)
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", FakeLoads())
     return isas, tmp_path / inductor_isa.RECORD_NAME
+
+
+class FakeLoads:
+    """Inductor's child process that loads a library built for an ISA extension: succeeds where `fails` says not."""
+
+    def __init__(self):
+        self.loads, self.fails = [], set()
+
+    def __call__(self, isa, output_path: str) -> bool:
+        self.loads.append(output_path)
+        return output_path not in self.fails
+
+
+def test_extension_libraries_that_loaded_are_not_loaded_again_by_a_later_start(machine, tmp_path, monkeypatch):
+    isas, record = machine
+    fake = cpu_vec_isa.VecISA._probe_load
+    libraries = [tmp_path / "bf16.so", tmp_path / "vnni.so", tmp_path / "broken.so"]
+    for library in libraries:
+        library.write_bytes(b"")
+    fake.fails.add(str(libraries[2]))
+    inductor_isa.remember_vec_isa_probe()
+    for library in libraries:  # the first start: each loaded in a child, as Inductor does
+        cpu_vec_isa.VecISA._probe_load(isas[0], str(library))
+    assert len(fake.loads) == 3
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", fake)  # a new process: torch's own method again
+    config.cpp.vec_isa_ok = None
+    inductor_isa.remember_vec_isa_probe()
+    results = [cpu_vec_isa.VecISA._probe_load(isas[0], str(library)) for library in libraries]
+    assert results == [True, True, False]
+    assert fake.loads[3:] == [str(libraries[2])]  # only the one that failed is loaded again
+    libraries[0].unlink()  # a recorded library gone (a cleared cache): loaded again, as Inductor would after building
+    cpu_vec_isa.VecISA._probe_load(isas[0], str(libraries[0]))
+    assert fake.loads[4:] == [str(libraries[0])]
 
 
 def test_the_first_start_probes_and_records_then_a_later_start_does_not_probe(machine):

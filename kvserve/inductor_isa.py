@@ -51,8 +51,8 @@ def remember_vec_isa_probe() -> bool | None:
 
 def _remember_library_loads(key: str, path: Path) -> None:
     """vec_isa_ok answers the probe of each ISA, but an ISA with extensions (AVX-512's BF16 and VNNI) still builds
-    a library per extension and loads it in a child process at every start: three children, 0.2 s of a cached start
-    on the AVX-512 EPYC (cProfile). Each library that loaded is recorded under this machine's key; a later start
+    a library per extension and loads it in a child process at every start: three child Pythons on the AVX-512
+    EPYC (its subprocess.run calls). Each library that loaded is recorded under this machine's key; a later start
     with that key takes a recorded library that is still there as loaded, and loads any other as Inductor would."""
     from torch._inductor import cpu_vec_isa
 

@@ -55,7 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--compile-decode", action="store_true",
                    help="run decode steps as graphs compiled by torch.compile at start (one sequence as one whole "
                         "graph, several with attention outside it; minutes to compile the first time, then cached on "
-                        "disk: docs/benchmarks.md)")
+                        "disk; float weights packed for oneDNN are kept dense too, for the single stream's one-row "
+                        "loops: more memory, said at start; docs/benchmarks.md)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's logits bitwise independent of its batch, chunking, prefix hits and preemption "
                         "(fixed token tiles, attention per query tile; costs speed: docs/benchmarks.md)")

@@ -59,7 +59,11 @@ class IntMMKernel(Int8Kernel):
     copies_codes = False
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.t()  # a view: no second copy of the codes
+        # W^T over the codes' own storage, no second copy: a tensor of its own rather than the view weight.t(), since a
+        # compiled graph wraps a view's base as well, for every layer its one traced layer is reused for
+        n, k = weight.shape
+        return torch.empty(0, dtype=weight.dtype, device=weight.device).set_(
+            weight.untyped_storage(), weight.storage_offset(), (k, n), (1, k))
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         return torch._int_mm(x, packed).float()

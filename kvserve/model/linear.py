@@ -203,7 +203,7 @@ def load_linears(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtyp
                  quantization: str, batch_invariant: bool = False,
                  dense_in_graph: bool = False) -> tuple[dict[str, torch.Tensor], Linears, Linear | Int8Linear, Embedding]:
     """A decoder's weights in `dtype` on `device` (the tables taken out), its Linears, output head and embedding."""
-    w = {name: t.to(dtype=dtype, device=device) for name, t in weights.items()}
+    w = {name: _own(t.to(dtype=dtype, device=device)) for name, t in weights.items()}
     cpu = torch.device(device).type == "cpu"  # oneDNN's linears and the int8 kernels' probe are CPU routes
     kernel = None if cpu or quantization != "int8" else FloatKernel("the int8 kernels are probed on a CPU only")
     linears = Linears(quantization, dtype, kernel, matmul=BLAS if batch_invariant or not cpu else None,
@@ -211,6 +211,13 @@ def load_linears(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtyp
     lm_head, embed = linears.head_and_embedding(w.pop("model.embed_tokens.weight"),
                                                 None if tied else w.pop("lm_head.weight"))
     return w, linears, lm_head, embed
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """A one-dimensional view (a norm's weight or a bias, sliced from a loaded file's buffer) as a tensor of its own:
+    the layers hold these as they are, and a compiled graph wraps a view's base too, for every layer its one traced
+    layer is reused for. Matrices are never held as loaded (packed, quantized or made parameters)."""
+    return tensor.clone() if tensor.dim() == 1 and tensor._base is not None else tensor
 
 
 def tensor_storages(*tensors: torch.Tensor | None) -> dict[int, int]:

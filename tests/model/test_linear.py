@@ -1,6 +1,8 @@
 """int8 linears (W8A8, per-output-channel weight scales, per-token activation scales) against a float reference:
 within the worst-case rounding bound, about 1% on Gaussian data, each row independent of its batch, and the same
 numbers through every kernel route."""
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +177,28 @@ def test_one_row_in_a_graph_is_a_product_and_a_sum_within_float_rounding(dtype, 
     torch.testing.assert_close(compiled(rows), layer(rows), rtol=tolerance, atol=tolerance)
     assert seen == [True, False]  # traced once per graph: one row, then a symbolic number of rows
     assert not linear.one_row_in_graph(one)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_the_tensors_a_layer_holds_are_no_views(tmp_path, quantization):
+    """A compiled graph's one traced layer is reused for every layer with that layer's tensors, and Dynamo wraps a
+    view's base too: the norms sliced from a loaded file's buffer are tensors of their own, and torch._int_mm's W^T
+    a tensor of its own over the codes' storage (no copy: the weights' bytes stay the codes')."""
+    from kvserve.engine.llm import LLM
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path, attention_bias=True)
+    with mock.patch.object(linear, "choose_kernel", IntMMKernel), mock.patch.object(linear, "choose_matmul",
+                                                                                    lambda dtype: BLAS):
+        model = LLM(str(path), kv_cache_memory="2MiB", max_model_len=256, quantization=quantization,
+                    enforce_eager=True).engine.model
+    tensors = []
+    for layer in model.layers:
+        for part in layer.weight_parts():
+            tensors += [t for t in vars(part).values() if isinstance(t, torch.Tensor)] if not \
+                isinstance(part, torch.Tensor) else [part]
+    assert tensors and all(t._base is None for t in tensors)
+    if quantization == "int8":
+        qkv = model.layers[0].qkv
+        assert qkv.packed.stride() == (1, qkv.packed.shape[0])  # W^T over [N, K] codes, as their .t() was
+        assert weights_nbytes(qkv.packed) == qkv.packed.numel()

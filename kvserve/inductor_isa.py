@@ -36,16 +36,16 @@ def remember_vec_isa_probe() -> bool | None:
     key = _fingerprint(allowed)
     path = _record_path()
     record = _read(path)
+    _remember_library_loads(key, path)
     if record.get(key) is True:
         config.cpp.vec_isa_ok = True
-        _remember_library_loads(key, path)
         return True
     valid = all(bool(isa) for isa in allowed)  # Inductor's own probe, one child process per ISA (cached per process)
+    record = _read(path)  # with the libraries the probe loaded
     record[key] = valid
     _write(path, record)
     if valid:
         config.cpp.vec_isa_ok = True
-        _remember_library_loads(key, path)
     return valid
 
 

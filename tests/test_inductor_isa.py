@@ -128,3 +128,18 @@ def test_the_key_names_this_machines_isas_compiler_and_torch():
     key = inductor_isa._fingerprint(allowed)
     assert "avx2" in key.split(" | ")[0].split(",")  # every x86-64 kvserve runs on has AVX2
     assert torch.__version__ in key and sys.version.split()[0] in key
+
+
+def test_the_libraries_a_first_probe_loads_are_recorded_with_its_answer(machine, tmp_path):
+    """The first start's own probe loads each ISA's libraries in child processes: those are recorded too, so the
+    next start loads none (Inductor's extension checks run again in every new process)."""
+    isas, record = machine
+    library = tmp_path / "avx512_bf16.so"
+    library.write_bytes(b"")
+    fake = cpu_vec_isa.VecISA._probe_load
+    isas[0].__class__ = type("ExtendedISA", (FakeISA,), {
+        "__bool__": lambda self: cpu_vec_isa.VecISA._probe_load(self, str(library)) and FakeISA.__bool__(self)})
+    assert inductor_isa.remember_vec_isa_probe() is True
+    assert fake.loads == [str(library)]
+    assert sum(value is True for value in json.loads(record.read_text()).values()) == 2  # the answer, the library
+    assert cpu_vec_isa.VecISA._probe_load(isas[0], str(library)) is True and fake.loads == [str(library)]

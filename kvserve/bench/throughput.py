@@ -79,7 +79,7 @@ class Routes:
     def of(cls, engine) -> Routes:
         linears, compiled = engine.model.linears, engine.runner.compiled
         return cls(linears.matmul, linears.kernel, compiled is not None, compiled is not None and compiled.gemms,
-                   compiled is not None and compiled.whole and linears.one_row_loops)
+                   compiled is not None and linears.one_row_loops)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,9 @@ class Linears:
         self.dtype = dtype
         self.kernel = (kernel or choose_kernel()) if quantization == "int8" else None
         self.matmul = matmul or (BLAS if self.kernel is not None else choose_matmul(dtype))
-        self.dense_in_graph = dense_in_graph
+        # dense copies only of what a one-row loop reads: float weights of GRAPH_MATRIX_VECTOR_DTYPES (float16's stay
+        # oneDNN's alone)
+        self.dense_in_graph = dense_in_graph and self.kernel is None and dtype in GRAPH_MATRIX_VECTOR_DTYPES
         self.tied_copy_nbytes = 0
         self.dense_copy_nbytes = 0
 
@@ -177,8 +179,8 @@ class Linears:
     @property
     def one_row_loops(self) -> bool:
         """Whether a compiled graph's one-row steps multiply these float weights in loops of its own (Linear)."""
-        return self.kernel is None and self.dtype in GRAPH_MATRIX_VECTOR_DTYPES and \
-            (self.matmul is BLAS or self.dense_in_graph)
+        return self.dense_in_graph or (self.kernel is None and self.dtype in GRAPH_MATRIX_VECTOR_DTYPES and
+                                       self.matmul is BLAS)
 
     def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
                                                                                             Embedding]:

@@ -202,3 +202,26 @@ def test_the_tensors_a_layer_holds_are_no_views(tmp_path, quantization):
         qkv = model.layers[0].qkv
         assert qkv.packed.stride() == (1, qkv.packed.shape[0])  # W^T over [N, K] codes, as their .t() was
         assert weights_nbytes(qkv.packed) == qkv.packed.numel()
+
+
+def test_dense_copies_only_of_what_a_one_row_loop_reads():
+    """Linears(dense_in_graph=True) keeps a packed route's float32 and bfloat16 weights dense too (the compiled
+    one-row loops read them), not float16's, which no loop reads, nor int8 weights (whose kernel has its own)."""
+    class Packing:  # a packed route, whatever the CPU (oneDNN's own availability differs by dtype and CPU)
+        name = "packing"
+
+        def pack(self, weight):
+            return weight.clone()
+
+        def storages(self, packed):
+            return {packed.untyped_storage().data_ptr(): packed.nbytes}
+
+    kept = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        linears = Linears("none", dtype, matmul=Packing(), dense_in_graph=True)
+        layer = linears.linear(torch.randn(8, 16).to(dtype))
+        kept[dtype] = (layer.weight is not None, linears.dense_copy_nbytes, linears.one_row_loops)
+    assert kept == {torch.float32: (True, 8 * 16 * 4, True), torch.bfloat16: (True, 8 * 16 * 2, True),
+                    torch.float16: (False, 0, False)}
+    int8 = Linears("int8", torch.float32, kernel=FloatKernel(), dense_in_graph=True)
+    assert not int8.dense_in_graph and not int8.one_row_loops

@@ -49,6 +49,14 @@ def remember_vec_isa_probe() -> bool | None:
     return valid
 
 
+def machine_key() -> str:
+    """This machine as Inductor's generated code depends on it: the vector instruction sets its CPU allows, the C++
+    compiler, Python and torch (engine/graph_cache.py names saved graphs by it)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"{sys.platform} {platform.machine()} {platform.processor()}"
+    return _fingerprint(_allowed_isas())
+
+
 def _remember_library_loads(key: str, path: Path) -> None:
     """vec_isa_ok answers the probe of each ISA, but an ISA with extensions (AVX-512's BF16 and VNNI) still builds
     a library per extension and loads it in a child process at every start: three child Pythons on the AVX-512

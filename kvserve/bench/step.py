@@ -50,7 +50,7 @@ def run_step(args: argparse.Namespace) -> int:
         input_ids, meta = _decode_step(engine, n, kind)
         runners = {"eager": lambda: _eager(engine, input_ids, meta)}
         if compiled.eligible(meta):
-            runners["whole graph"] = lambda: compiled.run_whole(input_ids, meta)
+            runners["whole graph"] = lambda: compiled.run_whole(input_ids, meta, compile_missing=True)
         if n > 1:
             runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
         for run in runners.values():  # a first call compiles what no graph fits (the whole graph for several)

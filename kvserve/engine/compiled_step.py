@@ -21,8 +21,8 @@ and reuses it for the others, and Inductor compiles its code once, so a graph co
 (docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each layer over its own row
 of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer graph did, under the engine's
 frame-stack headroom (engine/python_stack.py: without it, its 30 region calls could thrash CPython's chunks).
-Both are compiled at start; while serving nothing compiles (Dynamo's `fail_on_recompile` stance: a compile would
-stall every request), and a step no graph fits runs eagerly, with one warning per reason. With --compile-gemms the
+Both are compiled at start; while serving nothing compiles (a compile would stall every request): a step whose
+inputs no graph's guards take runs eagerly, with one warning per reason. With --compile-gemms the
 whole graph, frozen, is one graph for one sequence (run as two rows) and for several alike ones.
 
 Formats that attend over their stored form with a compiled kernel of their own (int8, int4 KV) or keep another
@@ -32,12 +32,14 @@ same as with `--enforce-eager`: prefill and mixed steps, drafts being verified, 
 tiles), StreamingLLM (its positions outgrow the RoPE table), and models other than the Llama and Gemma 3 families.
 The start-up line says which it is.
 
-Inductor caches what it generates on disk (its FX graph and AOT caches, keyed by the graph, the torch version and
-the CPU's instruction set), so a second start of the same model and configuration loads the kernels instead of
-generating and compiling them. The compiled graph fuses elementwise work (norms, RoPE, activations), which rounds
-differently from eager by a few float32 ulps; with int8 weights it also rotates their inputs in loops of its own
-(kvserve/rotation.py), where those ulps can move an activation to the next int8 code:
-tests/engine/test_compiled_step.py states both tolerances.
+Each graph is compiled whole by torch's AOT precompile and saved with Dynamo's bytecode and guards, beside Inductor's
+kernels (engine/graph_cache.py, the file named by everything the graph's code depends on): a second start of the
+same engine loads its graphs and traces nothing, where torch.compile's own caches still had Dynamo trace the model's
+Python at every start (docs/benchmarks.md, "Graphs saved whole"). A call runs the first graph whose guards take the
+step's inputs; --compile-gemms' frozen graph, which cannot be saved, is torch.compile's own, traced at every start.
+The compiled graph fuses elementwise work (norms, RoPE, activations), which rounds differently from eager by a few
+float32 ulps; with int8 weights it also rotates their inputs in loops of its own (kvserve/rotation.py), where those
+ulps can move an activation to the next int8 code: tests/engine/test_compiled_step.py states both tolerances.
 
 Float weights are multiplied as the start-up probe chose (model/float_kernels.py): oneDNN's linear over packed
 copies, which the graph calls as an op of kvserve's own, or F.linear over the weights as they are. A graph over one
@@ -77,6 +79,7 @@ from unittest import mock
 
 import torch
 
+from kvserve.engine.graph_cache import GraphKey, GraphMiss, GraphSet, engine_objects
 from kvserve.inductor_isa import remember_vec_isa_probe
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerRegion, attend_over,
@@ -89,7 +92,6 @@ from kvserve.model.llama import LlamaModel
 
 logger = logging.getLogger("kvserve")
 
-RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuses a step no graph fits
 # --compile-gemms: the weights frozen into the graph as constants, and each matmul by Inductor's C++ GEMM template
 # over its own packed copy where Inductor's benchmark at compile time finds it faster than the ATen (BLAS) call
 GEMM_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
@@ -206,20 +208,29 @@ class CompiledDecode:
                                       {"__builtins__": __builtins__, "_raw_forward": raw_forward,
                                        "_raw_logits": raw_logits, "_engine": slot}, function.__name__)
 
-        # only the step's sizes vary (_mark_dynamic)
+        # Each graph is compiled whole at start (torch's AOT precompile) or loaded where an earlier start of this
+        # engine saved it (engine/graph_cache.py): named by the model, the cache and these options.
         options = {"guard_filter_fn": step_guards, **STEP_OPTIONS}
-        self._forward = torch.compile(copy(), dynamic=False, options={**(GEMM_OPTIONS if gemms else {}), **options})
+        # first: it may set Inductor's vec_isa_ok, which the name holds (a child process per vector ISA at every
+        # start, otherwise: kvserve/inductor_isa.py)
+        remember_vec_isa_probe()
+        key = GraphKey.of(model, cache, {"gemms": gemms, "whole": whole, "options": options})
+        self._regions = layer_regions(model, cache, gemms)  # its layers as one region, traced and compiled once
+        # what of the engine a graph refers to (weights, layers), by name: loaded, it refers to this engine's
+        external = engine_objects(model=model, cache=cache, regions=self._regions)
+        # a single stream (and several alike sequences with --compile-gemms): the whole graph; frozen weights
+        # (--compile-gemms) are constants of the graph that cannot be saved: compiled at every start
+        self._whole = GraphSet(copy(), {**(GEMM_OPTIONS if gemms else {}), **options}, key, external, save=not gemms)
         # several sequences, and steps the whole graph does not take: attention outside the graph (_outside_forward);
         # never frozen (--compile-gemms would pack a second copy of the weights): its weights are the graph's inputs
-        self._outside = torch.compile(copy(), dynamic=False, options=options)
-        self._regions = layer_regions(model, cache, gemms)  # its layers as one region, traced and compiled once
+        self._outside = GraphSet(copy(), options, key, external)
         # one row's logits (a single stream's every step, prefill included): a graph of its own where it pays
-        self._head = torch.compile(copy(_decode_logits), dynamic=False, options=options) \
-            if head_in_graph(model) else None
+        self._head = GraphSet(copy(_decode_logits), options, key, external) if head_in_graph(model) else None
         self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
         self.compile_seconds = 0.0
         self.compile_phases: dict[str, float] = {}  # seconds of the start's compile by phase (compile_phases_line)
+        self.graphs_loaded = self.graphs_compiled = 0  # at start: saved by an earlier start, or compiled now
         self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
         self._miss_reasons: set[str] = set()
 
@@ -244,8 +255,9 @@ class CompiledDecode:
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The step's final hidden states, or None when this step runs eagerly: no graph covers it (prefill and
-        mixed steps), the graph failed (eager from then on), or the step would need a graph of its own (Dynamo
-        refuses to compile while serving: that step alone runs eagerly, with one warning per reason)."""
+        mixed steps), the graph failed (eager from then on), or no graph compiled at start takes it (nothing
+        compiles while serving: a compile would stall every request; that step alone runs eagerly, with one warning
+        per reason)."""
         if self.failed is not None:
             return None
         one = input_ids.shape[0] == 1 or self.gemms  # --compile-gemms: the frozen graph wherever it fits
@@ -253,23 +265,27 @@ class CompiledDecode:
             return self._outside_forward(input_ids, meta) if self.decodes_only(input_ids, meta) else None
         slot_mappings = meta.slot_mappings
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self.run_whole(input_ids, meta)
+            return self.run_whole(input_ids, meta)
         except Exception as exc:
             self.cache.begin_step([], [], slot_mappings)  # the step's own slots again, for eager
             return self._refused(exc)
 
-    def run_whole(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The whole graph over a step it takes (`eligible`); Dynamo compiles one for the step if none fits it.
-        Serving calls it through `forward`, under Dynamo's fail_on_recompile stance; `kvserve bench step` directly,
-        to time it against the graph with attention outside on steps that serving runs there."""
+    def run_whole(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                  compile_missing: bool = False) -> torch.Tensor:
+        """The whole graph over a step it takes (`eligible`). Serving calls it through `forward`; `kvserve bench
+        step` directly, with `compile_missing`, to time it against the graph with attention outside on steps that
+        serving runs there: a graph for the step is compiled if none takes it."""
         meta, num_seqs = replace(_at_least_two_blocks(meta), layer_regions=self._regions), input_ids.shape[0]
         if num_seqs == 1 and self.gemms:
             input_ids, meta = _two_rows(input_ids, meta)
             self.cache.begin_step([], [], meta.slot_mappings)  # the runner began the step: now its slots, twice
-        _mark_dynamic(input_ids, meta)
+        args, mark = (input_ids, meta, self.cache), lambda: _mark_dynamic(input_ids, meta)
         with torch.no_grad(), _freezing(self.gemms):
-            return self._forward(input_ids, meta, self.cache)[:num_seqs]
+            if compile_missing:
+                return self._whole.run_or_compile(f"whole-{input_ids.shape[0]}", args, mark)[:num_seqs]
+            if self.gemms:  # torch.compile's traced graph (GraphSet): its symbols marked at each call, as at start
+                mark()
+            return self._whole(*args)[:num_seqs]
 
     def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """A decode step of several sequences, attended in one call per layer group or several (or any decode step,
@@ -278,8 +294,7 @@ class CompiledDecode:
         the graph (a stand-in with its positions does). One graph thus runs decode steps of any number of calls;
         attention runs as it does eagerly."""
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                hidden = self.run_outside(input_ids, meta)
+            hidden = self.run_outside(input_ids, meta)
         except Exception as exc:
             return self._refused(exc)
         self.num_outside_steps += 1
@@ -287,14 +302,14 @@ class CompiledDecode:
 
     def run_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata, attend=None) -> torch.Tensor:
         """The graph with attention outside over a decode step, its attention op calling `attend` (default:
-        paged_attention over the step's cache and metadata); as run_whole, it compiles what no graph fits."""
+        paged_attention over the step's cache and metadata)."""
         attend = attend or attend_over(self.cache, meta)
-        stand_in = replace(meta, groups=[], slot_mappings=[], outside_graph=True, layer_regions=self._regions)
-        if input_ids.shape[0] > 1:  # the number of sequences, where above 1 (one sequence is its own graph)
-            for tensor in (input_ids, stand_in.positions):
-                torch._dynamo.mark_dynamic(tensor, 0)
         with torch.no_grad(), attention_outside_graph(attend):
-            return self._outside(input_ids, stand_in, self.cache)
+            return self._outside(input_ids, self._stand_in(meta), self.cache)
+
+    def _stand_in(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """What the graph with attention outside sees of a step's metadata: its positions."""
+        return replace(meta, groups=[], slot_mappings=[], outside_graph=True, layer_regions=self._regions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """One row's logits from the compiled head (head_in_graph), or None: the runner computes them eagerly (no
@@ -302,16 +317,16 @@ class CompiledDecode:
         if self._head is None or self.failed is not None or hidden.shape[0] != 1:
             return None
         try:
-            with torch.compiler.set_stance("fail_on_recompile"), torch.no_grad():
+            with torch.no_grad():
                 return self._head(hidden)
         except Exception as exc:
             return self._refused(exc)
 
     def _refused(self, exc: Exception) -> None:
-        """A step the graphs did not run: eager for this step (a recompile refused) or from now on (a failure)."""
-        if RECOMPILE in str(exc):  # a step no graph built at start fits: compiling now would stall serving
+        """A step the graphs did not run: eager for this step (no graph takes it) or from now on (a failure)."""
+        if isinstance(exc, GraphMiss):  # a step no graph built at start takes: compiling now would stall serving
             self.num_misses += 1
-            reason = _guard_failures(str(exc))
+            reason = str(exc)
             if reason not in self._miss_reasons:
                 self._miss_reasons.add(reason)
                 logger.warning(f"a decode step fits no compiled graph ({reason}); it runs eagerly, no compiling "
@@ -321,55 +336,56 @@ class CompiledDecode:
         return None
 
     def warm_up(self) -> bool:
-        """Compile at start: the whole graph for a one-sequence decode step (with --compile-gemms, two: _two_rows)
-        over the pool's first blocks (the one block it writes to is put back after), and the graph with attention
-        outside for two sequences (without the whole graph, for one too; its attention op returns zeros there: it
-        writes nothing). Returns whether all compiled."""
+        """Compile (or load) at start, and run once: the whole graph for a one-sequence decode step (with
+        --compile-gemms, two: _two_rows) over the pool's first blocks (the one block it writes to is put back
+        after), and the graph with attention outside for two sequences (without the whole graph, for one too; its
+        attention op returns zeros there: it writes nothing). Returns whether all compiled."""
         started, resident, phases = time.perf_counter(), _resident_bytes(), _phase_seconds()
-        remember_vec_isa_probe()  # a child process per vector ISA at every start, otherwise (kvserve/inductor_isa.py)
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block) if self.whole else None  # the one block it writes, put back after
         try:
             for num_seqs in ((2,) if self.gemms else (1,)) if self.whole else ():
                 input_ids, meta = self._warm_up_step(num_seqs)
                 meta = replace(meta, layer_regions=self._regions)
-                _mark_dynamic(input_ids, meta)
                 self.cache.begin_step([], [], meta.slot_mappings)
-                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                 with torch.no_grad(), _freezing(self.gemms), _quiet_autotuning(self.gemms):
-                    self._forward(input_ids, meta, self.cache)
-                if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:  # Dynamo ran it eagerly
-                    raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) (its warnings "
-                                       "say why)")
+                    self._whole.add(f"whole-{num_seqs}", (input_ids, meta, self.cache),
+                                    lambda: _mark_dynamic(input_ids, meta))
+                    self._whole(input_ids, meta, self.cache)
             for num_seqs in (2,) if self.whole else (1, 2):
                 input_ids, meta = self._warm_up_step(num_seqs)
-                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                self.run_outside(input_ids, meta, lambda q, k, v, layer, scale: torch.zeros_like(q))
-                if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
-                    raise RuntimeError(f"torch.compile built no graph for {num_seqs} sequence(s) with attention "
-                                       "outside it (its warnings say why)")
+                stand_in, zeros = self._stand_in(meta), lambda q, k, v, layer, scale: torch.zeros_like(q)
+                with torch.no_grad(), attention_outside_graph(zeros):
+                    self._outside.add(f"outside-{num_seqs}", (input_ids, stand_in, self.cache),
+                                      lambda: _mark_sequences(input_ids, stand_in))
+                self.run_outside(input_ids, meta, zeros)
             if self._head is not None:
-                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                head = self.model.lm_head
+                hidden = torch.zeros(1, head.in_features, dtype=head.dtype, device=self.cache.device)
                 with torch.no_grad():
-                    head = self.model.lm_head
-                    self._head(torch.zeros(1, head.in_features, dtype=head.dtype, device=self.cache.device))
-                if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
-                    raise RuntimeError("torch.compile built no graph for the output head (its warnings say why)")
+                    self._head.add("head", (hidden,))
+                    self._head(hidden)
         except Exception as exc:
             self._fail(exc)
         finally:
             if saved is not None:
                 self.cache.import_block(block, saved)
+        sets = [graphs for graphs in (self._whole, self._outside, self._head) if graphs is not None]
+        self.graphs_loaded, self.graphs_compiled = sum(g.loaded for g in sets), sum(g.compiled for g in sets)
         self.compile_seconds = time.perf_counter() - started
         self.compile_phases = {name: seconds - phases.get(name, 0.0) for name, seconds in _phase_seconds().items()}
         self.resident_growth = _resident_bytes() - resident
         return self.failed is None
 
     def compile_phases_line(self) -> str:
-        """Where the start's compile went, as torch.compile times it (empty where it does not say): what a cached
-        start still pays, Dynamo's tracing of the model's Python, is apart from what the caches save."""
-        parts = [f"{label} {self.compile_phases[name]:.1f} s" for name, label in COMPILE_PHASES.items()
-                 if self.compile_phases.get(name, 0.0) > 0]
+        """How the start got its graphs, and where a compile went, as torch.compile times it: loaded ones skip it
+        all (engine/graph_cache.py); compiled ones spend it tracing the model's Python (Dynamo) and generating code
+        (Inductor, whose own cache answers a graph it has generated before)."""
+        parts = [f"{count} graph{'s' if count > 1 else ''} {how}" for count, how in
+                 ((self.graphs_loaded, f"loaded from {self._outside.key.directory}"),
+                  (self.graphs_compiled, "compiled")) if count]
+        parts += [f"{label} {self.compile_phases[name]:.1f} s" for name, label in COMPILE_PHASES.items()
+                  if self.compile_phases.get(name, 0.0) > 0]
         return f" ({', '.join(parts)})" if parts else ""
 
     def gemms_line(self) -> str:
@@ -410,19 +426,25 @@ class CompiledDecode:
 
 # where the graphs reach what never changes in an engine's life: its model (the forward copy's global) and the layers
 # that the regions hold (CompiledDecode._regions, built once)
-ENGINE_CONSTANTS = ("G['_engine']", "meta.layer_regions[")
+ENGINE_CONSTANTS = ("G['_engine']", "meta.layer_regions")
 
 
 def step_guards(entries) -> list[bool]:
     """Which of Dynamo's guards a compiled step checks (torch.compile's guard_filter_fn): those on the step (the
     inputs' sizes and kinds, the metadata, the cache), not those on the model's weights and layers, which the engine
     never changes and whose graphs are its own (CompiledDecode). Those were most of the guards, checked at every
-    step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared."""
-    return [not entry.name.startswith(ENGINE_CONSTANTS) for entry in entries]
+    step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared. Nor
+    those on globals (kvserve's code, which names a saved graph: engine/graph_cache.py) or of kinds torch cannot
+    save with a graph (an object's identity)."""
+    from torch._dynamo.guards import CheckFunctionManager  # Dynamo's, imported only when it compiles
+
+    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [not (entry.name.startswith(ENGINE_CONSTANTS) or entry.is_global or entry.guard_type in unsaved)
+            for entry in entries]
 
 
 # torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics) named in the start-up line
-COMPILE_PHASES = {"bytecode_tracing": "Dynamo's tracing", "OutputGraph.call_user_compiler": "Inductor",
+COMPILE_PHASES = {"bytecode_tracing": "Dynamo's tracing", "create_aot_dispatcher_function": "Inductor",
                   "build_guards": "guards"}
 
 
@@ -462,14 +484,6 @@ def _resident_bytes() -> int:
         return 0
 
 
-def _guard_failures(message: str) -> str:
-    """Why each graph refused a step, from Dynamo's refusal ("- 0/0: 2 <= ...size()[1]  # source line"): each
-    graph's first failed condition, oldest graph first."""
-    found = re.findall(r"^\s*- (\d+/\d+): (.*?)(?:\s+#|$)", message, re.MULTILINE)
-    return "; ".join(f"graph {graph}: {condition}" for graph, condition in sorted(found))[:300] or \
-        message.splitlines()[0][:300]
-
-
 def _at_least_two_blocks(meta: AttentionMetadata) -> AttentionMetadata:
     """The step with each one-block table widened to two (the first block again, its keys masked out). Dynamo
     specializes a size of 1 rather than make it a symbol, so contexts of up to one block would need a graph of
@@ -499,6 +513,14 @@ def _two_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.T
     meta = replace(meta, positions=meta.positions.repeat(2), groups=groups,
                    slot_mappings=[slots.repeat(2) for slots in meta.slot_mappings])
     return input_ids.repeat(2), meta
+
+
+def _mark_sequences(input_ids: torch.Tensor, stand_in: AttentionMetadata) -> None:
+    """The number of sequences is a symbol in the graph with attention outside, where it is above 1 (one sequence
+    is a graph of its own)."""
+    if input_ids.shape[0] > 1:
+        for tensor in (input_ids, stand_in.positions):
+            torch._dynamo.mark_dynamic(tensor, 0)
 
 
 def _mark_dynamic(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -60,8 +60,12 @@ def test_a_real_start_is_timed_and_its_compile_read(tmp_path):
     cached = startup.run_start(startup.start_command(str(model), "none", compiled=True), str(cache))
     assert eager.compile_seconds is None and eager.seconds > 0
     assert first.compile_seconds is not None and cached.compile_seconds is not None
-    # the start-up line says where the compile went (torch.compile's own timers): a cached start still traces
-    tracing = re.search(r"Dynamo's tracing ([\d.]+) s", cached.phases)
-    assert tracing and float(tracing.group(1)) <= cached.compile_seconds and "Inductor" in cached.phases
+    # the start-up line says how the start got its graphs and where a compile went (torch.compile's own timers):
+    # the first start compiles and saves them, a cached start loads them and traces nothing
+    tracing = re.search(r"Dynamo's tracing ([\d.]+) s", first.phases)
+    assert tracing and float(tracing.group(1)) <= first.compile_seconds and "Inductor" in first.phases
+    assert first.phases.startswith("3 graphs compiled") and "loaded" not in first.phases
+    assert cached.phases.startswith("3 graphs loaded from ") and "compiled" not in cached.phases
+    assert "Dynamo's tracing" not in cached.phases
     with pytest.raises(RuntimeError, match="exited with 2"):
         startup.run_start([*startup.start_command(str(model), "none", compiled=False), "--no-such-flag"], str(cache))

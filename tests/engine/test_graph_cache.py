@@ -1,0 +1,77 @@
+"""engine/graph_cache.py: what names a saved compiled graph, and a saved graph that cannot be read."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve import inductor_isa
+from kvserve.engine import graph_cache
+from kvserve.engine.graph_cache import GraphKey, describe
+from kvserve.engine.llm import LLM
+from kvserve.sampling_params import SamplingParams
+from tests.conftest import make_tiny_model
+
+COMMON = dict(kv_cache_memory="2MiB", max_model_len=512)
+
+
+def key_of(path, **options) -> str:
+    engine = LLM(str(path), **COMMON, enforce_eager=True, **options).engine
+    return GraphKey.of(engine.model, engine.cache, {"whole": True}).digest
+
+
+def test_the_name_holds_the_models_sizes_and_settings_not_its_weights(tmp_path):
+    """Weights are a graph's inputs, read at every call: another model of the same sizes and settings names the
+    same graphs. Sizes, a setting baked into the code as a constant (the norms' epsilon), the weights' and the
+    pool's dtype name others."""
+    base = key_of(make_tiny_model(tmp_path / "a"))
+    assert key_of(make_tiny_model(tmp_path / "b", seed=1)) == base
+    assert key_of(make_tiny_model(tmp_path / "c", rms_norm_eps=1e-5)) != base
+    assert key_of(make_tiny_model(tmp_path / "d", intermediate_size=160)) != base
+    assert key_of(make_tiny_model(tmp_path / "a"), kv_cache_dtype="bfloat16") != base
+    assert key_of(make_tiny_model(tmp_path / "a"), dtype="bfloat16") != base
+
+
+def test_the_name_holds_torch_python_the_machine_and_inductors_settings(tmp_path, monkeypatch):
+    path = make_tiny_model(tmp_path)
+    base = key_of(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", "2.99.0")
+        assert key_of(path) != base
+    with monkeypatch.context() as patch:
+        patch.setattr(inductor_isa, "machine_key", lambda: "a CPU with other vector instructions")
+        assert key_of(path) != base
+    with monkeypatch.context() as patch:
+        patch.setattr(graph_cache, "source_digest", lambda: "kvserve edited")
+        assert key_of(path) != base
+    with torch._inductor.config.patch(max_autotune=True):
+        assert key_of(path) != base
+    assert key_of(path) == base
+
+
+def test_describe_gives_tensors_metadata_not_values_and_objects_by_class():
+    a, b = torch.zeros(4, 8), torch.ones(4, 8)
+    assert describe(a) == describe(b) == ["tensor", "torch.float32", [4, 8], [8, 1], 0, "cpu", "Tensor"]
+    assert describe(a.t()) != describe(a)
+    assert describe(object()) == "builtins.object"
+    assert describe({"eps": 1e-6, "n": 3, "f": len}) == {"eps": "1e-06", "n": 3, "f": "builtins.len"}
+
+
+def test_a_saved_graph_that_cannot_be_read_is_compiled_again_and_written_over(tmp_path, caplog):
+    path = make_tiny_model(tmp_path)
+    first = LLM(str(path), **COMMON, compile_decode=True)
+    assert (first.engine.runner.compiled.graphs_loaded, first.engine.runner.compiled.graphs_compiled) == (0, 3)
+    files = sorted(graph_cache.graph_directory().glob("*.bin"))
+    assert len(files) == 3
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        second = LLM(str(path), **COMMON, compile_decode=True)
+    compiled = second.engine.runner.compiled
+    assert (compiled.graphs_loaded, compiled.graphs_compiled) == (2, 1)
+    assert caplog.text.count("could not be loaded") == 1
+    assert files[0].stat().st_size > 100  # written over
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(7, 20))]
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in first.generate(prompts, params)]
+    assert second.engine.runner.num_compiled_steps > 0

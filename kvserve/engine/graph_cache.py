@@ -19,7 +19,8 @@ step's inputs at each call, as a compiled graph's do; those on the weights and l
 
 The files live in Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, or its default under /tmp), beside the
 kernels they call, written by this machine's own starts. torch's format for them is a pickle, as Inductor's own
-cache entries are: like those, they are only ever read from that directory, never taken from a peer or a request.
+cache entries are: like those, they are only ever read from that directory, never taken from a peer or a request,
+and only a file this user owns in a directory this user owns, neither writable by others (written so: 0600, 0700).
 A file that cannot be read (truncated, from another torch) is compiled again and written over."""
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -73,7 +75,9 @@ class GraphSet:
             self.compiled += 1
             return
         path = self.key.path(name)
-        if path.exists():
+        if path.exists() and (untrusted := _not_private(path)) is not None:
+            logger.warning(f"compiled graph {path} not loaded: {untrusted}; compiling it again")
+        elif path.exists():
             try:
                 with open(path, "rb") as file:
                     graph = torch.compiler.load_compiled_function(file, f_globals=self.function.__globals__,
@@ -90,8 +94,8 @@ class GraphSet:
         self.graphs.append(graph)
         self.compiled += 1
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            graph.save_compiled_function(str(path), external_data=self.external)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            graph.save_compiled_function(str(path), external_data=self.external)  # a private file (mode 0600)
         except Exception as exc:  # a full disk, a read-only cache: this start runs it, the next compiles again
             logger.warning(f"compiled graph not saved to {path} ({_first_line(exc)}); the next start compiles it "
                            "again")
@@ -131,6 +135,18 @@ class GraphSet:
 
 
 RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuses a call no traced graph fits
+
+
+def _not_private(path: Path) -> str | None:
+    """Why a saved graph is not loaded as this process's own (None: it is): torch loads it with pickle, so only a
+    file this user owns, in a directory this user owns, that no one else may write."""
+    for item in (path, path.parent):
+        info = item.stat()
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            return f"{item} belongs to another user"
+        if info.st_mode & 0o022:
+            return f"{item} may be written by other users"
+    return None
 
 
 def _first_line(exc: Exception) -> str:

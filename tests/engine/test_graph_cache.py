@@ -75,3 +75,18 @@ def test_a_saved_graph_that_cannot_be_read_is_compiled_again_and_written_over(tm
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in first.generate(prompts, params)]
     assert second.engine.runner.num_compiled_steps > 0
+
+
+def test_a_saved_graph_others_may_write_is_not_loaded(tmp_path, caplog):
+    """torch loads a saved graph with pickle: only a file of this user's that no one else may write is loaded."""
+    path = make_tiny_model(tmp_path)
+    LLM(str(path), **COMMON, compile_decode=True)
+    directory = graph_cache.graph_directory()
+    assert directory.stat().st_mode & 0o777 == 0o700
+    files = sorted(directory.glob("*.bin"))
+    assert [f.stat().st_mode & 0o777 for f in files] == [0o600] * 3
+    files[0].chmod(0o620)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        compiled = LLM(str(path), **COMMON, compile_decode=True).engine.runner.compiled
+    assert (compiled.graphs_loaded, compiled.graphs_compiled) == (2, 1)
+    assert caplog.text.count("may be written by other users; compiling it again") == 1

@@ -69,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 import types
 import warnings

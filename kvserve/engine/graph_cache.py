@@ -128,8 +128,11 @@ class GraphSet:
         """Each graph's first failed guard, oldest graph first."""
         reasons = []
         for i, graph in enumerate(self.graphs):
-            failed = graph._artifacts.guard_manager.check_verbose(graph.prepare_f_locals(*args))
-            parts = getattr(failed, "verbose_code_parts", None) or ["its guards"]
+            try:  # the guards' own account (torch 2.13 keeps it on the function's artifacts)
+                failed = graph._artifacts.guard_manager.check_verbose(graph.prepare_f_locals(*args))
+                parts = getattr(failed, "verbose_code_parts", None) or ["its guards"]
+            except Exception:
+                parts = ["its guards"]
             reasons.append(f"graph {i}: {str(parts[0]).strip()}")
         return "; ".join(reasons)[:300] or "no graph"
 

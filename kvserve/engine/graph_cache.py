@@ -21,7 +21,9 @@ The files live in Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, or its de
 kernels they call, written by this machine's own starts. torch's format for them is a pickle, as Inductor's own
 cache entries are: like those, they are only ever read from that directory, never taken from a peer or a request,
 and only a file this user owns in a directory this user owns, neither writable by others (written so: 0600, 0700).
-A file that cannot be read (truncated, from another torch) is compiled again and written over."""
+A file that cannot be read (truncated, from another torch) is compiled again and written over. Files are never
+pruned: each edit or upgrade of kvserve names new ones (0.1-0.9 MB each for SmolLM2's three graphs); deleting the
+directory only makes the next start compile."""
 from __future__ import annotations
 
 import dataclasses

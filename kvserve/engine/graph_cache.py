@@ -52,7 +52,7 @@ class GraphSet:
     where a start of the same engine saved it. A call runs the first graph whose guards take its inputs.
 
     With `save=False` (frozen weights, --compile-gemms: constants that torch cannot save with a graph, nor can its
-    AOT precompile return such a graph) the function is torch.compile's as it is, traced at every start, and a call
+    AOT precompile return such a graph), or with Inductor's caches turned off, the function is torch.compile's as it is, traced at every start, and a call
     that would compile a graph while serving is refused by Dynamo's fail_on_recompile stance instead."""
 
     def __init__(self, function: Callable, options: dict, key: GraphKey, external: dict[str, Any],
@@ -61,7 +61,9 @@ class GraphSet:
         self.options = options
         self.key = key
         self.external = external  # the engine's objects a graph refers to by name (its layers), not saved with it
-        self.save = save
+        # Inductor's caches turned off (TORCHINDUCTOR_FORCE_DISABLE_CACHES, for debugging): torch's AOT precompile
+        # refuses to run, so the function is traced at every start as with frozen weights
+        self.save = save and not torch._inductor.config.force_disable_caches
         self.graphs: list = []  # AOT-compiled functions (save), or the one torch.compile'd function (not save)
         self.loaded = 0  # graphs read from disk
         self.compiled = 0  # graphs compiled by this process

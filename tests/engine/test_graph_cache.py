@@ -90,3 +90,21 @@ def test_a_saved_graph_others_may_write_is_not_loaded(tmp_path, caplog):
         compiled = LLM(str(path), **COMMON, compile_decode=True).engine.runner.compiled
     assert (compiled.graphs_loaded, compiled.graphs_compiled) == (2, 1)
     assert caplog.text.count("may be written by other users; compiling it again") == 1
+
+
+def test_with_inductors_caches_off_the_graphs_are_traced_and_nothing_is_saved(tmp_path, monkeypatch):
+    """TORCHINDUCTOR_FORCE_DISABLE_CACHES (debugging Inductor) makes torch's AOT precompile refuse: the graphs are
+    then torch.compile's own, traced at this start, and decode steps still run compiled."""
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    path = make_tiny_model(tmp_path)
+    llm = LLM(str(path), **COMMON, compile_decode=True)
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None and (compiled.graphs_loaded, compiled.graphs_compiled) == (0, 3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = LLM(str(path), **COMMON, enforce_eager=True)
+    for prompts in ([list(range(3, 40))], [list(range(3 + i, 20 + 7 * i)) for i in range(4)]):  # 1, then 4
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+            [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert llm.engine.runner.num_compiled_steps > 0 and compiled.num_misses == 0
+    assert compiled.num_outside_steps > 0
+    assert not graph_cache.graph_directory().exists()

@@ -52,8 +52,9 @@ class GraphSet:
     where a start of the same engine saved it. A call runs the first graph whose guards take its inputs.
 
     With `save=False` (frozen weights, --compile-gemms: constants that torch cannot save with a graph, nor can its
-    AOT precompile return such a graph), or with Inductor's caches turned off, the function is torch.compile's as it is, traced at every start, and a call
-    that would compile a graph while serving is refused by Dynamo's fail_on_recompile stance instead."""
+    AOT precompile return such a graph), or with Inductor's caches turned off, the function is torch.compile's as
+    it is, traced at every start, and a call that would compile a graph while serving is refused by Dynamo's
+    fail_on_recompile stance instead."""
 
     def __init__(self, function: Callable, options: dict, key: GraphKey, external: dict[str, Any],
                  save: bool = True):

@@ -78,7 +78,7 @@ from unittest import mock
 
 import torch
 
-from kvserve.engine.graph_cache import GraphKey, GraphMiss, GraphSet, engine_objects
+from kvserve.engine.graph_cache import GraphKey, GraphMiss, GraphSet, engine_objects, first_line
 from kvserve.inductor_isa import remember_vec_isa_probe
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerRegion, attend_over,
@@ -282,9 +282,7 @@ class CompiledDecode:
         with torch.no_grad(), _freezing(self.gemms):
             if compile_missing:
                 return self._whole.run_or_compile(f"whole-{input_ids.shape[0]}", args, mark)[:num_seqs]
-            if self.gemms:  # torch.compile's traced graph (GraphSet): its symbols marked at each call, as at start
-                mark()
-            return self._whole(*args)[:num_seqs]
+            return self._whole(*args, mark=mark)[:num_seqs]
 
     def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """A decode step of several sequences, attended in one call per layer group or several (or any decode step,
@@ -302,9 +300,9 @@ class CompiledDecode:
     def run_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata, attend=None) -> torch.Tensor:
         """The graph with attention outside over a decode step, its attention op calling `attend` (default:
         paged_attention over the step's cache and metadata)."""
-        attend = attend or attend_over(self.cache, meta)
+        attend, stand_in = attend or attend_over(self.cache, meta), self._stand_in(meta)
         with torch.no_grad(), attention_outside_graph(attend):
-            return self._outside(input_ids, self._stand_in(meta), self.cache)
+            return self._outside(input_ids, stand_in, self.cache, mark=lambda: _mark_sequences(input_ids, stand_in))
 
     def _stand_in(self, meta: AttentionMetadata) -> AttentionMetadata:
         """What the graph with attention outside sees of a step's metadata: its positions."""
@@ -348,9 +346,9 @@ class CompiledDecode:
                 meta = replace(meta, layer_regions=self._regions)
                 self.cache.begin_step([], [], meta.slot_mappings)
                 with torch.no_grad(), _freezing(self.gemms), _quiet_autotuning(self.gemms):
-                    self._whole.add(f"whole-{num_seqs}", (input_ids, meta, self.cache),
-                                    lambda: _mark_dynamic(input_ids, meta))
-                    self._whole(input_ids, meta, self.cache)
+                    mark = lambda: _mark_dynamic(input_ids, meta)  # noqa: E731
+                    self._whole.add(f"whole-{num_seqs}", (input_ids, meta, self.cache), mark)
+                    self._whole(input_ids, meta, self.cache, mark=mark)
             for num_seqs in (2,) if self.whole else (1, 2):
                 input_ids, meta = self._warm_up_step(num_seqs)
                 stand_in, zeros = self._stand_in(meta), lambda q, k, v, layer, scale: torch.zeros_like(q)
@@ -419,7 +417,7 @@ class CompiledDecode:
         return min(WARM_UP_BLOCKS, self.cache.num_blocks) * self.cache.block_size - 1
 
     def _fail(self, exc: Exception) -> None:
-        self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        self.failed = first_line(exc)
         logger.warning(f"compiled decode step failed ({self.failed}); decode steps run eagerly from now on")
 
 

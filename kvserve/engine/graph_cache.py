@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -88,7 +89,7 @@ class GraphSet:
                     graph = torch.compiler.load_compiled_function(file, f_globals=self.function.__globals__,
                                                                   external_data=self.external)
             except Exception as exc:  # another torch's file, a truncated one: compiled again, written over
-                logger.warning(f"compiled graph {path} could not be loaded ({_first_line(exc)}); compiling it again")
+                logger.warning(f"compiled graph {path} could not be loaded ({first_line(exc)}); compiling it again")
             else:
                 self.graphs.append(graph)
                 self.loaded += 1
@@ -102,7 +103,7 @@ class GraphSet:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             graph.save_compiled_function(str(path), external_data=self.external)  # a private file (mode 0600)
         except Exception as exc:  # a full disk, a read-only cache: this start runs it, the next compiles again
-            logger.warning(f"compiled graph not saved to {path} ({_first_line(exc)}); the next start compiles it "
+            logger.warning(f"compiled graph not saved to {path} ({first_line(exc)}); the next start compiles it "
                            "again")
 
     def run_or_compile(self, name: str, args: tuple, mark: Callable[[], None]) -> Any:
@@ -115,14 +116,17 @@ class GraphSet:
             self.add(name, args, mark)
         return self(*args)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, mark: Callable[[], None] = lambda: None) -> Any:
+        """Run the graph that takes `args` (GraphMiss: none does). A traced function's symbols are marked at each
+        call, as when it compiled (`mark`); a saved graph's guards take the inputs unmarked."""
         if not self.save:
+            mark()
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self.graphs[0](*args)
             except Exception as exc:
                 if RECOMPILE in str(exc):
-                    raise GraphMiss(_first_line(exc)) from None
+                    raise GraphMiss(_recompile_reasons(str(exc))) from None
                 raise
         for graph in self.graphs:
             if graph.guard_check(*args):
@@ -145,6 +149,14 @@ class GraphSet:
 RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuses a call no traced graph fits
 
 
+def _recompile_reasons(message: str) -> str:
+    """Why each traced graph refused a call, from Dynamo's refusal ("- 0/0: 2 <= ...size()[1]  # source line"):
+    each graph's first failed condition, oldest graph first."""
+    found = re.findall(r"^\s*- (\d+/\d+): (.*?)(?:\s+#|$)", message, re.MULTILINE)
+    return "; ".join(f"graph {graph}: {condition}" for graph, condition in sorted(found))[:300] or \
+        first_line(message)
+
+
 def _not_private(path: Path) -> str | None:
     """Why a saved graph is not loaded as this process's own (None: it is): torch loads it with pickle, so only a
     file this user owns, in a directory this user owns, that no one else may write."""
@@ -157,8 +169,11 @@ def _not_private(path: Path) -> str | None:
     return None
 
 
-def _first_line(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+def first_line(exc: Exception | str) -> str:
+    """An exception (its type and first line) or a message's first line, at most 300 characters: for a log line."""
+    text = exc if isinstance(exc, str) else str(exc)
+    head = text.splitlines()[0] if text else ""
+    return (head if isinstance(exc, str) else f"{type(exc).__name__}: {head}")[:300]
 
 
 @dataclasses.dataclass(frozen=True)

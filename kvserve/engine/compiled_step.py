@@ -8,9 +8,11 @@ What it compiles is `model.forward` itself, the code every other step runs eager
   the same graph (a one-block table is widened to two, since Dynamo specializes a size of 1).
 - Several sequences run a graph with attention outside it: the graph sees a stand-in for the step's metadata (its
   positions only) and calls attention as one op per layer (`kvserve::paged_attention`, a custom op), which attends
-  eagerly over the step's real metadata, in as many calls per layer group as the runner made (one per bucket of
-  alike context lengths, `model_runner.MIN_BUCKET_FILL`). Its one symbol is the number of sequences, so any batch
-  runs it, whatever its context lengths. Everything but attention is fused as in the whole graph. Against the
+  eagerly over the step's real metadata, in as many calls per layer group as the runner made: float32 K/V one for
+  all the step's decodes, read in place from the pool by a compiled flex_attention (kv/formats/flex_decode.py,
+  built with --compile-decode), other formats one per bucket of alike context lengths
+  (`model_runner.MIN_BUCKET_FILL`). Its one symbol is the number of sequences, so any batch runs it, whatever its
+  context lengths. Everything but attention is fused as in the whole graph. Against the
   whole graph on alike batches (`kvserve bench step`, docs/benchmarks.md, the AVX-512 EPYC): slower at 2 and 4
   sequences, faster at 16; the whole graph for several sequences would be a third graph to compile at start, and
   spread batches (the decode-heavy workload's) fit it not at all. That is with int8 weights, whose many small ops
@@ -23,7 +25,8 @@ of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer gra
 frame-stack headroom (engine/python_stack.py: without it, its 30 region calls could thrash CPython's chunks).
 Both are compiled at start; while serving nothing compiles (a compile would stall every request): a step whose
 inputs no graph's guards take runs eagerly, with one warning per reason. With --compile-gemms the
-whole graph, frozen, is one graph for one sequence (run as two rows) and for several alike ones.
+whole graph, frozen, is one graph for one sequence (run as two rows) and for several in one attention call per
+layer group (alike ones; float32's, read in place, any).
 
 Formats that attend over their stored form with a compiled kernel of their own (int8, int4 KV) or keep another
 storage (fp8), and H2O's attention scores, keep attention outside at every decode step, a single stream's too (the
@@ -118,9 +121,9 @@ def unsupported(model_class: type, batch_invariant: bool, unbounded_positions: b
 def attention_outside(cache: PagedKVCache, needs_scores: bool) -> str | None:
     """Why this engine's attention stays outside the graph at every decode step, a single stream's included (None:
     the whole graph runs the steps it fits). Attention outside runs eagerly, as it does without a graph."""
-    if cache.fused_decode is not None or cache.exact_own_block:
-        return f"the {cache.format_name} KV cache attends with its own compiled decode kernel"
-    if not isinstance(cache, FullPrecisionKVCache):
+    if not isinstance(cache, FullPrecisionKVCache):  # float32's kernel in place serves the eager steps alone
+        if cache.fused_decode is not None or cache.exact_own_block:
+            return f"the {cache.format_name} KV cache attends with its own compiled decode kernel"
         return f"the {cache.format_name} KV cache attends eagerly (float32, bfloat16 and float16 inside the graph)"
     if needs_scores:
         return "H2O's attention scores are computed eagerly"

@@ -104,6 +104,7 @@ class LLMEngine:
         self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
                                    mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs,
                                    compile=not (config.enforce_eager or config.batch_invariant), tiles=tiles,
+                                   decode_in_place=config.compile_decode,
                                    latent_rope_dim=mc.deepseek.qk_rope_head_dim if mc.deepseek else None)
         started = time.perf_counter()
         self.cache.warm_up(mc.num_heads)

@@ -126,11 +126,15 @@ class ModelRunner:
             tokens.extend((seq.token_ids + draft if draft else seq.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
         slot_mappings, groups = [], []
+        # decode attention that reads blocks where they lie pads nothing: every decode in one call (unless eviction
+        # or H2O's scores have it attend over gathered keys)
+        in_place = self.cache.decode_reads_in_place() and self.scores is None and not self.kv.eviction.evicts
         for g in range(num_groups):
             slot_mappings.append(self._tensor([slot for c in chunks for slot in c.slots[g]]))
             if self.tiles:
                 continue
-            buckets = _buckets([c for c in chunks if c.num_tokens == 1], g) + \
+            decodes = [c for c in chunks if c.num_tokens == 1]
+            buckets = ([decodes] if decodes and in_place else _buckets(decodes, g)) + \
                 _buckets([c for c in chunks if c.num_tokens > 1], g)
             groups.append([self._group(bucket, g, whole_batch=len(bucket) == len(chunks)) for bucket in buckets])
         meta = AttentionMetadata(positions=self._tensor(positions), slot_mappings=slot_mappings, groups=groups,

@@ -84,6 +84,11 @@ class PagedKVCache:
         tokens ([S] block ids, -1: none), then the chunk's new tokens `new_k`/`new_v` ([S, Q, kv_heads, head_dim])."""
         raise NotImplementedError(f"{self.format_name} KV cache reads every block quantized (exact_own_block=False)")
 
+    def decode_reads_in_place(self) -> bool:
+        """Whether decode attention reads each request's blocks where they lie, nothing padded: the runner then
+        attends a step's decodes in one call per layer group instead of buckets of alike context lengths."""
+        return False
+
     def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
                          own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor | None:

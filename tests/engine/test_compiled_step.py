@@ -23,6 +23,7 @@ import torch
 
 from kvserve.engine import compiled_step, graph_cache
 from kvserve.engine.llm import LLM
+from kvserve.kv.formats import flex_decode
 from kvserve.model import float_kernels, int8_kernels, linear
 from kvserve.model.float_kernels import BLAS, OneDNNMatmul
 from kvserve.sampling_params import SamplingParams
@@ -265,8 +266,8 @@ def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(
     assert runner.compiled.num_misses == 0 and runner.compiled.failed is None
     # int8 and int4 attend with their own compiled kernel, called from the graph's attention op: those calls must fit
     # the kernel's graphs (built in inference mode, as eager steps call it), or it fails and attends eagerly for good
-    fused = compiled.engine.cache.fused_decode
-    assert (fused is not None) == (options.get("kv_cache_dtype") in ("int8", "int4"))
+    fused = compiled.engine.cache.fused_decode  # float32 (H2O's) reads blocks in place where it attends unscored
+    assert (fused is not None) == (options.get("kv_cache_dtype", "auto") in ("int8", "int4", "auto"))
     assert fused is None or fused.failed is None, fused.failed
     print(f"\n{reason}: largest logprob deviation from eager {max(deviations):.1e} nats over {len(deviations)}")
 
@@ -297,6 +298,19 @@ def test_compile_decode_and_enforce_eager_contradict(tmp_path):
         LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_gemms=True)
 
 
+def _graphs_of(monkeypatch, cls, method: str) -> list[int]:
+    """Graphs Dynamo compiles inside each later call of cls.method, one count per call."""
+    counts, original = [], getattr(cls, method)
+
+    def counting(*args, **kwargs):
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        original(*args, **kwargs)
+        counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+
+    monkeypatch.setattr(cls, method, counting)
+    return counts
+
+
 @pytest.mark.parametrize("kind", ["llama-gqa", "gemma3-mqa"])  # gemma3-mqa: two layer groups, each padded
 def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, monkeypatch, kind):
     """--compile-gemms: the weights are frozen into the graph (Inductor's freezing packs each linear's weight, which
@@ -310,11 +324,13 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, mon
     eager = LLM(str(path), **COMMON, enforce_eager=True)
     packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    in_place = _graphs_of(monkeypatch, flex_decode.InPlaceFloatKVCache, "warm_up")  # its attention: its own count
     with caplog.at_level(logging.INFO, logger="kvserve"):
         compiled = LLM(str(path), **COMMON, **COMPILED, compile_gemms=True)
     assert compiled.engine.runner.compiled is not None and compiled.engine.runner.compiled.failed is None
     # the frozen graph, the one with attention outside, whose weights stay inputs (no second packed copy), and the
     # float32 output head's for one row (compiled_step.head_in_graph)
+    graphs += sum(in_place)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3
     # two layers, four linears each
     assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed >= 8
@@ -326,8 +342,12 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, mon
     assert compiled.engine.runner.num_compiled_steps == 39  # every decode step of the single sequence
     compare(eager, compiled, ALIKE, params)
     compare(eager, compiled, [[3, 4, 5]], params)  # one sequence, one block: both widened
-    compare(eager, compiled, PROMPTS, params)  # lengths far apart: the graph with attention outside
-    assert compiled.engine.runner.compiled.num_outside_steps > 0
+    steps = compiled.engine.runner.num_compiled_steps
+    # lengths far apart: float32 blocks are read in place (kv/formats/flex_decode.py), so their decodes are one
+    # attention call per layer group too, which the frozen graph takes (padded to the longest inside it)
+    compare(eager, compiled, PROMPTS, params)
+    assert compiled.engine.runner.compiled.num_outside_steps == 0
+    assert compiled.engine.runner.num_compiled_steps - steps >= 39
     assert compiled.engine.runner.compiled.num_misses == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3, "serving compiled a graph"
 
@@ -428,6 +448,7 @@ def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_pat
 STARTING_PROCESS = """
 import json, sys, torch
 from kvserve.engine.llm import LLM
+from kvserve.kv.formats import flex_decode
 from kvserve.sampling_params import SamplingParams
 from kvserve.model import float_kernels, linear
 # the float matmul pinned (its probe could pick another route in a start on a loaded machine: another graph)

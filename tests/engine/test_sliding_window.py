@@ -72,6 +72,20 @@ def test_batched_and_preempted_outputs_equal_each_prompt_alone(model_dir):
     assert tight.stats()["num_preemptions"] > 0
 
 
+def test_decodes_read_in_place_past_the_window_match_transformers(model_dir, hf):
+    """--compile-decode reads float32 blocks in place (kv/formats/flex_decode.py): a window's first block is read in
+    part, as is the block still filling, and batched requests of unlike lengths attend in one call."""
+    batch = prompts(5, 40, 90, 4 * WINDOW, 150)
+    llm = make(model_dir, compile_decode=True)
+    assert llm.engine.cache.decode_reads_in_place()
+    outs = llm.generate(batch, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0))
+    for prompt, out in zip(batch, outs):
+        tokens = out.outputs[0].token_ids
+        reference = reference_logprobs(hf, prompt + tokens)[len(prompt) - 1 : -1]
+        got = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)])
+        assert (got - reference[torch.arange(len(tokens)), tokens]).abs().max() <= 1e-4
+
+
 def test_blocks_held_stay_within_the_window_and_come_back(model_dir):
     llm = make(model_dir)
     engine = llm.engine

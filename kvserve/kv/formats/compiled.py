@@ -84,12 +84,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return (probs[..., None] * values[:, :, :, None, :]).sum(dim=1).to(q.dtype)
 
 
-def warm_up_decode(cache, compiled: CompiledFunction, num_query_heads: int, extra_keys: int) -> None:
-    """Compile `cache.decode_attention` (which calls `compiled`) on typical decode batches, made as the runner
-    (outside inference mode) and the model (inside) make them, so the engine's calls match the graphs; inductor
-    picks its loop order and threading from these sizes. `extra_keys`: keys per request beyond its blocks'."""
+def warm_up_decode(cache, compiled: CompiledFunction, num_query_heads: int, extra_keys: int,
+                   batches: tuple[int, ...] = (8, 1)) -> None:
+    """Compile `cache.decode_attention` (which calls `compiled`) on typical decode batches of `batches` requests,
+    made as the runner (outside inference mode) and the model (inside) make them, so the engine's calls match the
+    graphs; inductor picks its loop order and threading from these sizes. `extra_keys`: keys per request beyond its
+    blocks'. One request alone gets a graph of its own (S * B == B)."""
     H, D, G = cache.num_kv_heads, cache.head_dim, num_query_heads // cache.num_kv_heads
-    for S, B in ((8, 32), (1, 32)):  # one request alone gets a graph of its own (S * B == B)
+    for S, B in ((S, 32) for S in batches):
         tables = torch.arange(S * B, device=cache.device).view(S, B) % cache.num_blocks
         own_blocks = torch.full((S,), -1, device=cache.device)
         mask = torch.ones(S, 1, 1, B * cache.block_size + extra_keys, dtype=torch.bool, device=cache.device)

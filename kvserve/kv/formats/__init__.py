@@ -27,7 +27,8 @@ def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_siz
     sequences per layer group. int8 and int4 compile their decode attention unless `compile` is False
     (formats.compiled); float32 on a CPU compiles one that reads the blocks in place when `decode_in_place` is set
     too (formats.flex_decode: the engine sets it with --compile-decode). `tiles`: how writes cut per-token work
-    (kvserve/batch_invariant.py). An MLA model caches one latent vector of head_dim values per token and layer, the last `latent_rope_dim` its RoPE key (formats.latent)."""
+    (kvserve/batch_invariant.py). An MLA model caches one latent vector of head_dim values per token and layer,
+    the last `latent_rope_dim` its RoPE key (formats.latent)."""
     args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
     common = dict(dtype=dtype, device=device, tiles=tiles)
     if latent_rope_dim is not None:

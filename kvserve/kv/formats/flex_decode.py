@@ -26,9 +26,10 @@ MAX_PARTIAL_BLOCKS = 2  # per request: the block still filling, and a sliding wi
 
 
 class InPlaceFloatKVCache(FullPrecisionKVCache):
-    """float32 K and V (FullPrecisionKVCache) whose decode attention reads them in the pool (make_kv_cache's choice on
-    a CPU unless compiling is off). Only the eager steps' attention changes: a compiled graph that attends inside
-    itself (a single stream's) keeps its own, the gather and attention fused by Inductor."""
+    """float32 K and V (FullPrecisionKVCache) whose decode attention reads them in the pool: make_kv_cache's choice on
+    a CPU when asked (`decode_in_place`, the engine's --compile-decode) unless compiling is off. Only the eager
+    steps' attention changes: a compiled graph that attends inside itself (a single stream's) keeps its own, the
+    gather and attention fused by Inductor."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -74,9 +75,9 @@ def block_mask_inputs(block_tables: torch.Tensor, mask: torch.Tensor, block_size
     """The block mask of one decode step's requests, as the tensors `flex_decode_attention` takes: block_tables
     [S, B] block ids, mask [S, 1, 1, B * block_size] (True: that key is read). Returns (full blocks per request
     [S], their ids [S, num_blocks], partial blocks per request [S], their ids [S, num_blocks], the first's [S], which
-    of a partial block's keys are read [S, MAX_PARTIAL_BLOCKS, block_size]), or None: a request reads more partial blocks than
-    MAX_PARTIAL_BLOCKS. Ids are listed in table order, padded with block 0 to the pool's width (at least), which
-    flex_attention asks of a block mask over the whole pool."""
+    of a partial block's keys are read [S, MAX_PARTIAL_BLOCKS, block_size]), or None: a request reads more partial
+    blocks than MAX_PARTIAL_BLOCKS. Ids are listed in table order, padded with block 0 to the pool's width (at
+    least), which flex_attention asks of a block mask over the whole pool."""
     S, B = block_tables.shape
     keys = mask.view(S, B, block_size)
     full = keys.all(-1)

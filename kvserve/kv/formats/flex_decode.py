@@ -13,7 +13,6 @@ result does not depend on the other requests of its batch. A step with more part
 None: it is read eagerly. Measured against the eager read in docs/benchmarks.md ("Decode attention in place")."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +32,8 @@ class InPlaceFloatKVCache(FullPrecisionKVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # the cache's own, so a failure (say, no C++ compiler) is this engine's; Dynamo keeps the graphs with the
+        # function's code, which every cache's copy shares: a later engine of the same shapes compiles nothing
         self.fused_decode = flex_decode_attention(self.block_size)
         self._block_masks: dict[tuple[int, int], tuple] = {}  # this step's, by its tables and mask (_decode_attention)
 
@@ -101,10 +102,9 @@ def block_mask_inputs(block_tables: torch.Tensor, mask: torch.Tensor, block_size
     return full.sum(1, dtype=torch.int32), full_ids, num_partial, partial_ids, first_partial, partial_keys
 
 
-@functools.cache
 def flex_decode_attention(block_size: int) -> CompiledFunction:
-    """One query per request over its blocks in the pool (see the module's docstring), compiled; one per block size,
-    a constant of the block mask."""
+    """One query per request over its blocks in the pool (see the module's docstring), compiled; the block size is a
+    constant of the block mask."""
     def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_full: torch.Tensor,
                     full_ids: torch.Tensor, num_partial: torch.Tensor, partial_ids: torch.Tensor,
                     first_partial: torch.Tensor, partial_keys: torch.Tensor) -> torch.Tensor:

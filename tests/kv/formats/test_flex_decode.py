@@ -132,3 +132,25 @@ def test_block_mask_inputs_list_whole_and_partial_blocks_in_table_order():
     assert partial_ids[0, :2].tolist() == [7, 5] and partial_ids[1, 0] == 6 and first_partial.tolist() == [7, 6]
     assert partial_keys[0].int().tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
     assert partial_keys[1, 0].int().tolist() == [1, 0, 0, 0]
+
+
+def test_a_cache_whose_kernel_fails_reads_as_gathered_and_a_later_cache_compiles_its_own(monkeypatch):
+    """A machine that cannot compile: the cache says so once and decodes over the gathered read (the runner then
+    buckets: decode_reads_in_place); the failure is that cache's own, not the process's."""
+    def no_compiler(fn, **kwargs):
+        def fails(*args):
+            raise RuntimeError("no working C++ compiler found")
+        return fails
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "compile", no_compiler)
+        broken = filled_cache(8)
+        broken.warm_up(num_query_heads=HEADS * PER_HEAD)
+    assert not broken.decode_reads_in_place() and "eager decode attention in place" in broken.describe()
+    tables, mask = torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 1, 1, 2 * BS, dtype=torch.bool)
+    queries = torch.zeros(2, HEADS, PER_HEAD, DIM)
+    assert broken.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is None
+    healthy = filled_cache(8)
+    healthy.warm_up(num_query_heads=HEADS * PER_HEAD)
+    assert healthy.decode_reads_in_place()
+    assert healthy.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is not None

@@ -228,12 +228,12 @@ class CompiledDecode:
         self._outside = GraphSet(copy(), options, key, external)
         # one row's logits (a single stream's every step, prefill included): a graph of its own where it pays
         self._head = GraphSet(copy(_decode_logits), options, key, external) if head_in_graph(model) else None
-        self.num_outside_steps = 0  # decode steps that ran the graph with attention outside it
+        self.num_outside_steps = 0  # steps that ran the graph with attention outside it (prefill ones too)
         self.resident_growth = 0  # bytes the process's resident memory grew by over the warm-up
         self.compile_seconds = 0.0
         self.compile_phases: dict[str, float] = {}  # seconds of the start's compile by phase (compile_phases_line)
         self.graphs_loaded = self.graphs_compiled = 0  # at start: saved by an earlier start, or compiled now
-        self.num_misses = 0  # decode steps that fit no graph compiled at start, run eagerly
+        self.num_misses = 0  # steps that fit no graph compiled at start, run eagerly
         self._miss_reasons: set[str] = set()
 
     @staticmethod
@@ -249,22 +249,25 @@ class CompiledDecode:
                 return False
         return meta.tile_calls is None and meta.scores is None
 
-    def decodes_only(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """One new token per sequence, in any number of attention calls (several sequences, or any number without
-        the whole graph): the graph with attention outside."""
-        return (input_ids.shape[0] > 1 or not self.whole) and meta.tile_calls is None and \
-            all(g.query_index.shape[1] == 1 and not g.fresh for groups in meta.groups for g in groups)
+    def fits_outside(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A step the graph with attention outside takes: decodes, prefill chunks, both mixed, drafts being
+        verified, in any number of attention calls. Its one symbol is the step's number of tokens, at least 2 where
+        the whole graph takes a single stream's decodes (a prompt of one token is then a step of one token that
+        neither graph takes: eager), any without it. Attention runs outside the graph as eager's does, over the
+        step's own metadata, so the graph is the same for a decode token and a prompt token; not batch-invariant
+        mode's tiles (its engines compile nothing)."""
+        return (input_ids.shape[0] > 1 or not self.whole) and meta.tile_calls is None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The step's final hidden states, or None when this step runs eagerly: no graph covers it (prefill and
-        mixed steps), the graph failed (eager from then on), or no graph compiled at start takes it (nothing
-        compiles while serving: a compile would stall every request; that step alone runs eagerly, with one warning
-        per reason)."""
+        """The step's final hidden states, or None when this step runs eagerly: no graph covers it (one token of a
+        prompt alone: fits_outside), the graph failed (eager from then on), or no graph compiled at start takes it
+        (nothing compiles while serving: a compile would stall every request; that step alone runs eagerly, with one
+        warning per reason)."""
         if self.failed is not None:
             return None
         one = input_ids.shape[0] == 1 or self.gemms  # --compile-gemms: the frozen graph wherever it fits
         if not (self.whole and one and self.eligible(meta)):
-            return self._outside_forward(input_ids, meta) if self.decodes_only(input_ids, meta) else None
+            return self._outside_forward(input_ids, meta) if self.fits_outside(input_ids, meta) else None
         slot_mappings = meta.slot_mappings
         try:
             return self.run_whole(input_ids, meta)
@@ -288,11 +291,11 @@ class CompiledDecode:
             return self._whole(*args, mark=mark)[:num_seqs]
 
     def _outside_forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """A decode step of several sequences, attended in one call per layer group or several (or any decode step,
-        where attention stays outside: attention_outside): the graph computes everything but attention, and calls
-        attention as one op per layer (`kvserve::paged_attention`) over the step's own metadata, which never enters
-        the graph (a stand-in with its positions does). One graph thus runs decode steps of any number of calls;
-        attention runs as it does eagerly."""
+        """A step of several tokens (decodes of several sequences, prefill chunks, both; or any step, where attention
+        stays outside: attention_outside): the graph computes everything but attention, and calls attention as one
+        op per layer (`kvserve::paged_attention`) over the step's own metadata, which never enters the graph (a
+        stand-in with its positions does). One graph thus runs steps of any number of calls and any mix of prompt
+        and decode tokens; attention runs as it does eagerly."""
         try:
             hidden = self.run_outside(input_ids, meta)
         except Exception as exc:

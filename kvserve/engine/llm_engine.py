@@ -158,8 +158,7 @@ class LLMEngine:
         else:
             graphs = f"one compiled graph with attention outside it (torch.compile, --compile-decode; {outside})"
         logger.info(f"decode steps: {graphs}, in {compiled.compile_seconds:.1f} s{compiled.compile_phases_line()}"
-                    f"{compiled.gemms_line()}; prefill "
-                    "and mixed steps run eagerly")
+                    f"{compiled.gemms_line()}; prefill and mixed steps in the graph with attention outside it too")
         return compiled
 
     def _open_disk_cache(self, model_path: Path) -> DiskKVCache:

@@ -68,8 +68,8 @@ class ModelRunner:
         self.device = device
         self.scores = scores  # H2O's accumulated attention, when the eviction policy needs it
         self.tiles = tiles or RowTiles()  # batch-invariant mode: fixed token tiles and per-tile attention
-        self.compiled = compiled  # decode steps as one compiled graph (engine/compiled_step.py)
-        self.num_compiled_steps = 0
+        self.compiled = compiled  # steps as compiled graphs (engine/compiled_step.py)
+        self.num_steps = self.num_compiled_steps = 0  # steps run, and of those steps run by a compiled graph
 
     def run(self, out: SchedulerOutput) -> StepLogits:
         """Logits of the sequences whose last known token was computed this step, and of the prompt positions
@@ -80,6 +80,7 @@ class ModelRunner:
         if self.scores is not None:
             self.scores.reset(freed)
         hidden = None
+        self.num_steps += 1
         if self.compiled is not None:
             hidden = self.compiled.forward(input_ids, meta)
             self.num_compiled_steps += hidden is not None

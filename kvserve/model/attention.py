@@ -183,9 +183,11 @@ def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     call passes its own (LayerRegion). It attends in inference mode, as an eager step does (the graph runs under
     no_grad): a KV format's compiled decode kernel (int8, int4) was built for inference tensors, and Dynamo's guards
     compare that: called with others, it compiled again while serving, was refused, and attended eagerly from then
-    on, with one warning (tests/engine/test_compiled_step.py checks it no longer does)."""
+    on, with one warning (tests/engine/test_compiled_step.py checks it no longer does). Its output is contiguous,
+    as its fake's is: the graph reads it with the fake's strides (a prompt's rows may come back as a transposed
+    view: H2O's written-out attention, SDPA's over one request)."""
     with torch.inference_mode():
-        return _OUTSIDE_GRAPH.attend(q, k, v, int(layer), scale)
+        return _OUTSIDE_GRAPH.attend(q, k, v, int(layer), scale).contiguous()
 
 
 @_attention_outside_graph.register_fake

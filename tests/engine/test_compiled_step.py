@@ -97,19 +97,62 @@ def compare(eager: LLM, compiled: LLM, prompts, params: SamplingParams, some_com
     return got
 
 
+def step_counts(llm: LLM) -> tuple[int, int, int]:
+    """(steps, steps run compiled, steps run by the graph with attention outside) so far."""
+    runner = llm.engine.runner
+    return runner.num_steps, runner.num_compiled_steps, runner.compiled.num_outside_steps
+
+
+def steps_since(llm: LLM, before: tuple[int, int, int]) -> tuple[int, int, int]:
+    return tuple(now - then for now, then in zip(step_counts(llm), before))
+
+
 def test_decode_steps_match_eager_alone_and_batched(engines):
     eager, compiled = engines
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
-    runner = compiled.engine.runner
-    outside, steps = runner.compiled.num_outside_steps, runner.num_compiled_steps
-    compare(eager, compiled, PROMPTS[:1], params)  # one sequence: the whole graph
-    assert (runner.num_compiled_steps - steps, runner.compiled.num_outside_steps - outside) == (39, 0)
+    before = step_counts(compiled)
+    compare(eager, compiled, PROMPTS[:1], params)  # one sequence: the whole graph; its prompt: attention outside
+    assert steps_since(compiled, before) == (40, 40, 1)
     # several: attention outside the graph that computes the rest, in one call per layer group (alike lengths) or
-    # in several (lengths far apart)
+    # in several (lengths far apart); their prompts in one step, in the same graph
     for prompts in (ALIKE, PROMPTS):
-        outside, steps = runner.compiled.num_outside_steps, runner.num_compiled_steps
+        before = step_counts(compiled)
         compare(eager, compiled, prompts, params)
-        assert runner.compiled.num_outside_steps - outside == runner.num_compiled_steps - steps == 39
+        assert steps_since(compiled, before) == (40, 40, 40)
+
+
+def test_prompt_chunks_beside_decodes_and_drafts_run_the_graph_with_attention_outside(tmp_path):
+    """Prefill steps run the graph with attention outside it as decode steps do (attention eager over the step's own
+    metadata, the rest compiled): a prompt cut into chunks beside another request's decodes, its prompt logprobs
+    within the tolerance of eager's, and speculative decoding's drafts verified in the same graph, eager's tokens."""
+    from tests.engine.test_speculative import NGRAM, oracle
+
+    path = make_tiny_model(tmp_path)
+    options = dict(COMMON, max_num_batched_tokens=32)
+    eager = LLM(str(path), **options, enforce_eager=True)
+    compiled = LLM(str(path), **options, **COMPILED)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    prompts = [PROMPTS[2], PROMPTS[1]]  # 13 tokens, then 85 in chunks of at most 32 beside the first's decodes
+    before = step_counts(compiled)
+    expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
+    steps, compiled_steps, outside = steps_since(compiled, before)
+    assert steps == compiled_steps and outside >= 4  # the prompts' 4 steps among them
+    for e, g in zip(expected, got):
+        assert e.outputs[0].token_ids == g.outputs[0].token_ids
+        assert len(e.prompt_logprobs) == len(g.prompt_logprobs) == len(e.prompt_token_ids)
+        for a, b in zip(e.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= LOGPROB_TOLERANCE for t in a)
+
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expected = eager.generate(ALIKE[:2], greedy)
+    speculating = LLM(str(path), **COMMON, **COMPILED, speculative_config=NGRAM)
+    oracle(speculating, {tuple(o.prompt_token_ids): [c.token_ids for c in o.outputs] for o in expected})
+    before = step_counts(speculating)
+    got = speculating.generate(ALIKE[:2], greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert speculating.stats()["spec_decode_num_accepted_tokens"] > 0
+    steps, compiled_steps, outside = steps_since(speculating, before)
+    assert steps == compiled_steps == outside < 30  # drafts verified: fewer steps than tokens, each compiled
 
 
 def test_prefix_hits_chunked_prefill_beside_decodes_and_n_greater_than_one(engines):
@@ -203,9 +246,9 @@ def test_compile_decode_keeps_dense_weights_beside_onednns_for_the_one_row_loops
     monkeypatch.setattr(float_kernels, "_onednn_linear_eager", lambda *args: calls.append(args[0].shape[0]) or
                         onednn(*args))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    before = llm.engine.runner.num_compiled_steps
+    before = step_counts(llm)
     llm.generate(PROMPTS[:1], params)
-    assert llm.engine.runner.num_compiled_steps - before == 5 and calls and all(rows > 1 for rows in calls)  # prefill
+    assert steps_since(llm, before) == (6, 6, 1) and calls and all(rows > 1 for rows in calls)  # the prompt's step
     calls.clear()
     llm.generate(ALIKE[:2], params)
     assert 2 in calls  # the batched graph's steps: oneDNN over its packed copies
@@ -260,9 +303,9 @@ def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     deviations = []
     compare(eager, compiled, PROMPTS[:1], params, tolerance=tolerance, deviations=deviations)
-    assert runner.compiled.num_outside_steps == runner.num_compiled_steps == 39
+    assert step_counts(compiled) == (40, 40, 40)  # every step, the prompt's too
     compare(eager, compiled, PROMPTS, params, tolerance=tolerance, deviations=deviations)
-    assert runner.compiled.num_outside_steps == runner.num_compiled_steps == 78
+    assert step_counts(compiled) == (80, 80, 80)
     assert runner.compiled.num_misses == 0 and runner.compiled.failed is None
     # int8 and int4 attend with their own compiled kernel, called from the graph's attention op: those calls must fit
     # the kernel's graphs (built in inference mode, as eager steps call it), or it fails and attends eagerly for good
@@ -339,15 +382,15 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, mon
     assert isinstance(weight, torch.nn.Parameter) and torch.equal(weight, eager.engine.model.layers[0].qkv.weight)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params)
-    assert compiled.engine.runner.num_compiled_steps == 39  # every decode step of the single sequence
+    # every decode step of the single sequence in the frozen graph, its prompt in the one with attention outside
+    assert step_counts(compiled) == (40, 40, 1)
     compare(eager, compiled, ALIKE, params)
     compare(eager, compiled, [[3, 4, 5]], params)  # one sequence, one block: both widened
-    steps = compiled.engine.runner.num_compiled_steps
+    before = step_counts(compiled)
     # lengths far apart: float32 blocks are read in place (kv/formats/flex_decode.py), so their decodes are one
     # attention call per layer group too, which the frozen graph takes (padded to the longest inside it)
     compare(eager, compiled, PROMPTS, params)
-    assert compiled.engine.runner.compiled.num_outside_steps == 0
-    assert compiled.engine.runner.num_compiled_steps - steps >= 39
+    assert steps_since(compiled, before) == (40, 40, 1)  # the prompts' step alone with attention outside
     assert compiled.engine.runner.compiled.num_misses == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3, "serving compiled a graph"
 
@@ -502,7 +545,7 @@ def test_contexts_of_one_block_run_the_graph_widened(engines):
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, [[3, 4, 5]], params)  # positions 3..32: blocks 1, 2 and 3
     compare(eager, compiled, [[3, 4, 5], [6, 7, 8]], params)
-    assert runner.num_compiled_steps == steps + 2 * 29  # every decode step of both runs
+    assert runner.num_compiled_steps == steps + 2 * 30  # every step of both runs
     assert runner.compiled.num_misses == misses and runner.compiled.failed is None
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
 
@@ -520,7 +563,7 @@ def test_a_step_no_graph_fits_runs_eagerly_with_one_warning_and_serving_goes_on(
         compare(eager, compiled, [[3, 4, 5]], params)
     runner = compiled.engine.runner
     assert runner.compiled.num_misses == 13  # positions 3..15: a one-block table
-    assert runner.num_compiled_steps == 29 - 13 and runner.compiled.failed is None
+    assert steps_since(compiled, (0, 0, 0)) == (30, 30 - 13, 1) and runner.compiled.failed is None
     assert caplog.text.count("a decode step fits no compiled graph") == 1
     assert "L['meta'].groups[0][0].mask" in caplog.text  # the reason: the guard on a one-block table's mask
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "serving compiled a graph"
@@ -538,7 +581,7 @@ def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path, monkeypatch
         compiled = llm.engine.runner.compiled
         assert compiled is not None and (compiled.graphs_loaded, compiled.graphs_compiled) == (0, 3), i
         llm.generate([PROMPTS[0]], params)
-        assert llm.engine.runner.num_compiled_steps == 19
+        assert step_counts(llm) == (20, 20, 1)
 
 
 @pytest.mark.parametrize("options", [{}, dict(compile_gemms=True)])

@@ -96,11 +96,13 @@ class RunResult:
     accepted_tokens: int = 0  # ... accepted ...
     drafts: int = 0  # ... in this many verifications
     decode_steps: int = 0  # steps that prefilled nothing (kvserve) ...
-    compiled_steps: int = 0  # ... and those of them that ran the compiled graph (--compile-decode)
+    compiled_steps: int = 0  # ... and those of them that ran a compiled graph (--compile-decode)
     # the least the decode-only steps' attention reads: each sequence's K/V over its whole context once a step, in the
     # KV format's bytes a token (kvserve; every layer over every key: a sliding layer would read less)
     decode_kv_bytes: int = 0
     routes: Routes | None = None  # how its engine multiplied and ran decode steps (kvserve)
+    prefill_steps: int = 0  # steps with prompt tokens (kvserve) ...
+    compiled_prefill_steps: int = 0  # ... and those of them that ran a compiled graph
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,14 +124,16 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     outputs: dict[str, list[int]] = {}
     steps: Counter = Counter()
     decode_tokens, decode_seconds, decode_steps, decode_keys = 0, 0.0, 0, 0
+    compiled = {True: 0, False: 0}  # steps that ran a compiled graph, by whether they prefilled
     prompt_lens = {request_id: len(prompt) for request_id, prompt in zip(ids, prompts)}
-    prefill_start, compiled_start = engine.num_prefill_tokens, engine.runner.num_compiled_steps
+    prefill_start = engine.num_prefill_tokens
     spec_start = _spec_counts(engine)
     start = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
         prefilled, decoded = engine.num_prefill_tokens, engine.num_decode_tokens
+        compiled_before = engine.runner.num_compiled_steps
         step_start = time.perf_counter()
         step_outputs = engine.step()
         step_seconds = time.perf_counter() - step_start
@@ -144,6 +148,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
                 outputs[output.request_id] = list(token_ids)
         prefilled = engine.num_prefill_tokens - prefilled
         steps[(prefilled + engine.num_decode_tokens - decoded, sampled)] += 1
+        compiled[prefilled > 0] += engine.runner.num_compiled_steps - compiled_before
         if not prefilled:
             decode_tokens += sampled
             decode_seconds += step_seconds
@@ -153,9 +158,9 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     tokens = [outputs[i] for i in ids]
     spec = [b - a for a, b in zip(spec_start, _spec_counts(engine))]
     return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
-                     engine.num_prefill_tokens - prefill_start, *spec, decode_steps,
-                     engine.runner.num_compiled_steps - compiled_start,
-                     decode_keys * engine.cache_plan.kv_bytes_per_token, Routes.of(engine))
+                     engine.num_prefill_tokens - prefill_start, *spec, decode_steps, compiled[False],
+                     decode_keys * engine.cache_plan.kv_bytes_per_token, Routes.of(engine),
+                     sum(steps.values()) - decode_steps, compiled[True])
 
 
 def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
@@ -165,7 +170,8 @@ def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str
     return RunResult(name, total("output_tokens"), total("seconds"), [r.outputs[0] for r in runs],
                      total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
                      total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"),
-                     total("decode_steps"), total("compiled_steps"), total("decode_kv_bytes"), runs[0].routes)
+                     total("decode_steps"), total("compiled_steps"), total("decode_kv_bytes"), runs[0].routes,
+                     total("prefill_steps"), total("compiled_prefill_steps"))
 
 
 def _reset(llm) -> None:
@@ -552,12 +558,13 @@ def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, 
 
 
 def _print_compiled_steps(console, rows: list[RunResult | str]) -> None:
-    """--compile-decode rows: how many of their decode-only steps ran the compiled graph; the others ran eagerly,
-    as in the eager row (engine/compiled_step.py says which steps the graph covers)."""
+    """--compile-decode rows: how many of their decode-only steps, and of their steps with prompt tokens, ran a
+    compiled graph; the others ran eagerly, as in the eager row (engine/compiled_step.py says which steps the graphs
+    cover)."""
     for r in rows:
         if isinstance(r, RunResult) and "compiled decode" in r.name:
-            console.print(f"{r.name}: the compiled graph ran {r.compiled_steps:,} of its {r.decode_steps:,} "
-                          "decode-only steps")
+            console.print(f"{r.name}: compiled graphs ran {r.compiled_steps:,} of its {r.decode_steps:,} decode-only "
+                          f"steps and {r.compiled_prefill_steps:,} of its {r.prefill_steps:,} steps with prompt tokens")
 
 
 def _print_speculation(console, rows: list[RunResult | str]) -> None:

@@ -1,13 +1,13 @@
-"""Compiled decode steps: the model's forward pass for a batch of one-token decodes, traced by `torch.compile`
-(Inductor) once at engine start, so a step runs a few fused kernels instead of some 125 eager ops per layer, each
-dispatched from Python.
+"""Compiled steps: the model's forward pass, traced by `torch.compile` (Inductor) once at engine start, so a step
+runs a few fused kernels instead of some 125 eager ops per layer, each dispatched from Python: decode steps, and
+prefill steps too (prompt chunks, alone or beside decodes; drafts being verified).
 
 What it compiles is `model.forward` itself, the code every other step runs eagerly, in two graphs:
 - A single stream runs the whole graph: attention inside it too, the step's `AttentionMetadata` (one group per
   layer group, one query, a block table and a mask) its input. Its sizes are symbols, so any context length runs
   the same graph (a one-block table is widened to two, since Dynamo specializes a size of 1).
-- Several sequences run a graph with attention outside it: the graph sees a stand-in for the step's metadata (its
-  positions only) and calls attention as one op per layer (`kvserve::paged_attention`, a custom op), which attends
+- Several sequences, and every step with a prompt's tokens in it, run a graph with attention outside it: the graph
+  sees a stand-in for the step's metadata (its positions only) and calls attention as one op per layer (`kvserve::paged_attention`, a custom op), which attends
   eagerly over the step's real metadata, in as many calls per layer group as the runner made: float32 K/V one for
   all the step's decodes, read in place from the pool by a compiled flex_attention (kv/formats/flex_decode.py,
   built with --compile-decode), other formats one per bucket of alike context lengths
@@ -30,10 +30,17 @@ layer group (alike ones; float32's, read in place, any).
 
 Formats that attend over their stored form with a compiled kernel of their own (int8, int4 KV) or keep another
 storage (fp8), and H2O's attention scores, keep attention outside at every decode step, a single stream's too (the
-graph with attention outside is then compiled for one sequence as well). A step no graph covers runs eagerly, the
-same as with `--enforce-eager`: prefill and mixed steps, drafts being verified, batch-invariant mode (its fixed
-tiles), StreamingLLM (its positions outgrow the RoPE table), and models other than the Llama and Gemma 3 families.
-The start-up line says which it is.
+graph with attention outside is then compiled for one sequence as well). An engine no graph covers runs eagerly,
+the same as with `--enforce-eager`: batch-invariant mode (its fixed tiles), StreamingLLM (its positions outgrow the
+RoPE table), and models other than the Llama and Gemma 3 families; the start-up line says which it is. So does a
+step of one prompt token alone (one token that is no decode: the whole graph does not take it, and with the whole
+graph the one with attention outside is compiled for two tokens and more).
+
+A prefill step runs the graph with attention outside it as a batched decode step does: to the graph a token is a
+token, its attention the op's business. With int8 weights the graph fuses the per-token work around the int8
+matmuls (rotating and quantizing activations, norms, RoPE), which eager runs op by op over the whole chunk; with
+float32 weights a prefill step is bound by its matmuls and runs as fast compiled as eager (docs/benchmarks.md,
+"Prefill in the graph").
 
 Each graph is compiled whole by torch's AOT precompile and saved with Dynamo's bytecode and guards, beside Inductor's
 kernels (engine/graph_cache.py, the file named by everything the graph's code depends on): a second start of the

@@ -53,9 +53,10 @@ def test_compiled_and_eager_decode_rows_in_one_run(capsys, tmp_path):
 
     out = capsys.readouterr().out
     assert "│ kvserve (float32) " in out and "│ kvserve (float32, compiled decode) " in out
-    # the two 8-token prompts decode side by side, alike: every decode-only step runs the graph, and it is said
-    ran = re.findall(r"compiled decode\): the compiled graph ran (\d+) of its (\d+) decode-only steps", out)
-    assert len(ran) == 1 and int(ran[0][0]) == int(ran[0][1]) > 0
+    # the two 8-token prompts decode side by side: every step runs a graph, their prompts' step too, and it is said
+    ran = re.findall(r"compiled decode\): compiled graphs ran (\d+) of its (\d+) decode-only steps and (\d+) of "
+                     r"its (\d+) steps with prompt tokens", out)
+    assert len(ran) == 1 and int(ran[0][0]) == int(ran[0][1]) > 0 and int(ran[0][2]) == int(ran[0][3]) > 0
 
 
 @pytest.mark.slow

@@ -2,6 +2,11 @@
 (attention inside it) and the graph with attention outside it (engine/compiled_step.py), for batches of a few
 sizes whose context lengths are alike (one attention call per layer group) or spread (several).
 
+Under each batch of several, what its attention takes in the graph with attention outside it: that graph's step
+less the same graph with an attention op that returns zeros (replayed alike, interleaved), and the K/V bytes its
+sequences' contexts hold, read once, over that time, beside what this CPU reads summing 1 GiB of float32 with every
+core (bench/roofline.py, read_bandwidth): how far attention's kernel is from reading its K/V at memory speed.
+
 For each batch, --sequences requests of random prompts (fixed seed) are prefilled and decoded a few steps on one
 engine; one of their decode steps is captured (its tokens and metadata) and replayed --repeat times by each
 runner in turn, so a slow spell weighs on all alike, and the medians are printed with their ratio to eager. The
@@ -44,6 +49,9 @@ def run_step(args: argparse.Namespace) -> int:
     compiled = engine.runner.compiled
     if compiled is None or not compiled.whole:
         raise SystemExit("this engine compiles no whole decode graph (its start-up line says why)")
+    from kvserve.bench.roofline import read_bandwidth
+
+    bandwidth = read_bandwidth()
     print(f"one decode step, ms: median of {args.repeat} replays, interleaved (÷ eager)")
     cases = [(n, kind) for n in args.sequences for kind in (["alike"] if n == 1 else args.contexts)]
     for n, kind in cases:
@@ -53,6 +61,7 @@ def run_step(args: argparse.Namespace) -> int:
             runners["whole graph"] = lambda: compiled.run_whole(input_ids, meta, compile_missing=True)
         if n > 1:
             runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
+            runners[NO_ATTENTION] = lambda: compiled.run_outside(input_ids, meta, _zeros)
         for run in runners.values():  # a first call compiles what no graph fits (the whole graph for several)
             engine.cache.begin_step([], [], meta.slot_mappings)
             with_stack_headroom(run)
@@ -65,6 +74,7 @@ def run_step(args: argparse.Namespace) -> int:
                 with_stack_headroom(run)  # as the engine runs a step (engine/python_stack.py)
                 times[name].append(time.perf_counter() - begun)
         medians = {name: statistics.median(t) for name, t in times.items()}
+        bare = medians.pop(NO_ATTENTION, None)
         cells = ", ".join(f"{name} {m * 1e3:.2f}" + ("" if name == "eager" else f" ({medians['eager'] / m:.2f}x)")
                           for name, m in medians.items())
         calls = max(len(groups) for groups in meta.groups)
@@ -72,6 +82,13 @@ def run_step(args: argparse.Namespace) -> int:
         served = "whole graph" if "whole graph" in runners and (n == 1 or compiled.gemms) else "attention outside"
         print(f"{n} sequence{'s' if n > 1 else ''}, {kind} contexts ({calls} attention call"
               f"{'s' if calls > 1 else ''} per layer group): {cells}; serving runs: {served}")
+        if bare is not None:
+            attention = medians["attention outside"] - bare
+            kv_bytes = int((meta.positions + 1).sum()) * engine.cache_plan.kv_bytes_per_token
+            rate = f"{kv_bytes / attention / 1e9:.1f} GB/s" if attention > 0 else "no time measured"
+            print(f"  its attention, outside the graph: {attention * 1e3:.2f} ms (the graph with attention returning "
+                  f"zeros {bare * 1e3:.2f}), {kv_bytes / 1e6:,.1f} MB of K/V read once: {rate}; this CPU reads "
+                  f"{bandwidth / 1e9:.1f} GB/s")
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
     print("whole graph: attention inside it (it takes one call per layer group only); attention outside: "
@@ -110,6 +127,15 @@ def _decode_step(engine, num_seqs: int, kind: str):
     finally:
         engine.runner.build_batch = build
     return captured[-1]
+
+
+NO_ATTENTION = "attention as zeros"  # the graph with attention outside, its op returning zeros: attention's share
+
+
+def _zeros(q, k, v, layer, scale):
+    import torch
+
+    return torch.zeros_like(q)
 
 
 def _eager(engine, input_ids, meta):

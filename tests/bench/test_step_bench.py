@@ -40,6 +40,11 @@ def test_bench_step_times_each_batch_eagerly_and_in_each_graph_that_takes_it(tmp
         spread = re.search(rf"^3 sequences, spread contexts \((\d) attention calls per layer group\): eager {MS}, "
                            rf"attention outside {MS} \({MS}x\); serving runs: attention outside$", out, re.MULTILINE)
         assert spread and int(spread.group(1)) > 1
+    # under each batch of several: its attention's time and K/V read rate beside the CPU's
+    attention = re.findall(rf"^  its attention, outside the graph: (-?{MS}) ms \(the graph with attention returning "
+                           rf"zeros {MS}\), ({MS}) MB of K/V read once: (?:{MS} GB/s|no time measured); this CPU "
+                           rf"reads {MS} GB/s$", out, re.MULTILINE)
+    assert len(attention) == 2 and all(float(mb) > 0 for _, mb in attention)
     (engine,) = engines
     assert not engine.requests and engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 

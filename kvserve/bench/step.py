@@ -10,9 +10,9 @@ core (bench/roofline.py, read_bandwidth): how far attention's kernel is from rea
 For each batch, --sequences requests of random prompts (fixed seed) are prefilled and decoded a few steps on one
 engine; one of their decode steps is captured (its tokens and metadata) and replayed --repeat times by each
 runner in turn, so a slow spell weighs on all alike, and the medians are printed with their ratio to eager. The
-replays write the same K/V to the same slots each time. The whole graph compiles for several sequences on first
-use here (serving compiles it for one sequence only: engine/compiled_step.py says why), so a first run pays that
-compile."""
+replays write the same K/V to the same slots each time. Both graphs are the ones the engine compiled (or loaded) at
+start; "serving runs" says which of them serving gives the step (several sequences run the whole graph while their
+padded K/V is small: engine/compiled_step.py, WHOLE_GRAPH_KV_BYTES)."""
 from __future__ import annotations
 
 import argparse
@@ -79,7 +79,8 @@ def run_step(args: argparse.Namespace) -> int:
                           for name, m in medians.items())
         calls = max(len(groups) for groups in meta.groups)
         # --compile-gemms: the frozen whole graph runs every step it takes, several alike sequences too
-        served = "whole graph" if "whole graph" in runners and (n == 1 or compiled.gemms) else "attention outside"
+        served = "whole graph" if "whole graph" in runners and compiled.whole_reads_less(input_ids, meta) else \
+            "attention outside"
         print(f"{n} sequence{'s' if n > 1 else ''}, {kind} contexts ({calls} attention call"
               f"{'s' if calls > 1 else ''} per layer group): {cells}; serving runs: {served}")
         if bare is not None:

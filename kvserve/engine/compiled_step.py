@@ -2,28 +2,28 @@
 runs a few fused kernels instead of some 125 eager ops per layer, each dispatched from Python: decode steps, and
 prefill steps too (prompt chunks, alone or beside decodes; drafts being verified).
 
-What it compiles is `model.forward` itself, the code every other step runs eagerly, in two graphs:
-- A single stream runs the whole graph: attention inside it too, the step's `AttentionMetadata` (one group per
-  layer group, one query, a block table and a mask) its input. Its sizes are symbols, so any context length runs
-  the same graph (a one-block table is widened to two, since Dynamo specializes a size of 1).
-- Several sequences, and every step with a prompt's tokens in it, run a graph with attention outside it: the graph
-  sees a stand-in for the step's metadata (its positions only) and calls attention as one op per layer (`kvserve::paged_attention`, a custom op), which attends
-  eagerly over the step's real metadata, in as many calls per layer group as the runner made: float32 K/V one for
-  all the step's decodes, read in place from the pool by a compiled flex_attention (kv/formats/flex_decode.py,
-  built with --compile-decode), other formats one per bucket of alike context lengths
-  (`model_runner.MIN_BUCKET_FILL`). Its one symbol is the number of sequences, so any batch runs it, whatever its
-  context lengths. Everything but attention is fused as in the whole graph. Against the
-  whole graph on alike batches (`kvserve bench step`, docs/benchmarks.md, the AVX-512 EPYC): slower at 2 and 4
-  sequences, faster at 16; the whole graph for several sequences would be a third graph to compile at start, and
-  spread batches (the decode-heavy workload's) fit it not at all. That is with int8 weights, whose many small ops
-  (quantizing and rotating activations) the graph fuses; with float32 weights a step is bound by its matmuls and
-  attention outside measured 0.95x-1.04x eager.
-In both graphs the Llama and Gemma 3 families' layers are one nested compile region each (layer_regions): Dynamo traces one layer
-and reuses it for the others, and Inductor compiles its code once, so a graph compiles in a fraction of the time
-(docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each layer over its own row
+What it compiles is `model.forward` itself, the code every other step runs eagerly, as two graphs:
+- The whole graph: attention inside it too, the step's `AttentionMetadata` (one group per layer group, one query,
+  a block table and a mask) its input. Its sizes are symbols, so any context length runs the same graph (a
+  one-block table is widened to two, since Dynamo specializes a size of 1). A single stream runs it (compiled for
+  one sequence: its matmuls are loops of the graph's own, below), and so do several sequences (compiled for two,
+  the number a symbol) whose decodes are one attention call per layer group (alike context lengths; float32's,
+  read in place, any) while their K/V, each request's blocks gathered and padded to the widest, is at most
+  WHOLE_GRAPH_KV_BYTES: at 2-16 sequences it ran 1.09-1.36x the graph with attention outside it, past that
+  padded size 0.74-0.95x (`kvserve bench step`, docs/benchmarks.md).
+- Every other step (bigger batches, steps with a prompt's tokens) runs a graph with attention outside it: the
+  graph sees a stand-in for the step's metadata (its positions only) and calls attention as one op per layer
+  (`kvserve::paged_attention`, a custom op), which attends eagerly over the step's real metadata, in as many calls
+  per layer group as the runner made: float32 K/V one for all the step's decodes, read in place from the pool by a
+  compiled flex_attention (kv/formats/flex_decode.py, built with --compile-decode), other formats one per bucket of
+  alike context lengths (`model_runner.MIN_BUCKET_FILL`). Its one symbol is the number of tokens, so any step runs
+  it, whatever its context lengths. Everything but attention is fused as in the whole graph.
+In both graphs the Llama and Gemma 3 families' layers are one nested compile region each (layer_regions): Dynamo
+traces one layer and reuses it for the others, and Inductor compiles its code once, so a graph compiles in a
+fraction of the time (docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each layer over its own row
 of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer graph did, under the engine's
 frame-stack headroom (engine/python_stack.py: without it, its 30 region calls could thrash CPython's chunks).
-Both are compiled at start; while serving nothing compiles (a compile would stall every request): a step whose
+All are compiled at start; while serving nothing compiles (a compile would stall every request): a step whose
 inputs no graph's guards take runs eagerly, with one warning per reason. With --compile-gemms the
 whole graph, frozen, is one graph for one sequence (run as two rows) and for several in one attention call per
 layer group (alike ones; float32's, read in place, any).
@@ -111,6 +111,13 @@ GEMM_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
 # "Inductor's per-call checks").
 STEP_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 compiles the same dynamic graph)
+# Several sequences whose decodes are one attention call per layer group run the whole graph (attention inside it,
+# each request's blocks gathered and padded to the widest) while that reads at most this many bytes of K/V a step
+# (padded keys, every layer); past it, the graph with attention outside, whose float32 kernel reads each request's
+# own blocks in place. `kvserve bench step` on SmolLM2 (45 KiB of K/V a token), AVX-512 EPYC: the whole graph
+# 1.09-1.36x the other at 2-16 sequences up to 8,192 padded keys (360 MiB), 0.95x-0.74x past them
+# (docs/benchmarks.md, "Several sequences in the whole graph").
+WHOLE_GRAPH_KV_BYTES = 360 * 2**20
 
 
 def unsupported(model_class: type, batch_invariant: bool, unbounded_positions: bool) -> str | None:
@@ -199,6 +206,7 @@ class CompiledDecode:
         self.model = model
         self.cache = cache
         self.gemms = gemms  # the engine applies it only with the whole graph (attention_outside, gemms_unused)
+        self._key_bytes = cache.nbytes / max(cache.num_blocks * cache.block_size, 1)  # a slot's K/V, every layer
         self.whole = whole  # the whole graph for the steps it fits (False: attention_outside says why not)
         self.failed: str | None = None
         # traced under no_grad rather than forward's inference_mode: AOTAutograd cannot mutate the pool's
@@ -265,6 +273,15 @@ class CompiledDecode:
         mode's tiles (its engines compile nothing)."""
         return (input_ids.shape[0] > 1 or not self.whole) and meta.tile_calls is None
 
+    def whole_reads_less(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether a step the whole graph takes (`eligible`) runs there: one sequence always, and with
+        --compile-gemms (its frozen graph) any number; several while their padded K/V is at most
+        WHOLE_GRAPH_KV_BYTES (the widest layer group's block table, every layer)."""
+        if input_ids.shape[0] == 1 or self.gemms:
+            return True
+        keys = max(groups[0].block_tables.numel() for groups in meta.groups) * self.cache.block_size
+        return keys * self._key_bytes <= WHOLE_GRAPH_KV_BYTES
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The step's final hidden states, or None when this step runs eagerly: no graph covers it (one token of a
         prompt alone: fits_outside), the graph failed (eager from then on), or no graph compiled at start takes it
@@ -272,8 +289,7 @@ class CompiledDecode:
         warning per reason)."""
         if self.failed is not None:
             return None
-        one = input_ids.shape[0] == 1 or self.gemms  # --compile-gemms: the frozen graph wherever it fits
-        if not (self.whole and one and self.eligible(meta)):
+        if not (self.whole and self.eligible(meta) and self.whole_reads_less(input_ids, meta)):
             return self._outside_forward(input_ids, meta) if self.fits_outside(input_ids, meta) else None
         slot_mappings = meta.slot_mappings
         try:
@@ -346,15 +362,16 @@ class CompiledDecode:
         return None
 
     def warm_up(self) -> bool:
-        """Compile (or load) at start, and run once: the whole graph for a one-sequence decode step (with
-        --compile-gemms, two: _two_rows) over the pool's first blocks (the one block it writes to is put back
-        after), and the graph with attention outside for two sequences (without the whole graph, for one too; its
+        """Compile (or load) at start, and run once: the whole graph for a decode step of one sequence and one of
+        two (the number a symbol: any number above one; with --compile-gemms only the latter, which one sequence
+        runs as two rows: _two_rows) over the pool's first blocks (the one block they write to is put back after),
+        and the graph with attention outside for two sequences (without the whole graph, for one too; its
         attention op returns zeros there: it writes nothing). Returns whether all compiled."""
         started, resident, phases = time.perf_counter(), _resident_bytes(), _phase_seconds()
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block) if self.whole else None  # the one block it writes, put back after
         try:
-            for num_seqs in ((2,) if self.gemms else (1,)) if self.whole else ():
+            for num_seqs in ((2,) if self.gemms else (1, 2)) if self.whole else ():
                 input_ids, meta = self._warm_up_step(num_seqs)
                 meta = replace(meta, layer_regions=self._regions)
                 self.cache.begin_step([], [], meta.slot_mappings)

@@ -12,7 +12,8 @@ import torch
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.config import EngineConfig
-from kvserve.engine.compiled_step import CompiledDecode, attention_outside, gemms_unused, unsupported
+from kvserve.engine.compiled_step import (WHOLE_GRAPH_KV_BYTES, CompiledDecode, attention_outside, gemms_unused,
+                                          unsupported)
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
@@ -153,8 +154,10 @@ class LLMEngine:
         if not compiled.warm_up():
             return None
         if outside is None:
-            graphs = ("compiled (torch.compile, --compile-decode): one sequence as one whole graph, several (any "
-                      "number, any context lengths) in one with attention outside it")
+            graphs = ("compiled (torch.compile, --compile-decode): one sequence in a whole graph, several in "
+                      "another while their K/V padded to the longest is at most "
+                      f"{WHOLE_GRAPH_KV_BYTES / 2**20:,.0f} MiB, the others (any number, any context lengths) in one "
+                      "with attention outside it")
         else:
             graphs = f"one compiled graph with attention outside it (torch.compile, --compile-decode; {outside})"
         logger.info(f"decode steps: {graphs}, in {compiled.compile_seconds:.1f} s{compiled.compile_phases_line()}"

@@ -107,14 +107,20 @@ def steps_since(llm: LLM, before: tuple[int, int, int]) -> tuple[int, int, int]:
     return tuple(now - then for now, then in zip(step_counts(llm), before))
 
 
-def test_decode_steps_match_eager_alone_and_batched(engines):
+def test_decode_steps_match_eager_alone_and_batched(engines, monkeypatch):
     eager, compiled = engines
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     before = step_counts(compiled)
     compare(eager, compiled, PROMPTS[:1], params)  # one sequence: the whole graph; its prompt: attention outside
     assert steps_since(compiled, before) == (40, 40, 1)
-    # several: attention outside the graph that computes the rest, in one call per layer group (alike lengths) or
-    # in several (lengths far apart); their prompts in one step, in the same graph
+    # several whose decodes are one attention call per layer group (alike lengths; float32's, read in place, any):
+    # the whole graph too while their padded K/V is small (a tiny model's always is); their prompts' step outside
+    for prompts in (ALIKE, PROMPTS):
+        before = step_counts(compiled)
+        compare(eager, compiled, prompts, params)
+        assert steps_since(compiled, before) == (40, 40, 1)
+    # past it: attention outside the graph that computes the rest, in one call per layer group or several
+    monkeypatch.setattr(compiled_step, "WHOLE_GRAPH_KV_BYTES", 0)
     for prompts in (ALIKE, PROMPTS):
         before = step_counts(compiled)
         compare(eager, compiled, prompts, params)
@@ -182,15 +188,21 @@ def test_beam_search_keeps_eager_hypotheses(engines):
         assert abs(e.cumulative_logprob - g.cumulative_logprob) <= LOGPROB_TOLERANCE * len(e.token_ids)
 
 
-def test_new_batch_sizes_and_context_lengths_run_the_same_graph(engines):
+@pytest.mark.parametrize("whole_graph_kv_bytes", [compiled_step.WHOLE_GRAPH_KV_BYTES, 0])
+def test_new_batch_sizes_and_context_lengths_run_the_same_graph(engines, monkeypatch, whole_graph_kv_bytes):
+    """Several sequences in the whole graph (the default, a tiny model's K/V being small) or with attention outside
+    it (0): any number of them, at any context length, runs the graph compiled at start."""
     _, compiled = engines
+    monkeypatch.setattr(compiled_step, "WHOLE_GRAPH_KV_BYTES", whole_graph_kv_bytes)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    steps = compiled.engine.runner.num_compiled_steps
+    before = step_counts(compiled)
     params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)  # contexts cross several blocks
     for num_seqs in (1, 3, 5):
         compiled.generate([list(range(2 + i, 60 + 2 * i)) for i in range(num_seqs)], params)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a step recompiled"
-    assert compiled.engine.runner.num_compiled_steps >= steps + 3 * 69
+    steps, compiled_steps, outside = steps_since(compiled, before)
+    assert steps == compiled_steps == 3 * 70 and compiled.engine.runner.compiled.num_misses == 0
+    assert outside == (3 if whole_graph_kv_bytes else 3 + 2 * 69)  # the prompts' steps; several's decodes
 
 
 def test_one_rows_logits_run_the_compiled_head(engines, monkeypatch):
@@ -525,14 +537,14 @@ def test_a_second_start_loads_its_graphs_and_a_changed_model_or_format_compiles_
         return tuple(json.loads(done.stdout.splitlines()[-1]))
 
     loaded, compiled, tokens = start(small)
-    assert (loaded, compiled) == (0, 3)
-    assert start(small) == (3, 0, tokens)
+    assert (loaded, compiled) == (0, 4)
+    assert start(small) == (4, 0, tokens)
     loaded, compiled, other_tokens = start(other)
-    assert (loaded, compiled) == (3, 0) and other_tokens != tokens
+    assert (loaded, compiled) == (4, 0) and other_tokens != tokens
     fresh = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh")}  # nothing saved: compiled for it
-    assert start(other, cache=fresh) == (0, 3, other_tokens)
-    assert start(small, kv_cache_dtype="bfloat16")[:2] == (0, 3)
-    assert start(wide)[:2] == (0, 3)
+    assert start(other, cache=fresh) == (0, 4, other_tokens)
+    assert start(small, kv_cache_dtype="bfloat16")[:2] == (0, 4)
+    assert start(wide)[:2] == (0, 4)
 
 
 def test_contexts_of_one_block_run_the_graph_widened(engines):
@@ -579,7 +591,7 @@ def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path, monkeypatch
     for i in range(6):
         llm = LLM(str(path), kv_cache_memory=f"{2 + i}MiB", max_model_len=512, **COMPILED)  # pool sizes differ
         compiled = llm.engine.runner.compiled
-        assert compiled is not None and (compiled.graphs_loaded, compiled.graphs_compiled) == (0, 3), i
+        assert compiled is not None and (compiled.graphs_loaded, compiled.graphs_compiled) == (0, 4), i
         llm.generate([PROMPTS[0]], params)
         assert step_counts(llm) == (20, 20, 1)
 

@@ -61,14 +61,14 @@ def test_describe_gives_tensors_metadata_not_values_and_objects_by_class():
 def test_a_saved_graph_that_cannot_be_read_is_compiled_again_and_written_over(tmp_path, caplog):
     path = make_tiny_model(tmp_path)
     first = LLM(str(path), **COMMON, compile_decode=True)
-    assert (first.engine.runner.compiled.graphs_loaded, first.engine.runner.compiled.graphs_compiled) == (0, 3)
+    assert (first.engine.runner.compiled.graphs_loaded, first.engine.runner.compiled.graphs_compiled) == (0, 4)
     files = sorted(graph_cache.graph_directory().glob("*.bin"))
-    assert len(files) == 3
+    assert len(files) == 4
     files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         second = LLM(str(path), **COMMON, compile_decode=True)
     compiled = second.engine.runner.compiled
-    assert (compiled.graphs_loaded, compiled.graphs_compiled) == (2, 1)
+    assert (compiled.graphs_loaded, compiled.graphs_compiled) == (3, 1)
     assert caplog.text.count("could not be loaded") == 1
     assert files[0].stat().st_size > 100  # written over
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -85,11 +85,11 @@ def test_a_saved_graph_others_may_write_is_not_loaded(tmp_path, caplog):
     directory = graph_cache.graph_directory()
     assert directory.stat().st_mode & 0o777 == 0o700
     files = sorted(directory.glob("*.bin"))
-    assert [f.stat().st_mode & 0o777 for f in files] == [0o600] * 3
+    assert [f.stat().st_mode & 0o777 for f in files] == [0o600] * 4
     files[0].chmod(0o620)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         compiled = LLM(str(path), **COMMON, compile_decode=True).engine.runner.compiled
-    assert (compiled.graphs_loaded, compiled.graphs_compiled) == (2, 1)
+    assert (compiled.graphs_loaded, compiled.graphs_compiled) == (3, 1)
     assert caplog.text.count("may be written by other users; compiling it again") == 1
 
 
@@ -100,7 +100,7 @@ def test_with_inductors_caches_off_the_graphs_are_traced_and_nothing_is_saved(tm
     path = make_tiny_model(tmp_path)
     llm = LLM(str(path), **COMMON, compile_decode=True)
     compiled = llm.engine.runner.compiled
-    assert compiled is not None and (compiled.graphs_loaded, compiled.graphs_compiled) == (0, 3)
+    assert compiled is not None and (compiled.graphs_loaded, compiled.graphs_compiled) == (0, 4)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
     for prompts in ([list(range(3, 40))], [list(range(3 + i, 20 + 7 * i)) for i in range(4)]):  # 1, then 4

@@ -9,8 +9,8 @@ What it compiles is `model.forward` itself, the code every other step runs eager
   one sequence: its matmuls are loops of the graph's own, below), and so do several sequences (compiled for two,
   the number a symbol) whose decodes are one attention call per layer group (alike context lengths; float32's,
   read in place, any) while their K/V, each request's blocks gathered and padded to the widest, is at most
-  WHOLE_GRAPH_KV_BYTES: at 2-16 sequences it ran 1.09-1.36x the graph with attention outside it, past that
-  padded size 0.74-0.95x (`kvserve bench step`, docs/benchmarks.md).
+  WHOLE_GRAPH_KV_BYTES: below it the whole graph ran 1.02-1.33x the graph with attention outside it, past it
+  0.68-1.04x (`kvserve bench step`, docs/benchmarks.md).
 - Every other step (bigger batches, steps with a prompt's tokens) runs a graph with attention outside it: the
   graph sees a stand-in for the step's metadata (its positions only) and calls attention as one op per layer
   (`kvserve::paged_attention`, a custom op), which attends eagerly over the step's real metadata, in as many calls
@@ -115,7 +115,7 @@ WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 c
 # each request's blocks gathered and padded to the widest) while that reads at most this many bytes of K/V a step
 # (padded keys, every layer); past it, the graph with attention outside, whose float32 kernel reads each request's
 # own blocks in place. `kvserve bench step` on SmolLM2 (45 KiB of K/V a token), AVX-512 EPYC: the whole graph
-# 1.09-1.36x the other at 2-16 sequences up to 8,192 padded keys (360 MiB), 0.95x-0.74x past them
+# 1.02-1.33x the other at 2-24 sequences up to 8,192 padded keys (360 MiB), 0.68-1.04x past them
 # (docs/benchmarks.md, "Several sequences in the whole graph").
 WHOLE_GRAPH_KV_BYTES = 360 * 2**20
 

@@ -62,7 +62,7 @@ def run_step(args: argparse.Namespace) -> int:
         if n > 1:
             runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
             runners[NO_ATTENTION] = lambda: compiled.run_outside(input_ids, meta, _zeros)
-        for run in runners.values():  # a first call compiles what no graph fits (the whole graph for several)
+        for run in runners.values():  # a first call compiles what no graph compiled at start fits, if any
             engine.cache.begin_step([], [], meta.slot_mappings)
             with_stack_headroom(run)
         times = {name: [] for name in runners}

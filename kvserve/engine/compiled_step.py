@@ -20,10 +20,10 @@ What it compiles is `model.forward` itself, the code every other step runs eager
   it, whatever its context lengths. Everything but attention is fused as in the whole graph.
 In both graphs the Llama and Gemma 3 families' layers are one nested compile region each (layer_regions): Dynamo
 traces one layer and reuses it for the others, and Inductor compiles its code once, so a graph compiles in a
-fraction of the time (docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each layer over its own row
-of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer graph did, under the engine's
-frame-stack headroom (engine/python_stack.py: without it, its 30 region calls could thrash CPython's chunks).
-All are compiled at start; while serving nothing compiles (a compile would stall every request): a step whose
+fraction of the time (docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each
+layer over its own row of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer graph did,
+under the engine's frame-stack headroom (engine/python_stack.py: without it, its 30 region calls could thrash
+CPython's chunks). All are compiled at start; while serving nothing compiles (a compile would stall every request): a step whose
 inputs no graph's guards take runs eagerly, with one warning per reason. With --compile-gemms the
 whole graph, frozen, is one graph for one sequence (run as two rows) and for several in one attention call per
 layer group (alike ones; float32's, read in place, any).

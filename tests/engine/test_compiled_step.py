@@ -140,22 +140,25 @@ def test_prompt_chunks_beside_decodes_and_drafts_run_the_graph_with_attention_ou
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     prompts = [PROMPTS[2], PROMPTS[1]]  # 13 tokens, then 85 in chunks of at most 32 beside the first's decodes
     before = step_counts(compiled)
-    expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
+    expected = eager.generate(prompts, params)
+    got = compare(eager, compiled, prompts, params)  # eager's tokens (up to a near-tie) and logprobs
     steps, compiled_steps, outside = steps_since(compiled, before)
     assert steps == compiled_steps and outside >= 4  # the prompts' 4 steps among them
     for e, g in zip(expected, got):
-        assert e.outputs[0].token_ids == g.outputs[0].token_ids
         assert len(e.prompt_logprobs) == len(g.prompt_logprobs) == len(e.prompt_token_ids)
-        for a, b in zip(e.prompt_logprobs[1:], g.prompt_logprobs[1:]):
-            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= LOGPROB_TOLERANCE for t in a)
+        for token, a, b in zip(e.prompt_token_ids[1:], e.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            assert abs(a[token] - b[token]) <= LOGPROB_TOLERANCE  # the prompt's own token, always listed
+            assert all(abs(a[t] - b[t]) <= LOGPROB_TOLERANCE for t in a.keys() & b.keys())
+            for t in a.keys() ^ b.keys():  # a top-2 entry one side lacks: a near-tie at the 2nd rank
+                shown, other = (a, b) if t in a else (b, a)
+                assert any(abs(shown[t] - other[u]) <= LOGPROB_TOLERANCE for u in other.keys() - shown.keys())
 
-    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    expected = eager.generate(ALIKE[:2], greedy)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
     speculating = LLM(str(path), **COMMON, **COMPILED, speculative_config=NGRAM)
-    oracle(speculating, {tuple(o.prompt_token_ids): [c.token_ids for c in o.outputs] for o in expected})
+    references = eager.generate(ALIKE[:2], greedy)
+    oracle(speculating, {tuple(o.prompt_token_ids): [c.token_ids for c in o.outputs] for o in references})
     before = step_counts(speculating)
-    got = speculating.generate(ALIKE[:2], greedy)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    compare(eager, speculating, ALIKE[:2], greedy)  # eager's tokens (up to a near-tie), drafts verified
     assert speculating.stats()["spec_decode_num_accepted_tokens"] > 0
     steps, compiled_steps, outside = steps_since(speculating, before)
     assert steps == compiled_steps == outside < 30  # drafts verified: fewer steps than tokens, each compiled

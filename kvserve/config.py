@@ -58,6 +58,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 SPECULATIVE_METHODS = ("ngram", "suffix")
 # Speculation stops once more sequences than this decode in one step: there the step is bound by its matmuls, and
 # verifying k more tokens per sequence costs nearly k more decode steps' compute (docs/speculative.md measures it).
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (vLLM's default on a GPU)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
@@ -130,7 +131,7 @@ class EngineConfig:
     dtype: str = "float32"
     quantization: str = "none"  # "int8": int8 weights, int8 activations per token (kvserve/model/linear.py)
     kv_cache_dtype: str = "auto"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64

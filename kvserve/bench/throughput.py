@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvserve.bench.rewrite import RewriteWorkload
-from kvserve.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from kvserve.config import DEFAULT_BLOCK_SIZE, DEFAULT_DISABLE_BY_BATCH_SIZE
 from kvserve.plots import check_plot_path, plot_throughput
 
 if TYPE_CHECKING:
@@ -252,6 +252,9 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="kvserve's weights, e.g. none int8 (or none,int8); one run per value (default: none)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="FORMAT",
                    help="kvserve's KV storage, e.g. auto,fp8,int8,int4; one run per value (default: auto)")
+    p.add_argument("--block-size", nargs="+", type=int, default=[DEFAULT_BLOCK_SIZE], metavar="TOKENS",
+                   help="kvserve's KV block size; one run per value, e.g. 16 64 to price a larger block in the "
+                        "same run (default: the engine's %(default)s)")
     p.add_argument("--batch-invariant", nargs="+", default=["off"], metavar="MODE",
                    help="kvserve's --batch-invariant: off, on, or off on (one run per value) to price the mode "
                         "against the default in the same run (default: off)")
@@ -294,11 +297,13 @@ class _Config:
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     compile_decode: bool = False
     compile_gemms: bool = False
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def name(self) -> str:
         extras = ([f"{self.quantization} weights"] if self.quantization != "none" else []) + \
             ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else []) + \
+            ([f"blocks of {self.block_size}"] if self.block_size != DEFAULT_BLOCK_SIZE else []) + \
             (["batch-invariant"] if self.batch_invariant else []) + \
             ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else []) + \
             ([f"off above {self.disable_by_batch_size}"] if self.disable_by_batch_size != DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -343,15 +348,15 @@ def run_throughput(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve bench throughput: --speculative takes {', '.join(SPECULATIVE_METHODS)}, got "
                          f"{args.speculative}")
     configs = [_Config(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit, compiled != "off",
-                       compiled == "gemms")
+                       compiled == "gemms", block)
                for d in args.dtypes for q in _names(args.quantization) for kv in _names(args.kv_cache_dtype)
-               for mode in modes for method in methods
+               for block in dict.fromkeys(args.block_size) for mode in modes for method in methods
                for limit in (args.disable_by_batch_size if method != "off" else [DEFAULT_DISABLE_BY_BATCH_SIZE])
                for compiled in compile_modes]
     for c in configs:  # bad values fail here, naming the choices, before anything loads
         try:
             EngineConfig(dtype=c.dtype, quantization=c.quantization, kv_cache_dtype=c.kv_cache_dtype,
-                         speculative_config=c.speculative_config)
+                         speculative_config=c.speculative_config, block_size=c.block_size)
         except ValueError as exc:
             raise SystemExit(f"kvserve bench throughput: {exc}") from exc
     console = Console(width=170)
@@ -442,7 +447,8 @@ class _KvserveRuns:
         from kvserve.engine.llm import LLM
 
         llm = LLM(self.args.model, dtype=config.dtype, quantization=config.quantization,
-                  kv_cache_dtype=config.kv_cache_dtype, max_model_len=self.max_len, kv_cache_memory=self.kv_memory,
+                  kv_cache_dtype=config.kv_cache_dtype, block_size=config.block_size, max_model_len=self.max_len,
+                  kv_cache_memory=self.kv_memory,
                   max_num_seqs=self.num_seqs, batch_invariant=config.batch_invariant,
                   speculative_config=config.speculative_config, compile_decode=config.compile_decode,
                   compile_gemms=config.compile_gemms)

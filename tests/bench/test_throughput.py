@@ -60,6 +60,27 @@ def test_compiled_and_eager_decode_rows_in_one_run(capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_row_per_block_size_each_engine_built_with_its_own(monkeypatch, capsys):
+    from kvserve.engine import llm as llm_module
+
+    built = []  # the block size of every engine the benchmark builds
+
+    class RecordingLLM(llm_module.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.engine.config.block_size)
+
+    monkeypatch.setattr(llm_module, "LLM", RecordingLLM)
+    argv = [*TINY_RUN, "llama.cpp", "roofline", "--block-size", "16", "8", "8"]
+
+    assert main(argv) == 0
+
+    out = capsys.readouterr().out
+    assert "│ kvserve (float32) " in out and "│ kvserve (float32, blocks of 8) " in out  # a repeated value runs once
+    assert built == [16, 8]
+
+
+@pytest.mark.slow
 def test_repeated_runs_interleave_and_report_each_rounds_ratio(capsys):
     argv = [*TINY_RUN, "llama.cpp", "roofline", "--kv-cache-dtype", "auto,int4", "--repeat", "3"]
 
@@ -112,6 +133,7 @@ def test_decode_steps_count_each_sequences_context_once_as_the_kv_they_read(tmp_
     ("--speculative", "eagle", "--speculative takes off, ngram, suffix"),
     ("--num-speculative-tokens", "0", "num_speculative_tokens must be a positive integer"),
     ("--compile-decode", "maybe", "--compile-decode takes off, on and/or gemms, got ['maybe']"),
+    ("--block-size", "0", "block_size must be a positive integer, got 0"),
 ])
 def test_bad_values_are_named_before_anything_loads(option, value, message):
     argv = ["bench", "throughput", option, value]

@@ -9,7 +9,6 @@ their quantized form and its own block in full precision — exactly what decode
 runner adds the own block's exact keys to attention (`exact_own_block`)."""
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -277,11 +276,11 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes, scale, zero
 
 
-@functools.cache
 def fused_decode_attention(block_size: int) -> CompiledFunction:
     """Decode attention over the stored codes (see formats.compiled): selecting, unpacking and scaling the codes,
-    appending the staged and new tokens, and attending become a few generated loops. One per block size, a
-    constant of the loops."""
+    appending the staged and new tokens, and attending become a few generated loops, the block size a constant
+    of them. Each cache gets its own (a failure to compile is that engine's); the graphs are kept with the
+    function's code, which every copy shares, so a later cache of the same shapes compiles nothing."""
     def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block_tables: torch.Tensor,
                    per_channel: bool, heads: int, dim: int) -> torch.Tensor:
         """[S, B * block_size, heads, dim]: the blocks of `block_tables` [S, B], dequantized."""

@@ -2,8 +2,6 @@
 is compiled (formats.compiled)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind, warm_up_decode
@@ -46,10 +44,11 @@ class Int8KVCache(PerTokenQuantizedKVCache):
         return self.fused_decode(args, dynamic)
 
 
-@functools.cache
 def fused_decode_attention(block_size: int) -> CompiledFunction:
     """Decode attention over the stored int8 elements (see formats.compiled): selecting, widening and scaling them
-    and attending become a few generated loops. One per block size, a constant of the loops."""
+    and attending become a few generated loops, the block size a constant of them. Each cache gets its own (a
+    failure to compile is that engine's); the graphs are kept with the function's code, which every copy shares,
+    so a later cache of the same shapes compiles nothing."""
     def dequantize(data: torch.Tensor, scale: torch.Tensor, block_tables: torch.Tensor, heads: int,
                    dim: int) -> torch.Tensor:
         S, B = block_tables.shape

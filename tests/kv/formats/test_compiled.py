@@ -114,3 +114,28 @@ def test_a_failed_compile_is_logged_once_and_falls_back(monkeypatch, caplog):
     assert compiled.failed == "RuntimeError: no working C++ compiler found"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "attending eagerly" in warnings[0] and "no working C++ compiler" in warnings[0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_failed_compile_is_that_caches_own_and_a_second_cache_compiles_nothing(fmt, monkeypatch):
+    first, second = filled_cache(fmt, blocks=3, heads=2, dim=16), filled_cache(fmt, blocks=3, heads=2, dim=16)
+    assert first.fused_decode is not second.fused_decode
+
+    def fails(*args):
+        raise RuntimeError("no working C++ compiler found")
+
+    monkeypatch.setattr(first.fused_decode, "compiled", fails)
+    first.warm_up(num_query_heads=2)
+    assert first.fused_decode.failed == "RuntimeError: no working C++ compiler found"
+    second.warm_up(num_query_heads=2)  # compiles: the other engine's failure is not this one's
+    assert second.fused_decode.failed is None
+    third = filled_cache(fmt, blocks=3, heads=2, dim=16)
+    counters.clear()
+    third.warm_up(num_query_heads=2)  # the same shapes as `second`'s: its graphs, nothing compiled
+    assert third.fused_decode.failed is None and counters["stats"]["unique_graphs"] == 0
+    extra = BS + 1 if third.exact_own_block else 0
+    new = torch.zeros(1, 1, 2, 16)
+    with torch.inference_mode():
+        out = third.decode_attention(0, torch.randn(1, 2, 1, 16), torch.tensor([[0, 1]]), torch.tensor([-1]), new,
+                                     new, torch.ones(1, 1, 1, 2 * BS + extra, dtype=torch.bool), 0.25)
+    assert out is not None

@@ -120,6 +120,13 @@ WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 c
 WHOLE_GRAPH_KV_BYTES = 360 * 2**20
 
 
+def padded_kv_bytes(cache: PagedKVCache, meta: AttentionMetadata) -> float:
+    """The K/V a step of one attention call per layer group reads in the whole graph, each request's blocks gathered
+    and padded to the widest: every layer group's block table, a slot of which holds its group's layers."""
+    slot_bytes = cache.nbytes / max(cache.num_blocks * cache.block_size, 1)
+    return sum(groups[0].block_tables.numel() for groups in meta.groups) * cache.block_size * slot_bytes
+
+
 def unsupported(model_class: type, batch_invariant: bool, unbounded_positions: bool) -> str | None:
     """Why no decode step of an engine of this model class can run compiled (None: decode steps can). Asked before
     the model is built: only then does it keep the dense weights the graph's one-row loops read (model/linear.py)."""
@@ -206,7 +213,6 @@ class CompiledDecode:
         self.model = model
         self.cache = cache
         self.gemms = gemms  # the engine applies it only with the whole graph (attention_outside, gemms_unused)
-        self._key_bytes = cache.nbytes / max(cache.num_blocks * cache.block_size, 1)  # a slot's K/V, every layer
         self.whole = whole  # the whole graph for the steps it fits (False: attention_outside says why not)
         self.failed: str | None = None
         # traced under no_grad rather than forward's inference_mode: AOTAutograd cannot mutate the pool's
@@ -276,11 +282,10 @@ class CompiledDecode:
     def whole_reads_less(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether a step the whole graph takes (`eligible`) runs there: one sequence always, and with
         --compile-gemms (its frozen graph) any number; several while their padded K/V is at most
-        WHOLE_GRAPH_KV_BYTES (the widest layer group's block table, every layer)."""
+        WHOLE_GRAPH_KV_BYTES (every layer group's padded block table, its layers' slots)."""
         if input_ids.shape[0] == 1 or self.gemms:
             return True
-        keys = max(groups[0].block_tables.numel() for groups in meta.groups) * self.cache.block_size
-        return keys * self._key_bytes <= WHOLE_GRAPH_KV_BYTES
+        return padded_kv_bytes(self.cache, meta) <= WHOLE_GRAPH_KV_BYTES
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The step's final hidden states, or None when this step runs eagerly: no graph covers it (one token of a

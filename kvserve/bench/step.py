@@ -50,6 +50,7 @@ def run_step(args: argparse.Namespace) -> int:
     if compiled is None or not compiled.whole:
         raise SystemExit("this engine compiles no whole decode graph (its start-up line says why)")
     from kvserve.bench.roofline import read_bandwidth
+    from kvserve.engine.compiled_step import zero_attention
 
     bandwidth = read_bandwidth()
     print(f"one decode step, ms: median of {args.repeat} replays, interleaved (÷ eager)")
@@ -61,7 +62,7 @@ def run_step(args: argparse.Namespace) -> int:
             runners["whole graph"] = lambda: compiled.run_whole(input_ids, meta, compile_missing=True)
         if n > 1:
             runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
-            runners[NO_ATTENTION] = lambda: compiled.run_outside(input_ids, meta, _zeros)
+            runners[NO_ATTENTION] = lambda: compiled.run_outside(input_ids, meta, zero_attention)
         for run in runners.values():  # a first call compiles what no graph compiled at start fits, if any
             engine.cache.begin_step([], [], meta.slot_mappings)
             with_stack_headroom(run)
@@ -131,12 +132,6 @@ def _decode_step(engine, num_seqs: int, kind: str):
 
 
 NO_ATTENTION = "attention as zeros"  # the graph with attention outside, its op returning zeros: attention's share
-
-
-def _zeros(q, k, v, layer, scale):
-    import torch
-
-    return torch.zeros_like(q)
 
 
 def _eager(engine, input_ids, meta):

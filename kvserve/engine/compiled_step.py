@@ -127,6 +127,12 @@ def padded_kv_bytes(cache: PagedKVCache, meta: AttentionMetadata) -> float:
     return sum(groups[0].block_tables.numel() for groups in meta.groups) * cache.block_size * slot_bytes
 
 
+def zero_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """Attention that writes nothing and returns zeros: the warm-up's (its steps must leave the pool as it was), and
+    `kvserve bench step`'s graph without attention."""
+    return torch.zeros_like(q)
+
+
 def unsupported(model_class: type, batch_invariant: bool, unbounded_positions: bool) -> str | None:
     """Why no decode step of an engine of this model class can run compiled (None: decode steps can). Asked before
     the model is built: only then does it keep the dense weights the graph's one-row loops read (model/linear.py)."""
@@ -386,11 +392,11 @@ class CompiledDecode:
                     self._whole(input_ids, meta, self.cache, mark=mark)
             for num_seqs in (2,) if self.whole else (1, 2):
                 input_ids, meta = self._warm_up_step(num_seqs)
-                stand_in, zeros = self._stand_in(meta), lambda q, k, v, layer, scale: torch.zeros_like(q)
-                with torch.no_grad(), attention_outside_graph(zeros):
+                stand_in = self._stand_in(meta)
+                with torch.no_grad(), attention_outside_graph(zero_attention):
                     self._outside.add(f"outside-{num_seqs}", (input_ids, stand_in, self.cache),
                                       lambda: _mark_sequences(input_ids, stand_in))
-                self.run_outside(input_ids, meta, zeros)
+                self.run_outside(input_ids, meta, zero_attention)
             if self._head is not None:
                 head = self.model.lm_head
                 hidden = torch.zeros(1, head.in_features, dtype=head.dtype, device=self.cache.device)

@@ -52,14 +52,20 @@ def decode_steps(steps: StepShapes) -> StepShapes:
     return Counter({shape: count for shape, count in steps.items() if shape[0] == shape[1]})
 
 
-def matmul_roofline(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> float:
-    """FLOP/s of plain float32 matmuls replaying `steps` (each distinct step shape timed, best of `reps`)."""
-    return workload_flops(shapes, steps) / matmul_seconds(shapes, steps, reps)
-
-
 def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> float:
     """Seconds float32 matmuls take to replay `steps`, each layer with weights of its own, multiplied by the float32
     route this process's engines use (replay_matmul)."""
+    return replayed_seconds(step_seconds(shapes, steps, reps), steps)
+
+
+def replayed_seconds(per_step: dict[tuple[int, int], float], steps: StepShapes) -> float:
+    """`steps`' replayed time from step_seconds' per-shape times (which must cover every shape of `steps`)."""
+    return sum(count * per_step[shape] for shape, count in steps.items())
+
+
+def step_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> dict[tuple[int, int], float]:
+    """Seconds one step of each of `steps`' shapes takes in float32 matmuls (matmul_seconds, shape by shape): a
+    workload's replay and any subset of its steps (its decode steps) from one timing."""
     gen = torch.Generator().manual_seed(0)
     matmul = replay_matmul()
 
@@ -70,8 +76,8 @@ def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> fl
 
     layers = [[weight(n, k) for n, k in shapes.per_layer] for _ in range(shapes.num_layers)]
     head = weight(*shapes.head)
-    seconds = 0.0
-    for (tokens, rows), count in steps.items():
+    seconds = {}
+    for tokens, rows in steps:
         inputs = [torch.randn(tokens, n_in, generator=gen) for _, n_in in shapes.per_layer]
         head_in = torch.randn(rows, shapes.head[1], generator=gen)
 
@@ -81,8 +87,20 @@ def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> fl
                     matmul.linear(xi, w, packed, None)
             matmul.linear(head_in, *head, None)
 
-        seconds += count * _best_time(step, reps)
+        seconds[tokens, rows] = _best_time(step, reps)
     return seconds
+
+
+def share_ceiling(matmul_seconds: float, decode_matmul_seconds: float, decode_kv_seconds: float,
+                  prompt_seconds: float | None = None) -> float:
+    """The most a run's matmuls (`matmul_seconds` replayed, `decode_matmul_seconds` of them its decode-only steps')
+    can be of its time when its decode-only steps take their matmuls plus one read of their K/V
+    (`decode_kv_seconds`) and nothing else, and its steps with prompt tokens `prompt_seconds`: None for their
+    replayed matmuls (the ceiling if they too ran at the matmuls' rate), the time they took in a run for the
+    ceiling its prompt steps as they ran leave."""
+    if prompt_seconds is None:
+        prompt_seconds = matmul_seconds - decode_matmul_seconds
+    return matmul_seconds / (prompt_seconds + decode_matmul_seconds + decode_kv_seconds)
 
 
 @functools.cache

@@ -587,29 +587,40 @@ def _print_speculation(console, rows: list[RunResult | str]) -> None:
 
 
 def _print_roofline(console, runs: list[RunResult], model_config) -> None:
-    """Each row's matmul FLOP/s over the replayed rate, and the most that share can be once attention reads its
-    K/V: the replayed matmuls' time over that time plus the decode steps' least K/V reads at the CPU's read
-    bandwidth (prefill's attention left out, so the true ceiling is lower still)."""
-    from kvserve.bench.roofline import MatmulShapes, matmul_roofline, read_bandwidth, replay_matmul, workload_flops
+    """Each row's matmul FLOP/s over the replayed rate, and two ceilings on that share (roofline.share_ceiling): its
+    decode-only steps at their replayed matmuls plus one read of their K/V at the CPU's read bandwidth, its steps
+    with prompt tokens at their replayed matmuls too (prefill's attention left out), or as long as they took."""
+    from kvserve.bench.roofline import (MatmulShapes, decode_steps, read_bandwidth, replay_matmul, replayed_seconds,
+                                        share_ceiling, step_seconds, workload_flops)
 
     shapes = MatmulShapes.of(model_config)
     reference = runs[0]
-    roof = matmul_roofline(shapes, reference.steps)
+    per_step = step_seconds(shapes, reference.steps)
     flops = workload_flops(shapes, reference.steps)
+    roof = flops / replayed_seconds(per_step, reference.steps)
+    decodes = decode_steps(reference.steps)  # their own rate: fewer tokens a step than a prompt's
+    decode_roof = workload_flops(shapes, decodes) / replayed_seconds(per_step, decodes) if decodes else roof
     bandwidth = read_bandwidth()
     console.print(f"roofline: this workload's matmuls (linears and output head; attention not counted) are "
                   f"{flops / 1e9:,.0f} GFLOP; float32 matmuls of the same shapes ({replay_matmul().name}, as the "
                   f"engine multiplies float32 here), replayed step by step now, run at {roof / 1e9:,.1f} GFLOP/s. "
-                  f"Ceiling: the share the matmuls can be of a run that also reads its decode steps' K/V once "
-                  f"(each sequence's context a step) at this CPU's read bandwidth, {bandwidth / 1e9:.1f} GB/s now")
+                  f"Ceiling: the share the matmuls can be of a run whose decode-only steps take their matmuls and "
+                  f"read their K/V once (each sequence's context a step) at this CPU's read bandwidth, "
+                  f"{bandwidth / 1e9:.1f} GB/s now, and nothing more; its steps with prompt tokens at their "
+                  f"matmuls' rate too, or as long as they took in the run")
     for run in runs:
         run_flops = workload_flops(shapes, run.steps)
         achieved = run_flops / run.seconds
         line = f"  {run.name}: {achieved / 1e9:,.1f} GFLOP/s = {achieved / roof:.0%} of that"
         if run.decode_kv_bytes:
             matmul_seconds = run_flops / roof
-            ceiling = matmul_seconds / (matmul_seconds + run.decode_kv_bytes / bandwidth)
-            line += f" (ceiling {ceiling:.0%}: {run.decode_kv_bytes / 1e9:,.1f} GB of K/V)"
+            decode_matmul_seconds = workload_flops(shapes, decode_steps(run.steps)) / decode_roof
+            kv_seconds = run.decode_kv_bytes / bandwidth
+            prompt_seconds = run.seconds - run.decode_seconds
+            ceiling = share_ceiling(matmul_seconds, decode_matmul_seconds, kv_seconds)
+            as_ran = share_ceiling(matmul_seconds, decode_matmul_seconds, kv_seconds, prompt_seconds)
+            line += (f" (ceiling {ceiling:.0%}: {run.decode_kv_bytes / 1e9:,.1f} GB of K/V; {as_ran:.0%} with "
+                     f"its steps with prompt tokens as they ran, {prompt_seconds:.1f} s)")
         console.print(line)
 
 

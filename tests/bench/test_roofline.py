@@ -2,8 +2,8 @@
 and the replayed rate comes from real matmuls of those shapes."""
 from collections import Counter
 
-from kvserve.bench.roofline import (MatmulShapes, decode_steps, matmul_roofline, matmul_seconds, read_bandwidth,
-                                    workload_flops)
+from kvserve.bench.roofline import (MatmulShapes, decode_steps, matmul_seconds, read_bandwidth, replayed_seconds,
+                                    share_ceiling, step_seconds, workload_flops)
 from kvserve.model.config import ModelConfig
 
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
@@ -19,11 +19,21 @@ def test_flops_count_every_linear_once_per_token_and_the_head_per_sampled_row():
     assert workload_flops(shapes, Counter({(10, 3): 2, (1, 1): 5})) == 2 * shapes.flops(10, 3) + 5 * shapes.flops(1, 1)
 
 
-def test_replayed_rate_is_a_positive_flop_rate():
+def test_each_step_shape_is_timed_once_and_a_workload_is_their_sum():
     tiny = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256)
-    rate = matmul_roofline(MatmulShapes.of(ModelConfig.from_hf(tiny)), Counter({(8, 2): 3, (2, 2): 1}))
-    assert 1e6 < rate < 1e14
+    steps = Counter({(8, 2): 3, (2, 2): 1})
+    per_step = step_seconds(MatmulShapes.of(ModelConfig.from_hf(tiny)), steps)
+    assert set(per_step) == {(8, 2), (2, 2)} and all(0 < t < 1 for t in per_step.values())
+    assert replayed_seconds(per_step, steps) == 3 * per_step[8, 2] + per_step[2, 2]
+    assert replayed_seconds(per_step, Counter({(2, 2): 5})) == 5 * per_step[2, 2]
+
+
+def test_share_ceilings_count_the_kv_read_and_prompt_steps_as_they_ran():
+    # 10 s of matmuls, 4 of them the decode steps', 2 s to read their K/V: 10 / 12 with prompts at their matmuls
+    assert share_ceiling(10.0, 4.0, 2.0) == 10 / 12
+    # prompt steps that took 9 s (their matmuls 6): 10 / (9 + 4 + 2)
+    assert share_ceiling(10.0, 4.0, 2.0, prompt_seconds=9.0) == 10 / 15
 
 
 def test_decode_steps_are_the_steps_whose_every_token_is_sampled():

@@ -41,6 +41,10 @@ def test_one_row_per_configuration_and_a_roofline(capsys):
         assert f"│ {name} " in out
     assert "roofline: this workload's matmuls" in out and "kvserve (float32, int8 weights): " in out
     assert "÷ kvserve (float32)" in out and "decode tokens/s" in out
+    # each row's two ceilings: decode steps at their matmuls and one K/V read, prompt steps too or as they ran
+    ceilings = re.findall(r"\(ceiling \d+%: [\d.,]+ GB of K/V; \d+% with its steps with prompt tokens as they ran, "
+                          r"[\d.]+ s\)", out)
+    assert len(ceilings) == 4
 
 
 @pytest.mark.slow

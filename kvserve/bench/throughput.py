@@ -618,9 +618,11 @@ def _print_roofline(console, runs: list[RunResult], model_config) -> None:
             kv_seconds = run.decode_kv_bytes / bandwidth
             prompt_seconds = run.seconds - run.decode_seconds
             ceiling = share_ceiling(matmul_seconds, decode_matmul_seconds, kv_seconds)
-            as_ran = share_ceiling(matmul_seconds, decode_matmul_seconds, kv_seconds, prompt_seconds)
-            line += (f" (ceiling {ceiling:.0%}: {run.decode_kv_bytes / 1e9:,.1f} GB of K/V; {as_ran:.0%} with "
-                     f"its steps with prompt tokens as they ran, {prompt_seconds:.1f} s)")
+            line += f" (ceiling {ceiling:.0%}: {run.decode_kv_bytes / 1e9:,.1f} GB of K/V"
+            if not run.drafts:  # a verification step is neither: its time is in decode_seconds, its shape not
+                as_ran = share_ceiling(matmul_seconds, decode_matmul_seconds, kv_seconds, prompt_seconds)
+                line += f"; {as_ran:.0%} with its steps with prompt tokens as they ran, {prompt_seconds:.1f} s"
+            line += ")"
         console.print(line)
 
 

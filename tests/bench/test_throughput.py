@@ -251,6 +251,29 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     assert "transformers" not in printed(1, extra=[("transformers", None)])
 
 
+def test_the_second_ceiling_takes_prompt_steps_as_they_ran_and_is_left_out_where_drafts_were_verified(monkeypatch):
+    """The roofline's ceilings: decode-only steps at their replayed matmuls plus one K/V read, and the steps with
+    prompt tokens at their matmuls too or as long as they took (the run's time less its decode steps'). A row that
+    verified drafts gets the first only: its verification steps are timed with its decode steps but are none."""
+    cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
+                          vocab_size=64)
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)
+    monkeypatch.setattr("kvserve.bench.roofline.read_bandwidth", lambda: 1e9)
+    monkeypatch.setattr("kvserve.bench.roofline.step_seconds",  # a prompt step's matmuls 1 s, a decode step's 0.25 s
+                        lambda shapes, steps, reps=2: {shape: 1.0 if shape[0] > shape[1] else 0.25 for shape in steps})
+    steps = Counter({(64, 4): 2, (4, 4): 8})  # 2 s of the prompt steps' matmuls, 2 s of the decode steps'
+    runs = [throughput.RunResult(name, 40, 10.0, decode_tokens=32, decode_seconds=5.0, steps=steps,
+                                 decode_kv_bytes=10**9, drafts=drafts)  # a K/V read of 1 s at 1 GB/s
+            for name, drafts in (("plain", 0), ("drafted", 3))]
+    console = Console(file=io.StringIO(), width=400)
+    throughput._print_roofline(console, runs, cfg)
+    out = console.file.getvalue()
+    # 4 s of matmuls in a 10 s run: 40%; ceilings 4 / (2 + 2 + 1) and, the prompt steps as they ran, 4 / (5 + 2 + 1)
+    assert re.search(r"plain: [\d.]+ GFLOP/s = 40% of that \(ceiling 80%: 1\.0 GB of K/V; 50% with its steps with "
+                     r"prompt tokens as they ran, 5\.0 s\)", out)
+    assert re.search(r"drafted: [\d.]+ GFLOP/s = 40% of that \(ceiling 80%: 1\.0 GB of K/V\)\n", out)
+
+
 @pytest.mark.slow
 def test_llama_cpps_single_stream_runs_right_after_each_of_kvserves(monkeypatch, capsys):
     """This machine's speed drifts over tens of seconds, so each kvserve single stream is compared with a llama.cpp

@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "generate": "kvserve.engine.cli",
     "chat": "kvserve.engine.cli",
     "plan": "kvserve.planner.cli",
-    "serve": "kvserve.server.cli",
+    "serve": "kvserve.scaleout.cli",
     "bench": "kvserve.bench.cli",
     "eval": "kvserve.eval.cli",
 }

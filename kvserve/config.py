@@ -144,7 +144,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     enforce_eager: bool = False  # never torch.compile (int8/int4 KV decode attention, kv/formats/compiled.py)
-    # decode steps as one compiled graph, compiled at start (engine/compiled_step.py); off by default: minutes to
+    # decode steps as one compiled graph, compiled at start (compile/steps.py); off by default: minutes to
     # compile on a 2-core CPU (docs/benchmarks.md)
     compile_decode: bool = False
     # with compile_decode: the weights frozen into the decode graph, multiplied by Inductor's C++ GEMM template over

@@ -38,7 +38,7 @@ class KroneckerRotation:
         self.within = hadamard(block).to(dtype=dtype, device=device)
         self.across = hadamard(self.num_blocks).to(dtype=dtype, device=device)
         # their transposes as tensors of their own: a graph whose layers are one region called once per layer
-        # (engine/compiled_step.py) takes no two views of one tensor as inputs, as `.T` of a shared rotation was
+        # (compile/steps.py) takes no two views of one tensor as inputs, as `.T` of a shared rotation was
         self.within_t, self.across_t = self.within.T.contiguous(), self.across.T.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ class KroneckerRotation:
 
     def _apply(self, x: torch.Tensor, within: torch.Tensor, across: torch.Tensor) -> torch.Tensor:
         """across @ (x's blocks @ within), per row. Eagerly two batched BLAS matmuls; inside a compiled graph
-        (engine/compiled_step.py) two sums of products, which Inductor turns into loops of its own fused with the
+        (compile/steps.py) two sums of products, which Inductor turns into loops of its own fused with the
         quantization that follows: SmolLM2's int8 decode step rotates 121 inputs, and as BLAS calls they were 242 of
         its graph's calls (Inductor's code for it, docs/benchmarks.md). The sums are added in another order than
         the BLAS's: a few float32 ulps, like the graph's other fused reductions."""

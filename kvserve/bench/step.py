@@ -1,5 +1,5 @@
 """`kvserve bench step`: one decode step timed three ways in one process: eager, the whole compiled graph
-(attention inside it) and the graph with attention outside it (engine/compiled_step.py), for batches of a few
+(attention inside it) and the graph with attention outside it (compile/steps.py), for batches of a few
 sizes whose context lengths are alike (one attention call per layer group) or spread (several).
 
 Under each batch of several, what its attention takes in the graph with attention outside it: that graph's step
@@ -12,7 +12,7 @@ engine; one of their decode steps is captured (its tokens and metadata) and repl
 runner in turn, so a slow spell weighs on all alike, and the medians are printed with their ratio to eager. The
 replays write the same K/V to the same slots each time. Both graphs are the ones the engine compiled (or loaded) at
 start; "serving runs" says which of them serving gives the step (several sequences run the whole graph while their
-padded K/V is small: engine/compiled_step.py, WHOLE_GRAPH_KV_BYTES)."""
+padded K/V is small: compile/steps.py, WHOLE_GRAPH_KV_BYTES)."""
 from __future__ import annotations
 
 import argparse
@@ -50,7 +50,7 @@ def run_step(args: argparse.Namespace) -> int:
     if compiled is None or not compiled.whole:
         raise SystemExit("this engine compiles no whole decode graph (its start-up line says why)")
     from kvserve.bench.roofline import read_bandwidth
-    from kvserve.engine.compiled_step import zero_attention
+    from kvserve.compile.steps import zero_attention
 
     bandwidth = read_bandwidth()
     print(f"one decode step, ms: median of {args.repeat} replays, interleaved (÷ eager)")

@@ -71,7 +71,7 @@ class Routes:
     the decode split compares with the matmuls it replays."""
     float_matmul: object  # model/float_kernels.py: what multiplied float weights (int8 weights: F.linear, unused)
     int8_kernel: object | None  # model/int8_kernels.py: what multiplied int8 weights (None: float weights)
-    compiled: bool  # --compile-decode: a graph was built for decode steps (engine/compiled_step.py)
+    compiled: bool  # --compile-decode: a graph was built for decode steps (compile/steps.py)
     gemms: bool  # ... with --compile-gemms applied (Inductor's GEMM template)
     one_row_loops: bool = False  # ... whose one-row steps multiply float weights in loops of its own (Linears)
 
@@ -565,7 +565,7 @@ def _report_workload(console, args, workload: Workload, rows, num_kvserve: int, 
 
 def _print_compiled_steps(console, rows: list[RunResult | str]) -> None:
     """--compile-decode rows: how many of their decode-only steps, and of their steps with prompt tokens, ran a
-    compiled graph; the others ran eagerly, as in the eager row (engine/compiled_step.py says which steps the graphs
+    compiled graph; the others ran eagerly, as in the eager row (compile/steps.py says which steps the graphs
     cover)."""
     for r in rows:
         if isinstance(r, RunResult) and "compiled decode" in r.name:
@@ -660,7 +660,7 @@ def _print_decode_split(console, runs: list[RunResult | str], model_config) -> N
         int8_kernel = routes.int8_kernel
         int8_own = int8_kernel is not None and not isinstance(int8_kernel, FloatKernel)
         matmul = routes.float_matmul  # int8 weights: F.linear, as their codes are multiplied as float32 (FloatKernel)
-        if routes.gemms:  # the template, over float weights or oneDNN's int8 ones (compiled_step.gemms_unused)
+        if routes.gemms:  # the template, over float weights or oneDNN's int8 ones (compile/steps.py, gemms_unused)
             own = f"Inductor's GEMM template, not the replayed {replayed.name}"
         elif int8_own:
             own = f"{int8_kernel.name}'s int8 ones"

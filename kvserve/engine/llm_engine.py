@@ -12,7 +12,7 @@ import torch
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.config import EngineConfig
-from kvserve.engine.compiled_step import (WHOLE_GRAPH_KV_BYTES, CompiledDecode, attention_outside, gemms_unused,
+from kvserve.compile.steps import (WHOLE_GRAPH_KV_BYTES, CompiledDecode, attention_outside, gemms_unused,
                                           unsupported)
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.heap import keep_freed_heap
@@ -138,7 +138,7 @@ class LLMEngine:
         self.num_decode_tokens = 0
 
     def _compiled_decode(self) -> CompiledDecode | None:
-        """Decode steps as one compiled graph, compiled now (engine/compiled_step.py); None: they run eagerly."""
+        """Decode steps as one compiled graph, compiled now (compile/steps.py); None: they run eagerly."""
         config = self.config
         if not config.compile_decode:
             return None

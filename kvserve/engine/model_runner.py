@@ -7,7 +7,7 @@ import torch
 
 from kvserve.batch_invariant import RowTiles
 from kvserve.engine.attention_tiles import TileChunk, tile_calls
-from kvserve.engine.compiled_step import CompiledDecode
+from kvserve.compile.steps import CompiledDecode
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.attention_mask import GroupChunk, group_keys
@@ -68,7 +68,7 @@ class ModelRunner:
         self.device = device
         self.scores = scores  # H2O's accumulated attention, when the eviction policy needs it
         self.tiles = tiles or RowTiles()  # batch-invariant mode: fixed token tiles and per-tile attention
-        self.compiled = compiled  # steps as compiled graphs (engine/compiled_step.py)
+        self.compiled = compiled  # steps as compiled graphs (compile/steps.py)
         self.num_steps = self.num_compiled_steps = 0  # steps run, and of those steps run by a compiled graph
 
     def run(self, out: SchedulerOutput) -> StepLogits:

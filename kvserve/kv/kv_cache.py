@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.batch_invariant import RowTiles
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 
 class PagedKVCache:
@@ -207,7 +207,7 @@ class FullPrecisionKVCache(PagedKVCache):
         self.k = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         # Writes and reads go through these views of the same storage: every layer's slots one after another, one
-        # row per slot. In the compiled decode step (engine/compiled_step.py) the pool is then a graph input that
+        # row per slot. In the compiled decode step (compile/steps.py) the pool is then a graph input that
         # the graph writes to directly, which Inductor does in place; written through a view made inside the graph
         # (self.k[row]), it would copy the whole pool at every step (1 GiB for SmolLM2's default pool).
         self._k_slots = self.k.view(-1, *shape[2:])

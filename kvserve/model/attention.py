@@ -161,7 +161,7 @@ _OUTSIDE_GRAPH = threading.local()
 def attention_outside_graph(attend: Callable[..., torch.Tensor]):
     """While a compiled graph runs a step described by a stand-in (`outside_graph`), its attention op calls
     `attend(q, k, v, layer, scale)` (`attend_over` the step's cache and metadata): the step's groups, tables and masks
-    never enter the graph, so one graph runs steps of any structure (engine/compiled_step.py)."""
+    never enter the graph, so one graph runs steps of any structure (compile/steps.py)."""
     outer = getattr(_OUTSIDE_GRAPH, "attend", None)
     _OUTSIDE_GRAPH.attend = attend
     try:
@@ -183,7 +183,7 @@ def _attention_outside_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     call passes its own (LayerRegion). It attends in inference mode, as an eager step does (the graph runs under
     no_grad): a KV format's compiled decode kernel (int8, int4) was built for inference tensors, and Dynamo's guards
     compare that: called with others, it compiled again while serving, was refused, and attended eagerly from then
-    on, with one warning (tests/engine/test_compiled_step.py checks it no longer does). Its output is contiguous,
+    on, with one warning (tests/compile/test_steps.py checks it no longer does). Its output is contiguous,
     as its fake's is: the graph reads it with the fake's strides (a prompt's rows may come back as a transposed
     view: H2O's written-out attention, SDPA's over one request)."""
     with torch.inference_mode():

@@ -122,7 +122,7 @@ class Gemma3Model:
         sliding_rope = self.sliding_rotary.lookup(meta.positions)
         for i, layer in enumerate(self.layers):
             # the layer's type from the config, not the layer: read from the layer object, Dynamo would know it
-            # by the model's path and reuse a layer region with the first layer's weights (compiled_step)
+            # by the model's path and reuse a layer region with the first layer's weights (compile/steps.py)
             cos, sin = sliding_rope if self.cfg.layer_types[i] == SLIDING_ATTENTION else full_rope
             h = run_layer(layer, h, cos, sin, i, cache, meta)
         return meta.tiles.map(self.norm, h)

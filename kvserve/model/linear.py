@@ -32,7 +32,7 @@ MIN_AMAX = torch.finfo(torch.float32).tiny
 class Linear:
     """y = x W^T (+ b) in the model dtype, multiplied by `matmul` (kvserve/model/float_kernels.py): F.linear over W
     held as an nn.Parameter (the same tensor), which is what the compiled decode step's --compile-gemms freezes into
-    its graph (engine/compiled_step.py), or oneDNN's linear over its packed copy of W, which then replaces W
+    its graph (compile/steps.py), or oneDNN's linear over its packed copy of W, which then replaces W
     (`weight` None) unless `keep_dense`: a compiled graph's one-row steps multiply W in loops of their own
     (one_row_in_graph), which beat oneDNN's call at one row, so --compile-decode keeps W beside the packed copy."""
 

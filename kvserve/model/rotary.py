@@ -70,7 +70,7 @@ class RotaryEmbedding:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin as [T, 1, head_dim], ready to broadcast over heads. Positions past the table (a streaming
         sequence grows without end) are computed on the spot, in float64 so large angles stay exact."""
-        # (the compiled decode step never sees such positions: engine/compiled_step.py leaves unbounded streams eager)
+        # (the compiled decode step never sees such positions: compile/steps.py leaves unbounded streams eager)
         if not torch.compiler.is_compiling() and len(positions) and int(positions.max()) >= len(self.cos):
             freqs = positions.double()[:, None].cpu() * self.inv_freq.double()[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
 
 NO_SCALE = "none"
@@ -173,6 +173,6 @@ def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budge
 
 
 def kv_layout(spec: ModelSpec) -> KVLayout:
-    """How the engine groups this model's attention layers into blocks (see kvserve/kv/layout.py)."""
+    """How the engine groups this model's attention layers into blocks (see kvserve/planner/layout.py)."""
     windows = [spec.sliding_window if kind == SLIDING else None for kind in spec.layer_kinds if kind != LINEAR]
     return KVLayout.from_layer_windows(windows)

@@ -7,6 +7,18 @@ import sys
 import threading
 
 from kvserve.scaleout.config import DEFAULT_IMBALANCE_THRESHOLD, ROUTER_NAMES, ScaleOutConfig, ray_missing
+from kvserve.server import cli as server_cli
+
+
+def add_parser(subparsers) -> None:
+    """`kvserve serve`: the one-engine server's flags and Ray Serve's; Ray runs only when they ask for it."""
+    serve = server_cli.add_parser(subparsers)
+    add_scale_out_args(serve)
+    serve.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_on_ray(args) if wants_ray(args) else server_cli.run(args)
 
 
 def add_scale_out_args(parser: argparse.ArgumentParser) -> None:

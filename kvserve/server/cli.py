@@ -8,13 +8,13 @@ import sys
 
 from kvserve.config import parse_size
 from kvserve.engine.cli import add_engine_args, engine_config_from_args
-from kvserve.scaleout.cli import add_scale_out_args, run_on_ray, wants_ray
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING
 from kvserve.server.body import DEFAULT_MAX_BODY_BYTES
 from kvserve.server.hosts import parse_allowed_hosts
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """The `serve` parser with its server and engine flags; kvserve/scaleout/cli.py adds Ray Serve's."""
     serve = subparsers.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -39,13 +39,11 @@ def add_parser(subparsers) -> None:
                    help="parse special-token text in chat message content as special tokens, as kvserve did before "
                         "(a message can then forge role markers); by default content is plain text")
     add_engine_args(serve)
-    add_scale_out_args(serve)
     serve.set_defaults(func=run)
+    return serve
 
 
 def run(args: argparse.Namespace) -> int:
-    if wants_ray(args):
-        return run_on_ray(args)
     from kvserve.engine.llm import _ensure_log_handler
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import build_app

@@ -17,7 +17,7 @@ import transformers
 
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import make_tiny_model
-from tests.engine.test_compiled_step import COMMON, INT8_LOGPROB_TOLERANCE, LOSSY_KV_TOLERANCE, PROMPTS, compare
+from tests.compile.test_steps import COMMON, INT8_LOGPROB_TOLERANCE, LOSSY_KV_TOLERANCE, PROMPTS, compare
 from tests.model.test_llama_matches_transformers import NUM_DECODE_STEPS, engine_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

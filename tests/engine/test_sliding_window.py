@@ -76,7 +76,7 @@ def test_decodes_read_in_place_past_the_window_match_transformers(model_dir, hf,
     """--compile-decode reads float32 blocks in place (kv/formats/flex_decode.py): a window's first block is read in
     part, as is the block still filling, and batched requests of unlike lengths attend in one call (in the graph
     with attention outside it: a tiny model's batches would run the whole graph)."""
-    from kvserve.engine import compiled_step
+    from kvserve.compile import steps as compiled_step
 
     monkeypatch.setattr(compiled_step, "WHOLE_GRAPH_KV_BYTES", 0)
     batch = prompts(5, 40, 90, 4 * WINDOW, 150)

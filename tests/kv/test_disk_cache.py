@@ -27,7 +27,7 @@ from kvserve.kv.disk_cache import (BlockRecord, DiskBlockStore, DiskKVCache, Rec
                                    record_metadata)
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.kv_cache_manager import BlockLoad, KVCacheManager
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 BS, BLOCKS = 16, 6

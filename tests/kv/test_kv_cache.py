@@ -4,7 +4,7 @@ group's slots in its own row of the blocks."""
 import torch
 
 from kvserve.kv.kv_cache import FullPrecisionKVCache
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 3, 6, 4, 2, 5
 

@@ -116,7 +116,7 @@ def test_the_whole_graphs_layer_region_attends_inside_it_over_each_layers_own_ro
     own rows of the pool and attends over them (LayerRow), in two layer groups of their own block tables; the
     same output and the same pool as eager."""
     from kvserve.kv.kv_cache import FullPrecisionKVCache
-    from kvserve.kv.layout import KVLayout
+    from kvserve.planner.layout import KVLayout
     from kvserve.model.attention import AttentionGroup, AttentionMetadata, LayerRegion
 
     layers, num_seqs, block_size = [ToyLayer(i, k_times=2, v_times=3, scale=0.5) for i in range(4)], 2, 4

@@ -39,7 +39,7 @@ def test_each_replica_gets_the_single_servers_app_options(monkeypatch):
         seen["config"] = scaleout_cli.config_from_args(args)
         return 0
 
-    monkeypatch.setattr("kvserve.server.cli.run_on_ray", run_on_ray)
+    monkeypatch.setattr("kvserve.scaleout.cli.run_on_ray", run_on_ray)
     assert main(["serve", "--replicas", "2", "--allowed-hosts", "kv.example.com", "--chat-content-special-tokens",
                  "--max-body-size", "1MiB"]) == 0
     config = seen["config"]

@@ -12,7 +12,7 @@ from kvserve.kv.formats.int4 import Int4KVCache
 from kvserve.kv.formats.int8 import Int8KVCache
 from kvserve.kv.formats.latent import LatentKVCache
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.formats.compiled import CompiledFunction
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 BS = 4
 FORMATS = ["int8", "int4"]  # fp8 attends eagerly: compiled, its float8 widening is not vectorised (formats.fp8)

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.formats.flex_decode import InPlaceFloatKVCache, block_mask_inputs
 from kvserve.kv.kv_cache import FullPrecisionKVCache
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 BS = 4
 HEADS, PER_HEAD, DIM = 2, 3, 16

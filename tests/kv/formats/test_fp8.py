@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.kv.formats.fp8 import Fp8KVCache
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -4,7 +4,7 @@ copy-on-write and is released when its block is freed."""
 import torch
 
 from kvserve.kv.formats.int4 import Int4KVCache, pack, unpack_into
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 6, 4, 2, 8
 

@@ -5,7 +5,7 @@ import torch
 
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.formats.latent import LATENT_FORMATS, check_latent_settings
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 from kvserve.planner.kv_size import KV_DTYPES
 
 BS, BLOCKS, LAYERS, RANK, ROPE = 4, 6, 2, 24, 8

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvserve.kv.formats import make_kv_cache
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 4, 4, 3, 16
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8"]

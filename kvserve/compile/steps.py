@@ -43,13 +43,13 @@ float32 weights a prefill step is bound by its matmuls and runs as fast compiled
 "Prefill in the graph").
 
 Each graph is compiled whole by torch's AOT precompile and saved with Dynamo's bytecode and guards, beside Inductor's
-kernels (engine/graph_cache.py, the file named by everything the graph's code depends on): a second start of the
+kernels (compile/graph_cache.py, the file named by everything the graph's code depends on): a second start of the
 same engine loads its graphs and traces nothing, where torch.compile's own caches still had Dynamo trace the model's
 Python at every start (docs/benchmarks.md, "Graphs saved whole"). A call runs the first graph whose guards take the
 step's inputs; --compile-gemms' frozen graph, which cannot be saved, is torch.compile's own, traced at every start.
 The compiled graph fuses elementwise work (norms, RoPE, activations), which rounds differently from eager by a few
 float32 ulps; with int8 weights it also rotates their inputs in loops of its own (kvserve/rotation.py), where those
-ulps can move an activation to the next int8 code: tests/engine/test_compiled_step.py states both tolerances.
+ulps can move an activation to the next int8 code: tests/compile/test_steps.py states both tolerances.
 
 Float weights are multiplied as the start-up probe chose (model/float_kernels.py): oneDNN's linear over packed
 copies, which the graph calls as an op of kvserve's own, or F.linear over the weights as they are. A graph over one
@@ -88,7 +88,7 @@ from unittest import mock
 
 import torch
 
-from kvserve.engine.graph_cache import GraphKey, GraphMiss, GraphSet, engine_objects, first_line
+from kvserve.compile.graph_cache import GraphKey, GraphMiss, GraphSet, engine_objects, first_line
 from kvserve.inductor_isa import remember_vec_isa_probe
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerRegion, attend_over,
@@ -177,7 +177,7 @@ def layer_regions(model, cache: PagedKVCache, gemms: bool) -> list[LayerRegion] 
     and Gemma 3 families: Dynamo traces one layer instead of each and Inductor compiles its code once (start-up on
     the Intel Xeon: docs/benchmarks.md, "One traced layer"). A model's forward must not read a layer object before
     handing it to run_layer: Dynamo then knows that layer by the model's path, and reused the region for every layer
-    with the first one's weights (Gemma 3 did, reading layer.layer_type; tests/engine/test_compiled_step.py's Gemma
+    with the first one's weights (Gemma 3 did, reading layer.layer_type; tests/compile/test_steps.py's Gemma
     cases fail so). None (each layer traced as its own code): --compile-gemms, whose freezing Dynamo does not apply
     through a region (it fails tracing: "Freevar has no source")."""
     if gemms or not isinstance(model, (LlamaModel, Gemma3Model)):
@@ -238,7 +238,7 @@ class CompiledDecode:
                                        "_raw_logits": raw_logits, "_engine": slot}, function.__name__)
 
         # Each graph is compiled whole at start (torch's AOT precompile) or loaded where an earlier start of this
-        # engine saved it (engine/graph_cache.py): named by the model, the cache and these options.
+        # engine saved it (compile/graph_cache.py): named by the model, the cache and these options.
         options = {"guard_filter_fn": step_guards, **STEP_OPTIONS}
         # first: it may set Inductor's vec_isa_ok, which the name holds (a child process per vector ISA at every
         # start, otherwise: kvserve/inductor_isa.py)
@@ -417,7 +417,7 @@ class CompiledDecode:
 
     def compile_phases_line(self) -> str:
         """How the start got its graphs, and where a compile went, as torch.compile times it: loaded ones skip it
-        all (engine/graph_cache.py); compiled ones spend it tracing the model's Python (Dynamo) and generating code
+        all (compile/graph_cache.py); compiled ones spend it tracing the model's Python (Dynamo) and generating code
         (Inductor, whose own cache answers a graph it has generated before)."""
         parts = [f"{count} graph{'s' if count > 1 else ''} {how}" for count, how in
                  ((self.graphs_loaded, f"loaded from {self._outside.key.directory}"),
@@ -472,7 +472,7 @@ def step_guards(entries) -> list[bool]:
     inputs' sizes and kinds, the metadata, the cache), not those on the model's weights and layers, which the engine
     never changes and whose graphs are its own (CompiledDecode). Those were most of the guards, checked at every
     step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared. Nor
-    those on globals (kvserve's code, which names a saved graph: engine/graph_cache.py) or of kinds torch cannot
+    those on globals (kvserve's code, which names a saved graph: compile/graph_cache.py) or of kinds torch cannot
     save with a graph (an object's identity)."""
     from torch._dynamo.guards import CheckFunctionManager  # Dynamo's, imported only when it compiles
 

@@ -1,4 +1,4 @@
-"""engine/graph_cache.py: what names a saved compiled graph, and a saved graph that cannot be read."""
+"""compile/graph_cache.py: what names a saved compiled graph, and a saved graph that cannot be read."""
 from __future__ import annotations
 
 import logging
@@ -7,11 +7,11 @@ import torch
 
 from kvserve import inductor_isa
 from kvserve.engine import graph_cache
-from kvserve.engine.graph_cache import GraphKey, describe
+from kvserve.compile.graph_cache import GraphKey, describe
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
-from tests.engine.test_compiled_step import compare
+from tests.compile.test_steps import compare
 
 COMMON = dict(kv_cache_memory="2MiB", max_model_len=512)
 

@@ -1,4 +1,4 @@
-"""The compiled decode step (kvserve/engine/compiled_step.py): decode steps run as one graph and give eager's
+"""The compiled decode step (kvserve/compile/steps.py): decode steps run as one graph and give eager's
 tokens (except at a near-tie, which rounding may break either way) and logprobs within a float32 tolerance (the
 graph fuses norms, RoPE and activations, which rounds a few ulps differently on every CPU, and multiplies one row by
 float weights in loops of its own, whose sums are added in another order; attention is the same kernel); batch
@@ -25,7 +25,7 @@ import torch
 from kvserve.engine import compiled_step, graph_cache
 from kvserve.engine.llm import LLM
 from kvserve.kv.formats import flex_decode, make_kv_cache
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 from kvserve.model import float_kernels, int8_kernels, linear
 from kvserve.model.float_kernels import BLAS, OneDNNMatmul
 from kvserve.sampling_params import SamplingParams
@@ -524,7 +524,7 @@ STARTING_PROCESS = """
 import json, sys, torch
 from kvserve.engine.llm import LLM
 from kvserve.kv.formats import flex_decode, make_kv_cache
-from kvserve.kv.layout import KVLayout
+from kvserve.planner.layout import KVLayout
 from kvserve.sampling_params import SamplingParams
 from kvserve.model import float_kernels, linear
 # the float matmul pinned (its probe could pick another route in a start on a loaded machine: another graph)
@@ -540,7 +540,7 @@ print(json.dumps([compiled.graphs_loaded, compiled.graphs_compiled, tokens]))
 
 
 def test_a_second_start_loads_its_graphs_and_a_changed_model_or_format_compiles_its_own(tmp_path):
-    """A start saves its compiled graphs (engine/graph_cache.py); a second start of the same engine loads them all
+    """A start saves its compiled graphs (compile/graph_cache.py); a second start of the same engine loads them all
     and traces nothing, and serves the same tokens. A model with other weights of the same sizes loads them too
     (weights are the graphs' inputs, read at every call) and serves that model's own tokens: the tokens graphs
     compiled for it from scratch serve (the same code on the same machine: equal on any CPU); a bfloat16 pool or

@@ -24,12 +24,14 @@ from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.engine.speculative import Speculator
-from kvserve.kv.disk_cache import DiskBlockStore, DiskKVCache, model_fingerprint
 from kvserve.kv.eviction import AttentionScores, make_policy
 from kvserve.kv.formats import make_kv_cache
 from kvserve.kv.formats.compiled import decode_kind
 from kvserve.kv.formats.latent import check_latent_settings
 from kvserve.kv.kv_cache_manager import KVCacheManager
+from kvserve.kv.tiers.disk import DiskKVCache
+from kvserve.kv.tiers.record import model_fingerprint
+from kvserve.kv.tiers.store import DiskBlockStore
 from kvserve.model.config import ModelConfig
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.loader import load_weights, resolve_model

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Protocol
 from kvserve.kv.block_hash import BlockHash, hash_full_blocks
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy, StreamingPolicy
+from kvserve.kv.tiers.base import BlockLoad
 
 if TYPE_CHECKING:
-    from kvserve.kv.disk_cache import DiskKVCache, PrefixRead
+    from kvserve.kv.tiers.base import KVTier as DiskKVCache, TierRead as PrefixRead
 
 
 class CachedSequence(Protocol):
@@ -42,17 +43,6 @@ class _DiskLoad:
     held: list[Block]
     hashes: list[BlockHash]
     num_cached: int  # the pool's own hit, in blocks
-
-
-@dataclass(frozen=True)
-class BlockLoad:
-    """Read one block from a lower tier (kv/disk_cache.py) into a pool block: the record's key, and the parent key
-    and token ids the record must carry."""
-
-    block_id: int
-    key: BlockHash
-    parent: BlockHash | None
-    token_ids: Sequence[int]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -117,7 +107,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.disk = disk  # a lower tier: registered blocks are written there, and lookups continue there
         if disk is not None:  # which block holds a key now: a block the writer skipped is written later from there
-            disk.pool_block = lambda key: block.block_id if (block := self.pool.lookup(key)) is not None else None
+            disk.attach_pool(lambda key: block.block_id if (block := self.pool.lookup(key)) is not None else None)
         self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.eviction = eviction or EvictionPolicy()
         self.windows = tuple(windows)  # per layer group: None for full attention, else its sliding window
@@ -261,7 +251,7 @@ class KVCacheManager:
             self.pool.register(block, block_load.key)
         self.pool.free(reversed(load.held + load.blocks))  # tail first, as a finished request frees
         longer = self._longest_prefix(self._lookup(load.hashes)).num_blocks
-        self.disk.num_hit_tokens += max(0, longer - load.num_cached) * self.block_size
+        self.disk.count_hit_tokens(max(0, longer - load.num_cached) * self.block_size)
         return longer
 
     def _disk_prefix_length(self, hashes: list[BlockHash], found: list[list[Block | None]], num_cached: int) -> int:

@@ -6,7 +6,7 @@ import pytest
 from kvserve.bench import tiers
 from kvserve.bench.tiers import TierWorkload, run_tiers
 from kvserve.cli import main
-from kvserve.kv.disk_cache import DiskKVCache
+from kvserve.kv.tiers.disk import DiskKVCache
 from tests.conftest import image_size, make_tiny_model
 
 TIERS = ["bench", "multiturn", "--tiers", "--conversations", "2", "--turns", "3", "--restart-after", "2",

@@ -15,8 +15,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kv.block_hash import hash_full_blocks
-from kvserve.kv import disk_cache
-from kvserve.kv.disk_cache import DiskBlockStore
+from kvserve.kv.tiers import store as store_module
+from kvserve.kv.tiers.store import DiskBlockStore
 from tests.conftest import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -263,20 +263,20 @@ def test_a_prefix_is_recomputed_where_that_is_faster_than_reading_it(llama, tmp_
     generated_and_written(engine(llama, tmp_path), tokens)
     llm = engine(llama, tmp_path)
     tier = llm.engine.disk_cache
-    tier.read_bytes_per_s, tier.prefill_tokens_per_s = 1e3, 1e6  # a slow disk beside a fast prefill
+    tier.cost.read_bytes_per_s, tier.cost.prefill_tokens_per_s = 1e3, 1e6  # a slow disk beside a fast prefill
     with caplog.at_level(logging.INFO, logger="kvserve"):
         out = llm.generate(tokens, GREEDY)[0]
     assert out.num_cached_tokens == 0 and llm.stats()["disk_cache_recomputed_tokens"] == 96
     assert llm.stats()["disk_cache_reads"] == 0 and "rather than reading them" in caplog.text
     fast = engine(llama, tmp_path)
-    fast.engine.disk_cache.read_bytes_per_s, fast.engine.disk_cache.prefill_tokens_per_s = 1e9, 1e3
+    fast.engine.disk_cache.cost.read_bytes_per_s, fast.engine.disk_cache.cost.prefill_tokens_per_s = 1e9, 1e3
     assert fast.generate(tokens, GREEDY)[0].num_cached_tokens == 96 and fast.stats()["disk_cache_reads"] == 6
 
 
 def behind_writer(llm: LLM, monkeypatch) -> threading.Event:
     """Make the writer take at most two records at a time and hold its writes until the returned event is set."""
     gate, write = threading.Event(), DiskBlockStore._write
-    monkeypatch.setattr(disk_cache, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
+    monkeypatch.setattr(store_module, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
     monkeypatch.setattr(DiskBlockStore, "_write", lambda self, record: (gate.wait(60), write(self, record))[1])
     return gate
 
@@ -316,11 +316,11 @@ def test_a_skipped_block_the_pool_no_longer_holds_is_never_written(llama, tmp_pa
 EXITING_WRITER = """
 import sys, threading, time
 from kvserve import LLM, SamplingParams
-from kvserve.kv import disk_cache
-from kvserve.kv.disk_cache import DiskBlockStore
+from kvserve.kv.tiers import store as store_module
+from kvserve.kv.tiers.store import DiskBlockStore
 
 llm = LLM(sys.argv[1], kv_cache_memory="1MiB", max_model_len=512, enforce_eager=True, kv_disk_cache=sys.argv[2])
-disk_cache.MAX_PENDING_BYTES = 2 * llm.engine.disk_cache.record_bytes
+store_module.MAX_PENDING_BYTES = 2 * llm.engine.disk_cache.record_bytes
 write = DiskBlockStore._write
 DiskBlockStore._write = lambda self, record: time.sleep(0.05) or write(self, record)
 llm.generate([int(t) for t in sys.argv[3].split(",")], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))

@@ -1,0 +1,62 @@
+"""What the KV cache manager sees of a tier below the pool: a leaf module, so that the manager and the tiers import
+it and never each other. The manager hands a tier the blocks it registers (`save`), asks it for the keys the pool
+lacks (`contains`, `worth_reading`), reads a prefix's blocks back into pool blocks (`start_reading`) and counts the
+tokens a tier supplied (`count_hit_tokens`)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvserve.kv.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    """Read one block from a lower tier into a pool block: the record's key, and the parent key and token ids the
+    record must carry."""
+
+    block_id: int
+    key: BlockHash
+    parent: BlockHash | None
+    token_ids: Sequence[int]
+
+
+class TierRead(Protocol):
+    """A prefix's blocks being read from a tier while the engine's steps go on."""
+
+    loads: list[BlockLoad]
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout_s: float) -> None: ...
+
+    def finish(self) -> int:
+        """Put the blocks read into their pool blocks, in order up to the first miss (once done); returns how many."""
+        ...
+
+
+class KVTier(Protocol):
+    """A tier below the pool, as the KV cache manager calls it."""
+
+    def attach_pool(self, find_block: Callable[[BlockHash], int | None]) -> None:
+        """Called once by the manager: `find_block` says which pool block holds a key now (None: none)."""
+        ...
+
+    def contains(self, key: BlockHash) -> bool: ...
+
+    def worth_reading(self, num_records: int, num_tokens: int) -> bool:
+        """Whether reading `num_records` blocks beats prefilling the `num_tokens` they save."""
+        ...
+
+    def start_reading(self, loads: Sequence[BlockLoad]) -> TierRead: ...
+
+    def save(self, block_id: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
+        """Keep a newly registered full pool block, with its parent key and tokens for a reader to check."""
+        ...
+
+    def count_hit_tokens(self, num_tokens: int) -> None:
+        """Prompt tokens whose blocks this tier supplied (the manager knows which tokens an admission used)."""
+        ...
+
+    def stats(self) -> dict[str, float | int]: ...

@@ -1,0 +1,162 @@
+"""The disk tier below the pool: full prefix blocks kept as files, so a prefix outlives the pool's LRU and the process.
+
+What is stored: each block the prefix index registers (never one an eviction policy changed: those are never
+registered), exactly as the pool holds it (`PagedKVCache.export_block`: every tensor of its format, every layer of
+its group), one record per block and layer group (record.py), named sha256(model fingerprint, block key). The key
+chains through the whole prefix, with the storage format and cache_salt in its root (kv/block_hash.py), so a record
+is found only by the same model, format and tenant. Writes go through the store's writer thread (store.py); a block
+the writer has no room for is handed again later, from the pool, and at a clean exit. Reads start on admission and
+run on reader threads while the steps go on (chain_read.py); the request waits, and its blocks join the pool's prefix
+index once read. Whether to read at all is the cost model's call (cost.py)."""
+from __future__ import annotations
+
+import atexit
+import math
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvserve.kv.block_hash import BlockHash
+from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.tiers.base import BlockLoad
+from kvserve.kv.tiers.cost import ReadCost
+from kvserve.kv.tiers.record import BlockRecord
+from kvserve.kv.tiers.store import EXIT_FLUSH_S, DiskBlockStore
+
+READ_THREADS = 2  # prefixes read at once; each prefix's records are read in order on one thread (see DiskKVCache)
+MAX_SKIPPED = 1 << 16  # skipped blocks remembered to hand again (a key, parent and 16 token ids each)
+
+
+class DiskKVCache:
+    """The disk tier as the KV cache manager sees it (base.py:KVTier): pool blocks in and out by key, the store's
+    files below."""
+
+    def __init__(self, store: DiskBlockStore, cache: PagedKVCache):
+        self.store = store
+        self.cache = cache
+        # Blocks skipped while the writer was behind: handed again once it has room, if the pool still holds them
+        # (`_pool_block` says which pool block holds a key now: the KV cache manager attaches it), and at a clean exit.
+        self._skipped: OrderedDict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = OrderedDict()
+        self._pool_block: Callable[[BlockHash], int | None] = lambda key: None
+        self.specs = cache.block_specs()
+        self.num_hit_tokens = 0  # prompt tokens whose blocks came from disk (the KV manager counts them)
+        self.record_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.specs)
+        self.cost = ReadCost(self.record_bytes)
+        # One thread reads one prefix's records in order, after asking the kernel to read all its files ahead
+        # (posix_fadvise WILLNEED: the disk sees them all at once). Several threads per prefix were slower: most
+        # of a record's time out of the page cache is Python holding the GIL, and threads only contend for it.
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvserve-disk-reader")
+        atexit.register(_flush_tier_at_exit, weakref.ref(self))
+
+    def attach_pool(self, find_block: Callable[[BlockHash], int | None]) -> None:
+        """`find_block` says which pool block holds a key now: a block the writer skipped is written later from
+        there (the KV cache manager attaches its pool once)."""
+        self._pool_block = find_block
+
+    def contains(self, key: BlockHash) -> bool:
+        return self.store.contains(key)
+
+    def count_hit_tokens(self, num_tokens: int) -> None:
+        """Prompt tokens whose blocks came from disk (the KV cache manager counts them)."""
+        self.num_hit_tokens += num_tokens
+
+    def save(self, block_id: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
+        """Copy a newly registered full block out of the pool for the writer (a memcpy on the step thread). A block
+        the writer had no room for is remembered and handed again later (`save_skipped`)."""
+        if self.store.writing_stopped:
+            return
+        if self._skipped:
+            self.save_skipped()
+        if not self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id))) \
+                and len(self._skipped) < MAX_SKIPPED:
+            self._skipped[key] = (parent, tuple(token_ids))
+
+    def save_skipped(self, timeout_s: float = 0.0) -> None:
+        """Hand the writer the skipped blocks the pool still holds, oldest first, while it has room (waiting up to
+        `timeout_s` for room). A block the pool no longer holds cannot be written: it is forgotten."""
+        deadline = time.monotonic() + timeout_s
+        while self._skipped and not self.store.writing_stopped:
+            key, (parent, token_ids) = next(iter(self._skipped.items()))
+            block_id = self._pool_block(key)
+            if block_id is not None:
+                if not self.store.wait_for_room(self.record_bytes, max(0.0, deadline - time.monotonic())):
+                    return
+                tensors = self.cache.export_block(block_id)
+                # still that key's block after the copy: at exit an engine thread that has not stopped may be
+                # reusing blocks, and a block it took while we copied must not be written under this key
+                if self._pool_block(key) == block_id:
+                    if not self.store.submit(BlockRecord(key, parent, token_ids, tensors)):
+                        return
+                    self.store.counters.num_writes_retried += 1
+            del self._skipped[key]
+
+    def flush(self, timeout_s: float) -> bool:
+        """Write what the pool holds that the disk lacks: the queue, and the skipped blocks still in the pool
+        (what a clean exit does, within `timeout_s`). False if time ran out first."""
+        deadline = time.monotonic() + timeout_s
+        self.save_skipped(timeout_s)
+        return self.store.flush(max(0.0, deadline - time.monotonic())) and not self._skipped
+
+    def worth_reading(self, num_records: int, num_tokens: int) -> bool:
+        """Whether reading `num_records` records is faster than prefilling the `num_tokens` they save (cost.py)."""
+        return self.cost.worth_reading(num_records, num_tokens)
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step that prefilled `num_tokens` took `seconds` (the engine reports it: the rate loading competes with)."""
+        self.cost.note_prefill(num_tokens, seconds)
+
+    def start_reading(self, loads: Sequence[BlockLoad]) -> PrefixRead:
+        """Read and check the records of `loads` on the reader threads; PrefixRead.finish puts them in the pool."""
+        started = time.perf_counter()  # before the first read starts: a read may end before PrefixRead exists
+        return PrefixRead(self, list(loads), self._readers.submit(self._read, list(loads)), started)
+
+    def _read(self, loads: list[BlockLoad]) -> tuple[list[list[torch.Tensor]], float, int]:
+        """The records of `loads` up to the first miss (the blocks after it would not be used), when the reads
+        ended, and how many came from the writer's queue (no disk read: not in the measured read rate)."""
+        found, num_queued = self.store.read_chain_counted([(load.key, load.parent, load.token_ids) for load in loads],
+                                                          self.specs)
+        return found, time.perf_counter(), num_queued
+
+    def stats(self) -> dict[str, float | int]:
+        return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens,
+                "disk_cache_recomputed_tokens": self.cost.num_recomputed_tokens}
+
+
+class PrefixRead:
+    """A prefix's records being read on the reader threads, while the engine's steps go on (base.py:TierRead)."""
+
+    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], read: Future, started_s: float):
+        self.tier = tier
+        self.loads = loads
+        self._read = read
+        self._started = started_s  # perf_counter() when the read was submitted
+
+    def done(self) -> bool:
+        return self._read.done()
+
+    def wait(self, timeout_s: float) -> None:
+        futures.wait([self._read], timeout_s)
+
+    def finish(self) -> int:
+        """Put the records read into their pool blocks, in order up to the first miss (once done); returns how many."""
+        found, ended, num_queued = self._read.result()
+        for load, tensors in zip(self.loads, found):
+            self.tier.cache.import_block(load.block_id, tensors)
+        num_loaded = len(found)
+        read_s = ended - self._started
+        self.tier.store.counters.read_s += read_s
+        if num_loaded > num_queued:  # the rate of reading from disk: a block taken from the queue cost no read
+            self.tier.cost.note_read(num_loaded - num_queued, read_s)
+        return num_loaded
+
+
+def _flush_tier_at_exit(tier: weakref.ref[DiskKVCache]) -> None:
+    """A clean exit (SIGTERM to the server included) first writes what the pool holds that the disk lacks: the
+    queued blocks and the skipped ones still in the pool (this runs before the store's own handler)."""
+    if (alive := tier()) is not None:
+        alive.flush(EXIT_FLUSH_S)

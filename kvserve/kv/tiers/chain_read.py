@@ -16,13 +16,29 @@ import torch
 
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.tiers.files import open_record, read_ahead
-from kvserve.kv.tiers.record import QUEUED, BlockRecord, Checksum, RecordRejected, num_matching
+from kvserve.kv.tiers.record import BlockRecord, Checksum, RecordRejected
 
 READ_AHEAD = 32  # records of a prefix opened (and, once one comes from the disk, hinted) ahead of the one being read
 CHECK_BATCH = 8  # records whose checksums the checker thread takes at once (a task per record costs more than it saves)
 
 Specs = Sequence[tuple[torch.dtype, tuple[int, ...]]]
 ChainLink = tuple[BlockHash, BlockHash | None, Sequence[int]]  # a record asked for: key, parent key, token ids
+
+
+class _Queued:
+    """The checksum of a record read from the writer's queue: this process's own bytes, nothing to check."""
+
+    @staticmethod
+    def matches() -> bool:
+        return True
+
+
+_QUEUED = _Queued()
+
+
+def _num_matching(checksums: Sequence[Checksum]) -> int:
+    """How many of `checksums` match before the first that does not."""
+    return next((i for i, checksum in enumerate(checksums) if not checksum.matches()), len(checksums))
 
 
 class RecordSource(Protocol):
@@ -68,7 +84,7 @@ class ChainRead:
                 if fd is not None:
                     os.close(fd)
         if self.batch:
-            self.checks.append(self.checker.submit(num_matching, self.batch))
+            self.checks.append(self.checker.submit(_num_matching, self.batch))
         self._cut_at_first_bad_checksum()
         num_found = len(self.found)
         num_queued = sum(self.queued_flags[:num_found])
@@ -88,7 +104,7 @@ class ChainRead:
         if queued is not None:  # still on its way to disk: this process's own copy, nothing to check
             if fd is not None:
                 os.close(fd)
-            self._add(queued.tensors, QUEUED, 0, True)
+            self._add(queued.tensors, _QUEUED, 0, True)
             return True
         if fd is None:  # written since it was opened ahead (it was queued), or else evicted since the lookup
             fd = open_record(path, self.cold)
@@ -113,7 +129,7 @@ class ChainRead:
         self.sizes.append(num_bytes)
         self.queued_flags.append(queued)
         if len(self.batch) == CHECK_BATCH:
-            self.checks.append(self.checker.submit(num_matching, self.batch))
+            self.checks.append(self.checker.submit(_num_matching, self.batch))
             self.batch = []
 
     def _cut_at_first_bad_checksum(self) -> None:

@@ -125,17 +125,6 @@ def decode_record(data: bytearray, fingerprint: str, key: BlockHash, parent: Blo
     return tensors
 
 
-class _Queued:
-    """The checksum of a record read from the writer's queue: this process's own bytes, nothing to check."""
-
-    @staticmethod
-    def matches() -> bool:
-        return True
-
-
-QUEUED = _Queued()
-
-
 @dataclass(frozen=True)
 class Checksum:
     """A record's tensors' bytes and the CRC-32 its metadata gives for them (checked apart from the parse: the
@@ -184,8 +173,3 @@ def parse_record(data: bytearray, fingerprint: str, key: BlockHash, parent: Bloc
         tensors.append(torch.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=begin).view(shape))
     return tensors, Checksum(views, metadata.get("crc32"))
 
-
-
-def num_matching(checksums: Sequence[Checksum]) -> int:
-    """How many of `checksums` match before the first that does not."""
-    return next((i for i, checksum in enumerate(checksums) if not checksum.matches()), len(checksums))

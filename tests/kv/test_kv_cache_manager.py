@@ -1,8 +1,10 @@
 """Block tables per request: prefill and decode take exactly the blocks their tokens need, a short pool changes
 nothing, forks share blocks until copy-on-write, freeing gives everything back, and prefix-cache lookups reuse
-whole computed blocks (never the last prompt token) only under the same cache salt."""
+whole computed blocks (never the last prompt token) only under the same cache salt; with several layer groups each
+keeps what its kind needs, and the drop counters add up over them."""
 import pytest
 
+from kvserve.kv.eviction import StreamingPolicy
 from kvserve.kv.kv_cache_manager import BlockCopy, KVCacheManager
 from tests.kv.sequences import BS, Seq, prefill
 
@@ -203,3 +205,21 @@ def test_fork_with_a_different_uncomputed_token_caches_the_child_under_its_own_t
     kv.cache_full_blocks(child)
     assert kv.find_cached_prefix(Seq("same as child", prompt(31) + [7, 0])).num_blocks == 2
     assert kv.find_cached_prefix(Seq("same as parent", prompt(32) + [0])).num_blocks == 1
+
+
+def test_each_group_keeps_what_its_kind_needs_and_the_counters_add_up():
+    kv = KVCacheManager(16, BS, windows=(None, 20))
+    a = Seq("a", prompt(70))
+    prefill(kv, a)
+    kv.drop_unneeded(a)  # the sliding group's next query reads from token 51: blocks 0-2 are passed
+    assert kv.block_table("a", 0).logical == [0, 1, 2, 3, 4] and kv.block_table("a", 1).logical == [3, 4]
+    assert (kv.num_window_blocks_freed, kv.num_evicted_blocks) == (3, 0)
+    assert (kv.num_stored_tokens(a, 0), kv.num_stored_tokens(a, 1), kv.num_wasted_slots(a)) == (70, 22, 20)
+    hit = kv.find_cached_prefix(Seq("b", prompt(80)))  # the passed blocks were registered first: still cached
+    assert hit.num_blocks == 4 and hit.first_logical == [0, 2] and [len(blocks) for blocks in hit.blocks] == [4, 2]
+
+    evicting = KVCacheManager(16, BS, eviction=StreamingPolicy(sink_tokens=4, recent_tokens=20))
+    prefill(evicting, a := Seq("a", prompt(70)))
+    evicting.drop_unneeded(a)
+    assert evicting.block_table("a").logical == [0, 3, 4]
+    assert (evicting.num_window_blocks_freed, evicting.num_evicted_blocks) == (0, 2)

@@ -75,10 +75,10 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(choices)}")
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (vLLM's default on a GPU)
 SPECULATIVE_METHODS = ("ngram", "suffix")
 # Speculation stops once more sequences than this decode in one step: there the step is bound by its matmuls, and
 # verifying k more tokens per sequence costs nearly k more decode steps' compute (docs/speculative.md measures it).
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (vLLM's default on a GPU)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
@@ -235,8 +235,8 @@ class EvictionConfig:
 
 @dataclass(frozen=True)
 class TierConfig:
-    """The disk tier: a directory where full prefix blocks are kept too (None: off; kvserve/kv/disk_cache.py), and
-    its cap, least recently used records removed first."""
+    """The disk tier: a directory where full prefix blocks are kept too (None: off; docs/prefix_caching.md), and its
+    cap, least recently used records removed first."""
 
     kv_disk_cache: str | None
     kv_disk_cache_size: int | str

@@ -55,10 +55,30 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return getattr(torch, canonical_dtype(name))
 
 
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_non_negative_int(name: str, value: object) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(choices)}")
+
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (vLLM's default on a GPU)
 SPECULATIVE_METHODS = ("ngram", "suffix")
 # Speculation stops once more sequences than this decode in one step: there the step is bound by its matmuls, and
 # verifying k more tokens per sequence costs nearly k more decode steps' compute (docs/speculative.md measures it).
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (vLLM's default on a GPU)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
@@ -83,14 +103,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method={self.method!r} is not supported; choose one of "
-                             f"{', '.join(SPECULATIVE_METHODS)}")
+        _check_choice("speculative_config method", self.method, SPECULATIVE_METHODS)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                      "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "disable_by_batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+            _check_positive_int(f"speculative_config {name}", getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is more than "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
@@ -124,60 +140,172 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """What the user asked for. `None` means: take it from the model (max_model_len) or a documented default."""
+class CacheConfig:
+    """The paged KV cache: its storage format ("auto" is the model's dtype), tokens per block, the memory it may
+    take (None: DEFAULT_KV_CACHE_MEMORY_BYTES) and whether full blocks are shared by prefix (kvserve/kv/)."""
 
-    model: str | None = None
-    dtype: str = "float32"
-    quantization: str = "none"  # "int8": int8 weights, int8 activations per token (kvserve/model/linear.py)
-    kv_cache_dtype: str = "auto"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_memory: int | str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    kv_eviction: str = "none"  # "none", "streaming" (StreamingLLM) or "h2o"
-    kv_sink_tokens: int = 4  # streaming/h2o: the first tokens, always kept ("attention sinks")
-    kv_recent_tokens: int = 1024  # streaming/h2o: the window of last tokens always kept
-    kv_budget_tokens: int = 2048  # h2o: tokens kept in all (sinks + heavy hitters + recent)
-    seed: int = 0
-    device: str = "cpu"
-    enforce_eager: bool = False  # never torch.compile (int8/int4 KV decode attention, kv/formats/compiled.py)
-    # decode steps as one compiled graph, compiled at start (compile/steps.py); off by default: minutes to
-    # compile on a 2-core CPU (docs/benchmarks.md)
-    compile_decode: bool = False
-    # with compile_decode: the weights frozen into the decode graph, multiplied by Inductor's C++ GEMM template over
-    # its own packed copy (faster decode, more memory, and a start Inductor cannot cache: docs/benchmarks.md)
-    compile_gemms: bool = False
-    batch_invariant: bool = False  # logits bitwise independent of the batch (kvserve/batch_invariant.py)
-    kv_disk_cache: str | None = None  # a directory: full prefix blocks kept on disk too (kvserve/kv/disk_cache.py)
-    kv_disk_cache_size: int | str = "20GiB"  # the disk tier's cap, least recently used records removed first
-    # speculative decoding (kvserve/engine/speculative.py): a SpeculativeConfig, its dict, or its JSON text
-    speculative_config: SpeculativeConfig | dict | str | None = None
+    kv_cache_dtype: str
+    block_size: int
+    kv_cache_memory: int | str | None
+    enable_prefix_caching: bool
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        canonical_dtype(self.dtype)
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
-                             f"{', '.join(QUANTIZATIONS)}")
-        if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
-                             f"{', '.join(KV_DTYPE_CHOICES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if value is None and name == "max_model_len":
-                continue
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_DTYPE_CHOICES)
+        _check_positive_int("block_size", self.block_size)
+        if self.kv_cache_dtype == "int4" and self.block_size % 2:
+            raise ValueError(f"kv_cache_dtype='int4' packs two tokens of a block per byte: block_size must be even, "
+                             f"got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        if self.kv_cache_memory is None:
+            return DEFAULT_KV_CACHE_MEMORY_BYTES
+        return parse_size(self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much one step may hold: sequences, tokens, and the longest sequence (None: the model's own limit)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _check_positive_int("max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How steps run. enforce_eager: never torch.compile (int8/int4 KV decode attention, kv/formats/compiled.py).
+    compile_decode: decode steps as one graph compiled at start (compile/steps.py; minutes on a small CPU, so off by
+    default: docs/benchmarks.md). compile_gemms: with compile_decode, the weights frozen into the graph and multiplied
+    by Inductor's C++ GEMM template over its own packed copy (faster decode, more memory, a start Inductor cannot
+    cache). batch_invariant: logits bitwise independent of the batch (kvserve/batch_invariant.py)."""
+
+    enforce_eager: bool
+    compile_decode: bool
+    compile_gemms: bool
+    batch_invariant: bool
+
+    def __post_init__(self) -> None:
         for name in ("enforce_eager", "batch_invariant", "compile_decode", "compile_gemms"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            _check_bool(name, getattr(self, name))
         if self.compile_decode and self.enforce_eager:
             raise ValueError("compile_decode=True contradicts enforce_eager=True (which compiles nothing); choose one")
         if self.compile_gemms and not self.compile_decode:
             raise ValueError("compile_gemms=True applies to the compiled decode step; set compile_decode=True too")
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Which tokens' KV a long sequence keeps: all ("none"), the first kv_sink_tokens ("attention sinks") and the
+    last kv_recent_tokens ("streaming", StreamingLLM), or those plus the heavy hitters up to kv_budget_tokens in all
+    ("h2o")."""
+
+    kv_eviction: str
+    kv_sink_tokens: int
+    kv_recent_tokens: int
+    kv_budget_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_choice("kv_eviction", self.kv_eviction, KV_EVICTION_POLICIES)
+        for name in ("kv_sink_tokens", "kv_recent_tokens", "kv_budget_tokens"):
+            _check_non_negative_int(name, getattr(self, name))
+        if self.kv_eviction != "none" and self.kv_recent_tokens < 1:
+            raise ValueError(f"kv_recent_tokens must be at least 1 with kv_eviction={self.kv_eviction!r}")
+
+    def check_budget(self, block_size: int) -> None:
+        """H2O's budget, counted in blocks of `block_size`, must leave a block for heavy hitters beside the sinks
+        and the recent window."""
+        if self.kv_eviction != "h2o":
+            return
+        blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731
+        needed = blocks(self.kv_sink_tokens) + blocks(self.kv_recent_tokens) + 1
+        if blocks(self.kv_budget_tokens) < needed:
+            raise ValueError(
+                f"kv_budget_tokens={self.kv_budget_tokens} leaves no room for heavy hitters: the sinks and the "
+                f"recent window take {needed - 1} blocks of {block_size}; give at least {needed * block_size} tokens")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The disk tier: a directory where full prefix blocks are kept too (None: off; docs/prefix_caching.md), and its
+    cap, least recently used records removed first."""
+
+    kv_disk_cache: str | None
+    kv_disk_cache_size: int | str
+
+    def __post_init__(self) -> None:
+        if self.kv_disk_cache is None:
+            return
+        if not isinstance(self.kv_disk_cache, (str, os.PathLike)) or not str(self.kv_disk_cache).strip():
+            raise ValueError(f"kv_disk_cache must be a directory path, got {self.kv_disk_cache!r}")
+        parse_size(self.kv_disk_cache_size)
+
+    @property
+    def kv_disk_cache_size_bytes(self) -> int:
+        return parse_size(self.kv_disk_cache_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user asked for, as the flat keyword arguments of LLM(...) and the CLI's flags. `None` means: take it
+    from the model (max_model_len) or a documented default. __post_init__ builds the groups once, each validating its
+    own fields: `cache` (CacheConfig), `scheduler` (SchedulerConfig), `compile` (CompileConfig), `eviction`
+    (EvictionConfig), `tier` (TierConfig); they are attributes, not fields, so dataclasses.asdict(config) stays the
+    keyword arguments."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    quantization: str = "none"  # "int8": int8 weights, int8 activations per token (kvserve/model/linear.py)
+    kv_cache_dtype: str = "auto"  # cache
+    block_size: int = DEFAULT_BLOCK_SIZE  # cache
+    kv_cache_memory: int | str | None = None  # cache
+    max_model_len: int | None = None  # scheduler
+    max_num_seqs: int = 64  # scheduler
+    max_num_batched_tokens: int = 2048  # scheduler
+    enable_prefix_caching: bool = True  # cache
+    kv_eviction: str = "none"  # eviction: "none", "streaming" (StreamingLLM) or "h2o"
+    kv_sink_tokens: int = 4  # eviction, streaming/h2o: the first tokens, always kept ("attention sinks")
+    kv_recent_tokens: int = 1024  # eviction, streaming/h2o: the window of last tokens always kept
+    kv_budget_tokens: int = 2048  # eviction, h2o: tokens kept in all (sinks + heavy hitters + recent)
+    seed: int = 0
+    device: str = "cpu"
+    enforce_eager: bool = False  # compile
+    compile_decode: bool = False  # compile
+    compile_gemms: bool = False  # compile
+    batch_invariant: bool = False  # compile
+    kv_disk_cache: str | None = None  # tier
+    kv_disk_cache_size: int | str = "20GiB"  # tier
+    # speculative decoding (kvserve/engine/speculative.py): a SpeculativeConfig, its dict, or its JSON text
+    speculative_config: SpeculativeConfig | dict | str | None = None
+
+    if TYPE_CHECKING:  # set once by __post_init__
+        cache: CacheConfig
+        scheduler: SchedulerConfig
+        compile: CompileConfig
+        eviction: EvictionConfig
+        tier: TierConfig
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        canonical_dtype(self.dtype)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
+                  "eviction": EvictionConfig, "tier": TierConfig}
+        for name, group in groups.items():
+            values = {field.name: getattr(self, field.name) for field in dataclasses.fields(group)}
+            object.__setattr__(self, name, group(**values))
+        self._check_across_groups()
+
+    def _check_across_groups(self) -> None:
+        """What one group's values rule out in another's."""
         if self.batch_invariant and str(self.device).partition(":")[0] != "cpu":
             # tests/engine/test_cuda.py: on an H200 (torch 2.11) a 16-token prompt's logits came out 2.5e-6 apart
             # alone and batched, with the tile calls' attention on the math route too (docs/architecture.md)
@@ -190,41 +318,9 @@ class EngineConfig:
             raise ValueError(f"speculative_config does not combine with kv_eviction={self.kv_eviction!r}: rejected "
                              "tokens would have been scored and their blocks' evictions decided; use "
                              "kv_eviction='none'")
-        if self.kv_cache_format == "int4" and self.block_size % 2:
-            raise ValueError(f"kv_cache_dtype='int4' packs two tokens of a block per byte: block_size must be even, "
-                             f"got {self.block_size}")
-        if self.kv_cache_memory is not None:
-            parse_size(self.kv_cache_memory)
-        self._check_eviction()
-        self._check_disk_cache()
-
-    def _check_disk_cache(self) -> None:
-        if self.kv_disk_cache is None:
-            return
-        if not isinstance(self.kv_disk_cache, (str, os.PathLike)) or not str(self.kv_disk_cache).strip():
-            raise ValueError(f"kv_disk_cache must be a directory path, got {self.kv_disk_cache!r}")
-        if not self.enable_prefix_caching:
+        self.eviction.check_budget(self.block_size)
+        if self.kv_disk_cache is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_cache keeps prefix-cache blocks: it needs enable_prefix_caching=True")
-        parse_size(self.kv_disk_cache_size)
-
-    def _check_eviction(self) -> None:
-        if self.kv_eviction not in KV_EVICTION_POLICIES:
-            raise ValueError(f"kv_eviction={self.kv_eviction!r} is not supported; choose one of "
-                             f"{', '.join(KV_EVICTION_POLICIES)}")
-        for name in ("kv_sink_tokens", "kv_recent_tokens", "kv_budget_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.kv_eviction != "none" and self.kv_recent_tokens < 1:
-            raise ValueError(f"kv_recent_tokens must be at least 1 with kv_eviction={self.kv_eviction!r}")
-        if self.kv_eviction == "h2o":
-            blocks = lambda tokens: -(-tokens // self.block_size)  # noqa: E731
-            needed = blocks(self.kv_sink_tokens) + blocks(self.kv_recent_tokens) + 1
-            if blocks(self.kv_budget_tokens) < needed:
-                raise ValueError(
-                    f"kv_budget_tokens={self.kv_budget_tokens} leaves no room for heavy hitters: the sinks and the "
-                    f"recent window take {needed - 1} blocks of {self.block_size}; give at least "
-                    f"{needed * self.block_size} tokens")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -239,10 +335,8 @@ class EngineConfig:
 
     @property
     def kv_disk_cache_size_bytes(self) -> int:
-        return parse_size(self.kv_disk_cache_size)
+        return self.tier.kv_disk_cache_size_bytes
 
     @property
     def kv_cache_memory_bytes(self) -> int:
-        if self.kv_cache_memory is None:
-            return DEFAULT_KV_CACHE_MEMORY_BYTES
-        return parse_size(self.kv_cache_memory)
+        return self.cache.kv_cache_memory_bytes

@@ -5,27 +5,50 @@ import argparse
 import dataclasses
 import sys
 
-from kvserve.config import QUANTIZATIONS, EngineConfig
+from kvserve.config import DTYPES, KV_EVICTION_POLICIES, QUANTIZATIONS, EngineConfig
 from kvserve.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """One flag per EngineConfig field, same names with dashes; `exclude` names fields the caller defines itself."""
     defaults = EngineConfig()
-    group = parser.add_argument_group("engine")
+    g = _FlagsExcept(parser.add_argument_group("engine"), exclude)
+    _add_weights_flags(g, defaults)
+    _add_cache_flags(g, defaults)
+    _add_eviction_flags(g, defaults)
+    g.add_argument("--seed", type=int, default=defaults.seed)
+    g.add_argument("--device", default=defaults.device)
+    _add_compile_flags(g)
+    _add_tier_flags(g, defaults)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding without a draft model, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
+                        '\'{"method": "suffix", ...}\' (vLLM\'s names; docs/speculative.md; default: off)')
 
-    class _Group:  # skips the excluded fields, so each flag is written once below
-        def add_argument(self, flag: str, *args, **kwargs):
-            dest = kwargs.get("dest", flag.removeprefix("--").replace("-", "_"))
-            if dest not in exclude:
-                group.add_argument(flag, *args, **kwargs)
 
-    g = _Group()
+class _FlagsExcept:
+    """An argument group that skips the excluded fields, so each flag is written once below."""
+
+    def __init__(self, group: argparse._ArgumentGroup, exclude: tuple[str, ...]):
+        self.group = group
+        self.exclude = exclude
+
+    def add_argument(self, flag: str, *args, **kwargs) -> None:
+        dest = kwargs.get("dest", flag.removeprefix("--").replace("-", "_"))
+        if dest not in self.exclude:
+            self.group.add_argument(flag, *args, **kwargs)
+
+
+def _add_weights_flags(g: _FlagsExcept, defaults: EngineConfig) -> None:
     g.add_argument("--model", default=None, help="preset name, HF model directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default=defaults.dtype, choices=DTYPES)
     g.add_argument("--quantization", default=defaults.quantization, choices=QUANTIZATIONS,
                    help="weights: none (the --dtype) or int8 (per-output-channel scales, activations quantized per "
                         "token) (default %(default)s)")
+
+
+def _add_cache_flags(g: _FlagsExcept, defaults: EngineConfig) -> None:
+    """The cache's and the scheduler's (CacheConfig, SchedulerConfig), in the order --help has always listed them."""
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
                    help="KV storage: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2, "
                         "int8, int4 (default %(default)s)")
@@ -35,7 +58,10 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--kv-eviction", default=defaults.kv_eviction, choices=["none", "streaming", "h2o"],
+
+
+def _add_eviction_flags(g: _FlagsExcept, defaults: EngineConfig) -> None:
+    g.add_argument("--kv-eviction", default=defaults.kv_eviction, choices=KV_EVICTION_POLICIES,
                    help="drop KV blocks a sequence no longer needs: StreamingLLM sinks + window, or H2O heavy hitters")
     g.add_argument("--kv-sink-tokens", type=int, default=defaults.kv_sink_tokens,
                    help="streaming/h2o: first tokens always kept (default %(default)s)")
@@ -43,8 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
                    help="streaming/h2o: window of last tokens kept (default %(default)s)")
     g.add_argument("--kv-budget-tokens", type=int, default=defaults.kv_budget_tokens,
                    help="h2o: tokens kept in all (default %(default)s)")
-    g.add_argument("--seed", type=int, default=defaults.seed)
-    g.add_argument("--device", default=defaults.device)
+
+
+def _add_compile_flags(g: _FlagsExcept) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile with torch.compile (decode attention over an int8 or int4 KV cache then runs "
                         "as plain PyTorch ops, slower)")
@@ -60,15 +87,14 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's logits bitwise independent of its batch, chunking, prefix hits and preemption "
                         "(fixed token tiles, attention per query tile; costs speed: docs/benchmarks.md)")
+
+
+def _add_tier_flags(g: _FlagsExcept, defaults: EngineConfig) -> None:
     g.add_argument("--kv-disk-cache", default=None, metavar="DIR",
                    help="also keep full prefix blocks as files in DIR, read back after the pool evicted them or the "
                         "process restarted (docs/prefix_caching.md; default: off)")
     g.add_argument("--kv-disk-cache-size", default=defaults.kv_disk_cache_size, metavar="SIZE",
                    help="cap of --kv-disk-cache, e.g. 20GiB; least recently used blocks go first (default %(default)s)")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding without a draft model, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
-                        '\'{"method": "suffix", ...}\' (vLLM\'s names; docs/speculative.md; default: off)')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

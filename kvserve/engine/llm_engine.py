@@ -34,6 +34,7 @@ from kvserve.kv.tiers.record import model_fingerprint
 from kvserve.kv.tiers.store import DiskBlockStore
 from kvserve.model.config import ModelConfig
 from kvserve.model.int8_kernels import FloatKernel
+from kvserve.model.linear import WeightsPolicy
 from kvserve.model.loader import load_weights, resolve_model
 from kvserve.model.registry import MODEL_CLASSES, build_model
 from kvserve.outputs import RequestOutput
@@ -93,9 +94,9 @@ class LLMEngine:
         # weights in loops of its own, over dense weights (model/linear.py)
         self.eager_decode_reason = unsupported(MODEL_CLASSES[mc.architecture], config.batch_invariant,
                                                self.eviction.unbounded_length) if config.compile_decode else None
-        self.model = build_model(mc, weights, self.max_model_len, config.torch_dtype, config.device,
-                                 config.quantization, config.batch_invariant,
-                                 dense_in_graph=config.compile_decode and self.eager_decode_reason is None)
+        policy = WeightsPolicy(config.torch_dtype, config.device, config.quantization, config.batch_invariant,
+                               dense_in_graph=config.compile_decode and self.eager_decode_reason is None)
+        self.model = build_model(mc, weights, self.max_model_len, policy)
         del weights
         logger.info(self._weights_line())
         model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]

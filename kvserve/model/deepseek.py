@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionGroup, AttentionMetadata
 from kvserve.model.config import DeepseekConfig, ModelConfig
-from kvserve.model.linear import Linears, load_linears, weights_nbytes
+from kvserve.model.linear import Linears, WeightsPolicy, load_linears, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
 
 ATTENTION_MODES = ("auto", "absorbed", "expanded")
@@ -335,13 +335,10 @@ class DeepseekModel:
     """Weights plus forward(); the KV cache it writes holds one latent + rope vector per token and layer."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none",
-                 batch_invariant: bool = False, dense_in_graph: bool = False):
-        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
-                                                            quantization, batch_invariant, dense_in_graph)
+                 policy: WeightsPolicy = WeightsPolicy()):
+        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, policy)
         ds = cfg.deepseek
         self.cfg = cfg
-        self.quantization = quantization
         self.linears = linears
         self.attention_mode = "auto"  # or "absorbed" / "expanded" everywhere (tests, kvserve bench mla)
         rope_factor, softmax_factor = rope_factors(cfg)
@@ -350,7 +347,8 @@ class DeepseekModel:
         self.layers = [DeepseekDecoderLayer(cfg, w, i, linears, scale, rope_factor) for i in range(cfg.num_layers)]
         scaling = cfg.rope_scaling and {"original_max_position_embeddings": cfg.max_position_embeddings,
                                         **cfg.rope_scaling}
-        self.rotary = RotaryEmbedding(ds.qk_rope_head_dim, max_positions, cfg.rope_theta, scaling, dtype, device,
+        self.rotary = RotaryEmbedding(ds.qk_rope_head_dim, max_positions, cfg.rope_theta, scaling, policy.dtype,
+                                      policy.device,
                                       attention_factor=rope_factor)
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention, run_layer
 from kvserve.model.config import SLIDING_ATTENTION, ModelConfig
-from kvserve.model.linear import Linears, load_linears, tensor_storages, weights_nbytes
+from kvserve.model.linear import Linears, WeightsPolicy, load_linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -90,21 +90,19 @@ class Gemma3Model:
     """Weights plus forward(); `layer_types` says which layers slide over the last `sliding_window` tokens."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none",
-                 batch_invariant: bool = False, dense_in_graph: bool = False):
-        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
-                                                            quantization, batch_invariant, dense_in_graph)
+                 policy: WeightsPolicy = WeightsPolicy()):
+        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, policy)
         self.cfg = cfg
-        self.quantization = quantization
         self.linears = linears
         # transformers multiplies in the model dtype, so bf16 scales by sqrt(hidden) rounded to bf16
-        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=policy.dtype, device=policy.device)
         self.norm = Gemma3Norm(w["model.norm.weight"], cfg.rms_norm_eps)
         self.layers = [Gemma3DecoderLayer(cfg, w, f"model.layers.{i}", t, linears)
                        for i, t in enumerate(cfg.layer_types)]
-        self.full_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+        self.full_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                           policy.dtype, policy.device)
         self.sliding_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.sliding_rope_theta,
-                                              cfg.sliding_rope_scaling, dtype, device)
+                                              cfg.sliding_rope_scaling, policy.dtype, policy.device)
 
     @property
     def layer_types(self) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ rotation of x costs two small matmuls; W R is computed once at load."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,21 @@ INT8_MAX = 127
 # measured faster than the BLAS call in the graph on the AVX-512 EPYC, float32 and bfloat16 (docs/benchmarks.md)
 GRAPH_MATRIX_VECTOR_DTYPES = (torch.float32, torch.bfloat16)
 MIN_AMAX = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class WeightsPolicy:
+    """How a decoder holds and multiplies its weights, decided once at start and handed to build_model: cast to
+    `dtype` on `device`, as they are or as int8 (`quantization`, above), float weights multiplied by the BLAS call
+    where `batch_invariant` (kvserve/batch_invariant.py) and off the CPU, by the start-up probe's choice otherwise
+    (float_kernels.py); `dense_in_graph`: float weights that a packed route multiplies are kept dense too, for a
+    compiled graph's one-row loops (Linear's keep_dense)."""
+
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    quantization: str = "none"
+    batch_invariant: bool = False
+    dense_in_graph: bool = False
 
 
 class Linear:
@@ -147,27 +163,35 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Linears:
-    """Builds a model's linears and embedding for one `quantization` ("none" or "int8").
+    """Builds a model's linears and embedding as `policy` says.
 
     A tied int8 table is quantized once (rotated, as the head's input is); lookups read its codes and rotate them
     back, and the head multiplies by them, through a view
     or, when the kernel keeps a packed copy of its own (oneDNN), through that copy: then the table is held twice
     (`tied_copy_nbytes`). So is a tied float table that oneDNN's linear multiplies (float_kernels.py): lookups read
     the table, the head its packed copy. Float weights are multiplied by `matmul`, by default the probe's choice
-    (choose_matmul); load_linears gives the BLAS call under --batch-invariant and off the CPU. `dense_in_graph`: float
-    weights that a packed route multiplies keep their dense form too (Linear's keep_dense; `dense_copy_nbytes`)."""
+    (choose_matmul); for_policy gives the BLAS call under batch_invariant and off the CPU. With the policy's
+    dense_in_graph, float weights that a packed route multiplies keep their dense form too (`dense_copy_nbytes`)."""
 
-    def __init__(self, quantization: str, dtype: torch.dtype, kernel: Int8Kernel | None = None,
-                 matmul: FloatMatmul | None = None, dense_in_graph: bool = False):
-        self.quantization = quantization
-        self.dtype = dtype
-        self.kernel = (kernel or choose_kernel()) if quantization == "int8" else None
-        self.matmul = matmul or (BLAS if self.kernel is not None else choose_matmul(dtype))
+    def __init__(self, policy: WeightsPolicy, kernel: Int8Kernel | None = None, matmul: FloatMatmul | None = None):
+        self.policy = policy
+        self.kernel = (kernel or choose_kernel()) if policy.quantization == "int8" else None
+        self.matmul = matmul or (BLAS if self.kernel is not None else choose_matmul(policy.dtype))
         # dense copies only of what a one-row loop reads: float weights of GRAPH_MATRIX_VECTOR_DTYPES (float16's stay
         # oneDNN's alone)
-        self.dense_in_graph = dense_in_graph and self.kernel is None and dtype in GRAPH_MATRIX_VECTOR_DTYPES
+        self.dense_in_graph = (policy.dense_in_graph and self.kernel is None and
+                               policy.dtype in GRAPH_MATRIX_VECTOR_DTYPES)
         self.tied_copy_nbytes = 0
         self.dense_copy_nbytes = 0
+
+    @classmethod
+    def for_policy(cls, policy: WeightsPolicy) -> Linears:
+        """The routes `policy` allows: oneDNN's linears and the int8 kernels' probe are CPU routes, and the BLAS
+        call is the batch-invariant one."""
+        cpu = torch.device(policy.device).type == "cpu"
+        int8_off_cpu = policy.quantization == "int8" and not cpu
+        kernel = FloatKernel("the int8 kernels are probed on a CPU only") if int8_off_cpu else None
+        return cls(policy, kernel, matmul=BLAS if policy.batch_invariant or not cpu else None)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         if self.kernel is None:
@@ -179,7 +203,7 @@ class Linears:
     @property
     def one_row_loops(self) -> bool:
         """Whether a compiled graph's one-row steps multiply these float weights in loops of its own (Linear)."""
-        return self.dense_in_graph or (self.kernel is None and self.dtype in GRAPH_MATRIX_VECTOR_DTYPES and
+        return self.dense_in_graph or (self.kernel is None and self.policy.dtype in GRAPH_MATRIX_VECTOR_DTYPES and
                                        self.matmul is BLAS)
 
     def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
@@ -193,7 +217,7 @@ class Linears:
             return head, Embedding(embed)
         rotation = input_rotation(embed)
         codes, scale = quantize_rows(rotation(embed.float()))
-        embedding = Embedding(codes, scale, self.dtype, rotation)
+        embedding = Embedding(codes, scale, self.policy.dtype, rotation)
         if lm_head is None:  # tied: the head multiplies by the table's own (rotated) codes
             head = Int8Linear.from_codes(codes, scale, rotation, self.kernel)
             self.tied_copy_nbytes = sum(self.kernel.storages(head.packed).values()) if self.kernel.copies_codes else 0
@@ -201,15 +225,12 @@ class Linears:
         return self.linear(lm_head), embedding
 
 
-def load_linears(weights: dict[str, torch.Tensor], tied: bool, dtype: torch.dtype, device: str | torch.device,
-                 quantization: str, batch_invariant: bool = False,
-                 dense_in_graph: bool = False) -> tuple[dict[str, torch.Tensor], Linears, Linear | Int8Linear, Embedding]:
-    """A decoder's weights in `dtype` on `device` (the tables taken out), its Linears, output head and embedding."""
-    w = {name: _own(t.to(dtype=dtype, device=device)) for name, t in weights.items()}
-    cpu = torch.device(device).type == "cpu"  # oneDNN's linears and the int8 kernels' probe are CPU routes
-    kernel = None if cpu or quantization != "int8" else FloatKernel("the int8 kernels are probed on a CPU only")
-    linears = Linears(quantization, dtype, kernel, matmul=BLAS if batch_invariant or not cpu else None,
-                      dense_in_graph=dense_in_graph)
+def load_linears(weights: dict[str, torch.Tensor], tied: bool,
+                 policy: WeightsPolicy) -> tuple[dict[str, torch.Tensor], Linears, Linear | Int8Linear, Embedding]:
+    """A decoder's weights in the policy's dtype on its device (the tables taken out), its Linears, output head and
+    embedding."""
+    w = {name: _own(t.to(dtype=policy.dtype, device=policy.device)) for name, t in weights.items()}
+    linears = Linears.for_policy(policy)
     lm_head, embed = linears.head_and_embedding(w.pop("model.embed_tokens.weight"),
                                                 None if tied else w.pop("lm_head.weight"))
     return w, linears, lm_head, embed

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention, run_layer
 from kvserve.model.config import ModelConfig
-from kvserve.model.linear import Linears, load_linears, weights_nbytes
+from kvserve.model.linear import Linears, WeightsPolicy, load_linears, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -69,16 +69,14 @@ class LlamaModel:
     """Weights plus forward(); holds no per-request state (that lives in the cache and the metadata)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantization: str = "none",
-                 batch_invariant: bool = False, dense_in_graph: bool = False):
-        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, dtype, device,
-                                                            quantization, batch_invariant, dense_in_graph)
+                 policy: WeightsPolicy = WeightsPolicy()):
+        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, policy)
         self.cfg = cfg
-        self.quantization = quantization
         self.linears = linears
         self.norm = w["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", linears) for i in range(cfg.num_layers)]
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, policy.dtype,
+                                      policy.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:

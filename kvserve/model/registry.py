@@ -6,6 +6,7 @@ import torch
 from kvserve.model.config import ModelConfig
 from kvserve.model.deepseek import DeepseekModel
 from kvserve.model.gemma3 import Gemma3Model
+from kvserve.model.linear import WeightsPolicy
 from kvserve.model.llama import LlamaModel
 
 MODEL_CLASSES: dict[str, type] = {
@@ -20,12 +21,6 @@ MODEL_CLASSES: dict[str, type] = {
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                quantization: str = "none", batch_invariant: bool = False,
-                dense_in_graph: bool = False) -> LlamaModel | Gemma3Model | DeepseekModel:
-    """The decoder for `cfg.architecture`, holding `weights` cast to `dtype` on `device` (int8 where
-    `quantization` says so: kvserve/model/linear.py; float weights multiplied by the BLAS call where
-    `batch_invariant`, by the start-up probe's choice otherwise: kvserve/model/float_kernels.py). `dense_in_graph`:
-    float weights that a packed route multiplies are kept dense too, for a compiled graph's one-row loops (Linears)."""
-    return MODEL_CLASSES[cfg.architecture](cfg, weights, max_positions, dtype, device, quantization, batch_invariant,
-                                           dense_in_graph)
+                policy: WeightsPolicy = WeightsPolicy()) -> LlamaModel | Gemma3Model | DeepseekModel:
+    """The decoder for `cfg.architecture`, holding `weights` as `policy` says (kvserve/model/linear.py)."""
+    return MODEL_CLASSES[cfg.architecture](cfg, weights, max_positions, policy)

@@ -11,7 +11,8 @@ from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.model.int8_kernels import KERNELS, FloatKernel, IntMMKernel
 from kvserve.model import float_kernels, linear
 from kvserve.model.float_kernels import BLAS, OneDNNMatmul
-from kvserve.model.linear import Embedding, Int8Linear, Linear, Linears, quantize_rows, weights_nbytes
+from kvserve.model.linear import (Embedding, Int8Linear, Linear, Linears, WeightsPolicy, quantize_rows,
+                                  weights_nbytes)
 
 AVAILABLE = [k for k in KERNELS if k.available()] + [FloatKernel()]
 
@@ -78,7 +79,7 @@ def test_int8_keeps_the_activation_dtype():
 @pytest.mark.parametrize("kernel", AVAILABLE, ids=lambda k: k.name)
 def test_tied_int8_embedding_reads_the_head_codes(kernel):
     table = gaussian(50, 16, seed=8)
-    head, embedding = Linears("int8", torch.float32, kernel).head_and_embedding(table, None)
+    head, embedding = Linears(WeightsPolicy(quantization="int8"), kernel).head_and_embedding(table, None)
     ids = torch.tensor([0, 7, 49])
     codes, scale = quantize_rows(head.rotation(table))  # the head's codes: the table rotated, as its input is
     assert torch.equal(embedding(ids), head.rotation.invert(codes[ids].float() * scale[ids, None]))
@@ -91,7 +92,7 @@ def test_tied_int8_embedding_reads_the_head_codes(kernel):
 
 def test_float_linears_are_plain_and_tied_tables_count_once():
     table = gaussian(50, 16)
-    head, embedding = Linears("none", torch.float32, matmul=BLAS).head_and_embedding(table, None)
+    head, embedding = Linears(WeightsPolicy(), matmul=BLAS).head_and_embedding(table, None)
     assert isinstance(head, Linear) and isinstance(embedding, Embedding)
     assert torch.equal(head(table[:2]), table[:2] @ table.T)
     assert weights_nbytes(head, embedding) == table.nbytes
@@ -103,7 +104,7 @@ def test_onednn_float_linears_replace_the_weight_and_a_tied_table_is_held_twice(
     table stays for lookups beside the head's packed copy, counted as tied_copy_nbytes. Results are F.linear's up to
     float32 rounding, for any number of rows, none included."""
     table, weight, bias = gaussian(50, 16), gaussian(24, 16, seed=1), gaussian(24, seed=2)
-    linears = Linears("none", torch.float32, matmul=OneDNNMatmul())
+    linears = Linears(WeightsPolicy(), matmul=OneDNNMatmul())
     head, embedding = linears.head_and_embedding(table, None)
     layer = linears.linear(weight, bias)
     assert head.weight is None and layer.weight is None and head.packed is not None
@@ -205,7 +206,7 @@ def test_the_tensors_a_layer_holds_are_no_views(tmp_path, quantization):
 
 
 def test_dense_copies_only_of_what_a_one_row_loop_reads():
-    """Linears(dense_in_graph=True) keeps a packed route's float32 and bfloat16 weights dense too (the compiled
+    """A policy with dense_in_graph keeps a packed route's float32 and bfloat16 weights dense too (the compiled
     one-row loops read them), not float16's, which no loop reads, nor int8 weights (whose kernel has its own)."""
     class Packing:  # a packed route, whatever the CPU (oneDNN's own availability differs by dtype and CPU)
         name = "packing"
@@ -218,10 +219,22 @@ def test_dense_copies_only_of_what_a_one_row_loop_reads():
 
     kept = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        linears = Linears("none", dtype, matmul=Packing(), dense_in_graph=True)
+        linears = Linears(WeightsPolicy(dtype, dense_in_graph=True), matmul=Packing())
         layer = linears.linear(torch.randn(8, 16).to(dtype))
         kept[dtype] = (layer.weight is not None, linears.dense_copy_nbytes, linears.one_row_loops)
     assert kept == {torch.float32: (True, 8 * 16 * 4, True), torch.bfloat16: (True, 8 * 16 * 2, True),
                     torch.float16: (False, 0, False)}
-    int8 = Linears("int8", torch.float32, kernel=FloatKernel(), dense_in_graph=True)
+    int8 = Linears(WeightsPolicy(quantization="int8", dense_in_graph=True), kernel=FloatKernel())
     assert not int8.dense_in_graph and not int8.one_row_loops
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_policy_picks_the_routes_once(device):
+    """The BLAS call under batch_invariant and off the CPU, the float32 kernel for int8 off the CPU (the int8 kernels
+    are probed on a CPU only), the probes' choices otherwise (nothing is placed on `device` here)."""
+    blas = Linears.for_policy(WeightsPolicy(device=device, batch_invariant=True))
+    assert blas.matmul is BLAS and blas.kernel is None
+    int8 = Linears.for_policy(WeightsPolicy(device=device, quantization="int8"))
+    assert int8.matmul is BLAS and isinstance(int8.kernel, FloatKernel) == (device != "cpu")
+    probed = Linears.for_policy(WeightsPolicy(device=device))
+    assert probed.matmul is (float_kernels.choose_matmul(torch.float32) if device == "cpu" else BLAS)

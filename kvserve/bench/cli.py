@@ -7,7 +7,7 @@ from kvserve.bench.multiturn import add_multiturn_parser
 from kvserve.bench.serve import add_serve_bench_parser
 from kvserve.bench.startup import add_startup_parser
 from kvserve.bench.step import add_step_parser
-from kvserve.bench.throughput import add_throughput_parser
+from kvserve.bench.throughput.cli import add_throughput_parser
 from kvserve.bench.window import add_window_parser
 
 

@@ -107,8 +107,8 @@ def share_ceiling(matmul_seconds: float, decode_matmul_seconds: float, decode_kv
 def read_bandwidth(nbytes: int = 2**30, reps: int = 10) -> float:
     """Bytes/s this CPU reads from memory with every core: the best of `reps` sums over `nbytes` of float32 (far more
     than its caches hold), what a decode step reading its weights or a K/V cache once can at best reach. Measured
-    once a process; on a shared machine it varies with the neighbours' traffic (44-69 GB/s seen on one EPYC in a
-    day), and the best of many sums is the least disturbed."""
+    once a process; on a shared machine it varies with the neighbours' traffic, and the best of many sums is the least
+    disturbed."""
     data = torch.ones(nbytes // 4)
     return nbytes / _best_time(data.sum, reps)
 

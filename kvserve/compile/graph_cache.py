@@ -1,29 +1,11 @@
-"""The compiled decode graphs kept on disk whole, so that a later start of the same engine loads them instead of
-tracing the model again.
-
-`torch.compile` caches what Inductor generates (its FX graph and AOTAutograd caches), but not Dynamo's work: every
-start traced the model's Python again to find which cached graph it is, 2-3.5 s of a cached start of SmolLM2
-(`kvserve bench startup`, docs/benchmarks.md), most of what a cached start added to an eager one. torch's AOT
-precompile (`torch.compile(...).aot_compile`, experimental in torch 2.13) captures one function's whole graph and
-returns it with Dynamo's bytecode around it and its guards, all of which can be saved and loaded; a loaded graph
-runs no Dynamo at all.
-
-A saved graph is named by everything its code depends on and its guards do not check (GraphKey): kvserve's own
-source (every file of the package), torch's and Python's versions, the machine (its vector instruction sets and C++
-compiler, as kvserve/inductor_isa.py keys them) and Inductor's settings, the graph's options and which graph it is
-(the whole step, attention outside, the head; for how many sequences), and the model and KV cache it was traced
-over: every module's class, every tensor's dtype, shape and strides, every setting the model and cache hold (a
-norm's epsilon, an attention scale, a kernel route the start-up probe chose). The guards that do remain check the
-step's inputs at each call, as a compiled graph's do; those on the weights and layers are dropped
-(compiled_step.step_guards), which is why the model is in the name.
-
-The files live in Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, or its default under /tmp), beside the
-kernels they call, written by this machine's own starts. torch's format for them is a pickle, as Inductor's own
-cache entries are: like those, they are only ever read from that directory, never taken from a peer or a request,
-and only a file this user owns in a directory this user owns, neither writable by others (written so: 0600, 0700).
-A file that cannot be read (truncated, from another torch) is compiled again and written over. Files are never
-pruned: each edit or upgrade of kvserve names new ones (0.1-0.9 MB each for SmolLM2's three graphs); deleting the
-directory only makes the next start compile."""
+"""The compiled step graphs kept on disk whole, so that a later start of the same engine loads them instead of
+tracing the model again: torch.compile's own caches keep what Inductor generates but not Dynamo's work, which every
+start repeated, while torch's AOT precompile saves a graph with Dynamo's bytecode and guards, and a loaded graph runs
+no Dynamo at all. A saved graph is named by everything its code depends on and its guards do not check (GraphKey:
+kvserve's source, torch, Python, the machine, Inductor's settings, the graph's options, the model's and cache's
+structure). The files are pickles, read only from Inductor's cache directory, owned by this user and writable by no
+one else; one that cannot be read is compiled again and written over. docs/architecture.md ("Compiled steps") says
+more, docs/benchmarks.md (`kvserve bench startup`) what it saves."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,79 +1,12 @@
-"""Compiled steps: the model's forward pass, traced by `torch.compile` (Inductor) once at engine start, so a step
-runs a few fused kernels instead of some 125 eager ops per layer, each dispatched from Python: decode steps, and
-prefill steps too (prompt chunks, alone or beside decodes; drafts being verified).
-
-What it compiles is `model.forward` itself, the code every other step runs eagerly, as two graphs:
-- The whole graph: attention inside it too, the step's `AttentionMetadata` (one group per layer group, one query,
-  a block table and a mask) its input. Its sizes are symbols, so any context length runs the same graph (a
-  one-block table is widened to two, since Dynamo specializes a size of 1). A single stream runs it (compiled for
-  one sequence: its matmuls are loops of the graph's own, below), and so do several sequences (compiled for two,
-  the number a symbol) whose decodes are one attention call per layer group (alike context lengths; float32's,
-  read in place, any) while their K/V, each request's blocks gathered and padded to the widest, is at most
-  WHOLE_GRAPH_KV_BYTES: below it the whole graph ran 1.02-1.33x the graph with attention outside it, past it
-  0.68-1.04x (`kvserve bench step`, docs/benchmarks.md).
-- Every other step (bigger batches, steps with a prompt's tokens) runs a graph with attention outside it: the
-  graph sees a stand-in for the step's metadata (its positions only) and calls attention as one op per layer
-  (`kvserve::paged_attention`, a custom op), which attends eagerly over the step's real metadata, in as many calls
-  per layer group as the runner made: float32 K/V one for all the step's decodes, read in place from the pool by a
-  compiled flex_attention (kv/formats/flex_decode.py, built with --compile-decode), other formats one per bucket of
-  alike context lengths (`model_runner.MIN_BUCKET_FILL`). Its one symbol is the number of tokens, so any step runs
-  it, whatever its context lengths. Everything but attention is fused as in the whole graph.
-In both graphs the Llama and Gemma 3 families' layers are one nested compile region each (layer_regions): Dynamo
-traces one layer and reuses it for the others, and Inductor compiles its code once, so a graph compiles in a
-fraction of the time (docs/benchmarks.md, "One traced layer"). The whole graph's region attends inside it, each
-layer over its own row of the pool (kv_cache.LayerRow); its step runs as fast as the layer-by-layer graph did,
-under the engine's frame-stack headroom (engine/python_stack.py: without it, its 30 region calls could thrash
-CPython's chunks). All are compiled at start; while serving nothing compiles (a compile would stall every request): a step whose
-inputs no graph's guards take runs eagerly, with one warning per reason. With --compile-gemms the
-whole graph, frozen, is one graph for one sequence (run as two rows) and for several in one attention call per
-layer group (alike ones; float32's, read in place, any).
-
-Formats that attend over their stored form with a compiled kernel of their own (int8, int4 KV) or keep another
-storage (fp8), and H2O's attention scores, keep attention outside at every decode step, a single stream's too (the
-graph with attention outside is then compiled for one sequence as well). An engine no graph covers runs eagerly,
-the same as with `--enforce-eager`: batch-invariant mode (its fixed tiles), StreamingLLM (its positions outgrow the
-RoPE table), and models other than the Llama and Gemma 3 families; the start-up line says which it is. So does a
-step of one prompt token alone (one token that is no decode: the whole graph does not take it, and with the whole
-graph the one with attention outside is compiled for two tokens and more).
-
-A prefill step runs the graph with attention outside it as a batched decode step does: to the graph a token is a
-token, its attention the op's business. With int8 weights the graph fuses the per-token work around the int8
-matmuls (rotating and quantizing activations, norms, RoPE), which eager runs op by op over the whole chunk; with
-float32 weights a prefill step is bound by its matmuls and runs as fast compiled as eager (docs/benchmarks.md,
-"Prefill in the graph").
-
-Each graph is compiled whole by torch's AOT precompile and saved with Dynamo's bytecode and guards, beside Inductor's
-kernels (compile/graph_cache.py, the file named by everything the graph's code depends on): a second start of the
-same engine loads its graphs and traces nothing, where torch.compile's own caches still had Dynamo trace the model's
-Python at every start (docs/benchmarks.md, "Graphs saved whole"). A call runs the first graph whose guards take the
-step's inputs; --compile-gemms' frozen graph, which cannot be saved, is torch.compile's own, traced at every start.
-The compiled graph fuses elementwise work (norms, RoPE, activations), which rounds differently from eager by a few
-float32 ulps; with int8 weights it also rotates their inputs in loops of its own (kvserve/rotation.py), where those
-ulps can move an activation to the next int8 code: tests/compile/test_steps.py states both tolerances.
-
-Float weights are multiplied as the start-up probe chose (model/float_kernels.py): oneDNN's linear over packed
-copies, which the graph calls as an op of kvserve's own, or F.linear over the weights as they are. A graph over one
-row (a single stream's steps) multiplies float32 and bfloat16 weights with neither, but with a loop of Inductor's own
-(model/linear.py, one_row_in_graph), which splits the weights' rows over every core: MKL's matrix-vector product
-keeps to one core on the AMD EPYCs and reads the weights at half the bandwidth that two do, and oneDNN's call at one
-row was slower than the loop too (docs/benchmarks.md, "Dense weights for the one-row loops"). The loop reads dense
-weights, so beside oneDNN's packed copies --compile-decode keeps them too: float weight memory twice over, said in
-the start-up line.
-One row's logits (head_in_graph: an output head of such weights, for SmolLM2 a fifth of them) run in a small graph
-of their own for the same reason; several rows' run eagerly. Both add their sums in another order than the BLAS, a
-few float32 ulps apart, within the tolerance the tests state.
-
-`--compile-gemms` also freezes the weights (nn.Parameters) into the graph as constants, so Inductor can multiply
-them with its C++ GEMM template over a copy packed at compile time for its loops, where its compile-time benchmark
-finds that faster than the BLAS call. At one token a BLAS matrix-vector product here keeps to one core, the template
-uses them all: on both AMD EPYCs it took single-stream float32 decode to about twice the eager speed
-(docs/benchmarks.md). Over int8 weights that oneDNN's quantized linear multiplies (the Intel Xeon's choice), the
-graph calls oneDNN's op over its packed weights, frozen, and Inductor lowers each call to the same template with
-int8 micro-kernels (AMX there), without oneDNN's per-call overhead: the single stream went past llama.cpp
-(docs/benchmarks.md). Over int8 weights that torch._int_mm multiplies it is not applied (gemms_unused). The costs:
-the graph holds its own packed copy of the weights (the eager steps keep theirs), and Inductor does not cache a
-graph with frozen weights (its packed oneDNN constants cannot be saved), so every start lowers and generates it
-again (its autotuning results and compiled C++ are cached)."""
+"""Compiled steps: the model's forward pass traced by `torch.compile` (Inductor) once at engine start, so that a step
+runs a few fused kernels instead of every layer's eager ops dispatched one by one from Python. Two graphs: the whole
+graph (attention inside; a single stream, and a few sequences whose padded K/V stays under WHOLE_GRAPH_KV_BYTES)
+and the graph with attention outside (attention one custom op over the step's real metadata; every other step,
+prompt chunks included). Both are compiled, or loaded whole (compile/graph_cache.py), at start, and nothing compiles
+while serving: a step no graph takes runs eagerly. `unsupported` names the engines no graph covers and
+`attention_outside` those whose attention stays outside at every step. docs/architecture.md ("Compiled steps") gives
+the long explanation (layer regions, the one-row loops, --compile-gemms, rounding); docs/benchmarks.md
+(`kvserve bench step`, `kvserve bench throughput --compile-decode`) the measurements."""
 from __future__ import annotations
 
 import contextlib
@@ -114,9 +47,8 @@ WARM_UP_BLOCKS = 3  # block-table width of the start-up batches (any width > 1 c
 # Several sequences whose decodes are one attention call per layer group run the whole graph (attention inside it,
 # each request's blocks gathered and padded to the widest) while that reads at most this many bytes of K/V a step
 # (padded keys, every layer); past it, the graph with attention outside, whose float32 kernel reads each request's
-# own blocks in place. `kvserve bench step` on SmolLM2 (45 KiB of K/V a token), AVX-512 EPYC: the whole graph
-# 1.02-1.33x the other at 2-24 sequences up to 8,192 padded keys (360 MiB), 0.68-1.04x past them
-# (docs/benchmarks.md, "Several sequences in the whole graph").
+# own blocks in place. The bound is where `kvserve bench step` found the whole graph stop being the faster one:
+# 8,192 padded keys of SmolLM2's 45 KiB of K/V a token (docs/benchmarks.md).
 WHOLE_GRAPH_KV_BYTES = 360 * 2**20
 
 
@@ -160,9 +92,9 @@ def attention_outside(cache: PagedKVCache, needs_scores: bool) -> str | None:
 def gemms_unused(model) -> str | None:
     """Why --compile-gemms would add nothing but its costs to this model's graph (None: it applies). Inductor's GEMM
     template multiplies float weights that F.linear multiplies, and int8 ones that oneDNN's quantized linear multiplies
-    (it lowers that op over frozen weights: on the Intel Xeon the single stream's fastest graph, docs/benchmarks.md);
-    torch._int_mm's calls stay its calls, and freezing them made the step slower (docs/benchmarks.md, the AVX-512
-    EPYC), and so do calls of oneDNN's float linear over its packed weights (model/float_kernels.py)."""
+    (it lowers that op over frozen weights, with int8 micro-kernels of its own); torch._int_mm's calls stay its
+    calls, and freezing them made the step slower (docs/benchmarks.md), and so do calls of oneDNN's float linear over
+    its packed weights (model/float_kernels.py)."""
     kernel = model.linears.kernel
     if kernel is not None and not isinstance(kernel, FloatKernel) and not kernel.inductor_template:
         return f"the int8 weights are multiplied by {kernel.name}, which Inductor's GEMM template does not replace"
@@ -174,11 +106,11 @@ def gemms_unused(model) -> str | None:
 
 def layer_regions(model, cache: PagedKVCache, gemms: bool) -> list[LayerRegion] | None:
     """The layers of a compiled graph as one nested compile region (model/attention.py's LayerRegion), for the Llama
-    and Gemma 3 families: Dynamo traces one layer instead of each and Inductor compiles its code once (start-up on
-    the Intel Xeon: docs/benchmarks.md, "One traced layer"). A model's forward must not read a layer object before
+    and Gemma 3 families: Dynamo traces one layer instead of each and Inductor compiles its code once, so a graph
+    compiles in a fraction of the time (docs/benchmarks.md). A model's forward must not read a layer object before
     handing it to run_layer: Dynamo then knows that layer by the model's path, and reused the region for every layer
-    with the first one's weights (Gemma 3 did, reading layer.layer_type; tests/compile/test_steps.py's Gemma
-    cases fail so). None (each layer traced as its own code): --compile-gemms, whose freezing Dynamo does not apply
+    with the first one's weights (Gemma 3 did, reading layer.layer_type; tests/compile/test_steps.py's Gemma cases
+    fail so). None (each layer traced as its own code): --compile-gemms, whose freezing Dynamo does not apply
     through a region (it fails tracing: "Freevar has no source")."""
     if gemms or not isinstance(model, (LlamaModel, Gemma3Model)):
         return None
@@ -543,8 +475,8 @@ def _two_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.T
     specializes a size of 1, so one sequence would need a graph of its own, compiled at every start and holding a
     second packed copy of the weights). The copy computes the same keys and values from the same inputs and writes
     them to the same slots; its output row is dropped. Without --compile-gemms one sequence keeps its own graph: there
-    its matmuls are BLAS calls, and MKL's matrix-vector product (one row) is much faster than its two-row product on
-    the AMD EPYCs, while a graph without frozen weights costs no memory and is cached."""
+    its matmuls are BLAS calls, and MKL's matrix-vector product (one row) can be much faster than its two-row product
+    (docs/benchmarks.md), while a graph without frozen weights costs no memory and is cached."""
     groups = [[replace(g, query_index=torch.arange(2, device=g.query_index.device)[:, None],
                        block_tables=g.block_tables.repeat(2, 1), mask=g.mask.repeat(2, 1, 1, 1))]
               for g in (groups[0] for groups in meta.groups)]

@@ -1,15 +1,13 @@
 """`kvserve bench throughput` without llama-cpp-python (the `[bench]` extra): it says so and runs the rest; one
 row per kvserve configuration (dtype x weights x KV format), a roofline line, and bad values named."""
-import io
 import re
-from collections import Counter
-from types import SimpleNamespace
 
 import pytest
-from rich.console import Console
 
-from kvserve.bench import llama_cpp_baseline, throughput
-from kvserve.model import float_kernels, int8_kernels, linear
+from kvserve.bench import llama_cpp_baseline
+from kvserve.bench.throughput import runners, workloads
+from kvserve.bench.throughput.results import RunResult
+from kvserve.model import float_kernels, linear
 from kvserve.cli import main
 from tests.conftest import make_tiny_model
 
@@ -102,13 +100,13 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     # the warm-up run and the batched run leave prompts in the prefix cache; the other engines get no such head
     # start, so each timed kvserve run must start with it empty
     runs = []  # (prompt tokens given, the run's result)
-    run_kvserve = throughput.run_kvserve
+    run_kvserve = runners.run_kvserve
 
     def recorded(llm, prompts, *args):
         runs.append((sum(map(len, prompts)), run_kvserve(llm, prompts, *args)))
         return runs[-1][1]
 
-    monkeypatch.setattr(throughput, "run_kvserve", recorded)
+    monkeypatch.setattr(runners, "run_kvserve", recorded)
     argv = [*TINY_RUN, "llama.cpp", "roofline", "--min-prompt-len", "40", "--max-prompt-len", "40"]
     argv.remove("single")
 
@@ -116,17 +114,6 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
 
     assert len(runs) == 3  # warm-up, batched, single stream
     assert [result.prefill_tokens for _, result in runs] == [prompt_tokens for prompt_tokens, _ in runs]
-
-
-def test_decode_steps_count_each_sequences_context_once_as_the_kv_they_read(tmp_path):
-    from kvserve import LLM
-
-    llm = LLM(model=str(make_tiny_model(tmp_path)), kv_cache_memory="16MiB")
-    result = throughput.run_kvserve(llm, [[5] * 5, [7] * 9], 4)  # both prefill in the first step, then decode
-
-    # the steps sampling tokens 2..4 attend over prompt + (tokens so far - 1) keys: 5+1, 5+2, 5+3 and 9+1, 9+2, 9+3
-    assert result.decode_tokens == 6 and result.decode_steps == 3
-    assert result.decode_kv_bytes == (21 + 33) * llm.engine.cache_plan.kv_bytes_per_token > 0
 
 
 @pytest.mark.parametrize("option, value, message", [
@@ -147,29 +134,11 @@ def test_bad_values_are_named_before_anything_loads(option, value, message):
         main(argv)
 
 
-def test_the_rewrite_workload_asks_to_correct_real_documents_of_the_stated_lengths():
-    from kvserve.bench.rewrite import INSTRUCTION, RewriteWorkload
-    from kvserve.model.loader import resolve_model
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
-    workload = RewriteWorkload()
-    documents = workload.documents(tokenizer)
-    lengths = [len(tokenizer(d, add_special_tokens=False).input_ids) for d in documents]
-    assert len(documents) == 8 and all(300 <= n for n in lengths) and lengths == sorted(lengths)
-    assert len(set(documents)) == 8
-    prompts = workload.prompts(49152, tokenizer)
-    text = tokenizer.decode(prompts[0])
-    assert INSTRUCTION.strip() in text and documents[0][:100] in text and "<|im_start|>assistant" in text
-    assert max(map(len, prompts)) + workload.output_len <= workload.max_len
-
-
 @pytest.mark.slow
 def test_speculation_rows_say_how_much_was_accepted(monkeypatch, capsys):
     from kvserve.bench.rewrite import RewriteWorkload
 
-    monkeypatch.setattr(throughput, "RewriteWorkload", lambda: RewriteWorkload(2, 60, 90, 24))
+    monkeypatch.setattr(workloads, "RewriteWorkload", lambda: RewriteWorkload(2, 60, 90, 24))
     argv = ["bench", "throughput", "--workloads", "rewrite", "--dtypes", "float32", "--skip", "transformers",
             "llama.cpp", "roofline", "--speculative", "off", "ngram"]
 
@@ -207,73 +176,6 @@ def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys, monkey
                zip(least, splits))
 
 
-def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
-    """A compiled graph multiplies one row by float weights in Inductor's own loops (model/linear.py,
-    one_row_in_graph), not the BLAS calls the split replays: its single stream's time is not split (its rest would
-    come out below zero); an eager single stream's is, and so are compiled batched steps and int8 weights' rows
-    (their own kernel's, said as such). Each row's routes are its engine's (Routes), whatever its name says."""
-    cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
-                          vocab_size=64)
-    blas, int8 = float_kernels.BLAS, int8_kernels.IntMMKernel()
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: blas)  # what the split replays
-
-    def printed(rows: int, float_matmul=blas, extra: tuple = ()) -> str:
-        rows_routes = [("row a", throughput.Routes(float_matmul, None, False, False)),
-                       ("row b", throughput.Routes(float_matmul, None, True, False, one_row_loops=True)),
-                       ("row c", throughput.Routes(blas, int8, True, False)),
-                       ("row d", throughput.Routes(blas, int8_kernels.FloatKernel(), True, False)), *extra]
-        runs = [throughput.RunResult(name, 8, 1.0, decode_tokens=8, decode_seconds=0.5,
-                                     steps=Counter({(rows, rows): 8 // rows}), routes=routes)
-                for name, routes in rows_routes]
-        console = Console(file=io.StringIO(), width=400)
-        throughput._print_decode_split(console, runs, cfg)
-        return console.file.getvalue()
-
-    single = printed(1)
-    assert "row a: 62.5 ms = matmuls" in single
-    assert "row b: 62.5 ms, " in single and "(no split: its matmuls are Inductor's matrix-vector loops" in single
-    assert "row c: 62.5 ms, " in single and "(no split: its matmuls are torch._int_mm's int8 ones)" in single
-    assert "row d: 62.5 ms = matmuls" in single  # int8 codes multiplied as float32 by F.linear, as replayed
-    batched = printed(4)
-    assert "row b: 62.5 ms = matmuls" in batched and "Inductor's matrix-vector loops" not in batched
-    # oneDNN's float linear: the replay multiplies as the engine did, so those rows are split; a row that kept
-    # F.linear (--batch-invariant) is not
-    route = float_kernels.OneDNNMatmul()
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: route)
-    onednn = printed(1, route, extra=[("row e", throughput.Routes(blas, None, False, False)),
-                                      ("row f", throughput.Routes(route, None, True, True)),
-                                      ("row g", throughput.Routes(route, None, True, False))])
-    assert "row b: 62.5 ms, " in onednn  # --compile-decode's dense weights: the graph's loops at one row
-    assert "row g: 62.5 ms = matmuls" in onednn and onednn.count("matrix-vector loops") == 1
-    assert "row e: 62.5 ms, " in onednn and "(no split: its matmuls are F.linear's, not the replayed oneDNN" in onednn
-    assert "row f: 62.5 ms, " in onednn and "(no split: its matmuls are Inductor's GEMM template" in onednn
-    # a row without routes (not kvserve's) is not split at all
-    assert "transformers" not in printed(1, extra=[("transformers", None)])
-
-
-def test_the_second_ceiling_takes_prompt_steps_as_they_ran_and_is_left_out_where_drafts_were_verified(monkeypatch):
-    """The roofline's ceilings: decode-only steps at their replayed matmuls plus one K/V read, and the steps with
-    prompt tokens at their matmuls too or as long as they took (the run's time less its decode steps'). A row that
-    verified drafts gets the first only: its verification steps are timed with its decode steps but are none."""
-    cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
-                          vocab_size=64)
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)
-    monkeypatch.setattr("kvserve.bench.roofline.read_bandwidth", lambda: 1e9)
-    monkeypatch.setattr("kvserve.bench.roofline.step_seconds",  # a prompt step's matmuls 1 s, a decode step's 0.25 s
-                        lambda shapes, steps, reps=2: {shape: 1.0 if shape[0] > shape[1] else 0.25 for shape in steps})
-    steps = Counter({(64, 4): 2, (4, 4): 8})  # 2 s of the prompt steps' matmuls, 2 s of the decode steps'
-    runs = [throughput.RunResult(name, 40, 10.0, decode_tokens=32, decode_seconds=5.0, steps=steps,
-                                 decode_kv_bytes=10**9, drafts=drafts)  # a K/V read of 1 s at 1 GB/s
-            for name, drafts in (("plain", 0), ("drafted", 3))]
-    console = Console(file=io.StringIO(), width=400)
-    throughput._print_roofline(console, runs, cfg)
-    out = console.file.getvalue()
-    # 4 s of matmuls in a 10 s run: 40%; ceilings 4 / (2 + 2 + 1) and, the prompt steps as they ran, 4 / (5 + 2 + 1)
-    assert re.search(r"plain: [\d.]+ GFLOP/s = 40% of that \(ceiling 80%: 1\.0 GB of K/V; 50% with its steps with "
-                     r"prompt tokens as they ran, 5\.0 s\)", out)
-    assert re.search(r"drafted: [\d.]+ GFLOP/s = 40% of that \(ceiling 80%: 1\.0 GB of K/V\)\n", out)
-
-
 @pytest.mark.slow
 def test_llama_cpps_single_stream_runs_right_after_each_of_kvserves(monkeypatch, capsys):
     """This machine's speed drifts over tens of seconds, so each kvserve single stream is compared with a llama.cpp
@@ -281,7 +183,7 @@ def test_llama_cpps_single_stream_runs_right_after_each_of_kvserves(monkeypatch,
     # llama.cpp's tokens/s, run by run (a fake llama.cpp), far enough apart that the machine's noise on kvserve's
     # own runs cannot hide which llama.cpp run each kvserve run was divided by
     events, speeds = [], iter([1.0, 100.0, 10.0])
-    serial = throughput.run_kvserve_serial
+    serial = runners.run_kvserve_serial
 
     def kvserve_single(*args):
         events.append("kvserve")
@@ -291,11 +193,11 @@ def test_llama_cpps_single_stream_runs_right_after_each_of_kvserves(monkeypatch,
         events.append(name)
         tokens = len(prompts) * output_len
         seconds = tokens / next(speeds) if name == "llama.cpp" else 1.0
-        return throughput.RunResult(name, tokens, seconds)
+        return RunResult(name, tokens, seconds)
 
-    monkeypatch.setattr(throughput, "_llama_cpp_ready", lambda console: True)
-    monkeypatch.setattr(throughput, "run_llama_cpp", llama_cpp)
-    monkeypatch.setattr(throughput, "run_kvserve_serial", kvserve_single)
+    monkeypatch.setattr(runners, "llama_cpp_ready", lambda console: True)
+    monkeypatch.setattr(runners, "run_llama_cpp", llama_cpp)
+    monkeypatch.setattr(runners, "run_kvserve_serial", kvserve_single)
     argv = [*TINY_RUN, "roofline", "--repeat", "3"]
     argv.remove("single")
 
@@ -318,7 +220,7 @@ def test_transformers_runs_at_the_end_of_each_round_and_each_round_is_divided_by
     """With --repeat, transformers' batched run comes after each round's kvserve runs (not once after all rounds),
     its row is the median of those runs, and each kvserve run is divided by the transformers run of its round."""
     events, speeds = [], iter([1.0, 100.0, 10.0])  # transformers' tokens/s, round by round (a fake transformers)
-    kvserve_batched = throughput.run_kvserve
+    kvserve_batched = runners.run_kvserve
 
     def kvserve(*args, **kwargs):
         events.append("kvserve")
@@ -328,12 +230,12 @@ def test_transformers_runs_at_the_end_of_each_round_and_each_round_is_divided_by
         timed = batch_size == 16  # the --hf-batch-size default; the warm-up runs batches of 2
         events.append(name if timed else "warm-up")
         tokens = len(prompts) * output_len
-        return throughput.RunResult(name, tokens, tokens / next(speeds) if timed else 1.0,
+        return RunResult(name, tokens, tokens / next(speeds) if timed else 1.0,
                                     [[0] * output_len for _ in prompts])
 
-    monkeypatch.setattr(throughput, "load_transformers", lambda path, dtype: object())
-    monkeypatch.setattr(throughput, "run_transformers", transformers)
-    monkeypatch.setattr(throughput, "run_kvserve", kvserve)
+    monkeypatch.setattr(runners, "load_transformers", lambda path, dtype: object())
+    monkeypatch.setattr(runners, "run_transformers", transformers)
+    monkeypatch.setattr(runners, "run_kvserve", kvserve)
     argv = [*TINY_RUN, "llama.cpp", "roofline", "--repeat", "3"]
     argv.remove("transformers")
 

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from kvserve import inductor_isa
-from kvserve.engine import graph_cache
+from kvserve.compile import graph_cache
 from kvserve.compile.graph_cache import GraphKey, describe
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams

@@ -22,7 +22,8 @@ from unittest import mock
 import pytest
 import torch
 
-from kvserve.engine import compiled_step, graph_cache
+from kvserve.compile import graph_cache
+from kvserve.compile import steps as compiled_step
 from kvserve.engine.llm import LLM
 from kvserve.kv.formats import flex_decode, make_kv_cache
 from kvserve.planner.layout import KVLayout
@@ -226,7 +227,7 @@ def test_new_batch_sizes_and_context_lengths_run_the_same_graph(engines, monkeyp
 
 
 def test_one_rows_logits_run_the_compiled_head(engines, monkeypatch):
-    """A float output head (compiled_step.head_in_graph): one row's logits, a single stream's at every step (its
+    """A float output head (compile/steps.py, head_in_graph): one row's logits, a single stream's at every step (its
     prompt's last row too), run in a graph of their own, where the matrix-vector product is Inductor's loop over every
     core (model/linear.py, one_row_in_graph), over the dense weights that --compile-decode keeps beside oneDNN's
     packed copy too; several rows' logits run eagerly. Both within the tolerance (compare)."""
@@ -404,7 +405,7 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, mon
         compiled = LLM(str(path), **COMMON, **COMPILED, compile_gemms=True)
     assert compiled.engine.runner.compiled is not None and compiled.engine.runner.compiled.failed is None
     # the frozen graph, the one with attention outside, whose weights stay inputs (no second packed copy), and the
-    # float32 output head's for one row (compiled_step.head_in_graph)
+    # float32 output head's for one row (compile/steps.py, head_in_graph)
     graphs += sum(in_place)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 3
     # two layers, four linears each

@@ -1,0 +1,88 @@
+"""kvserve's configurations in `kvserve bench throughput`: one row per combination of the options' values (dtype x
+weights x KV format x block size x modes), each checked by the engine's own config before anything loads."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from kvserve.config import DEFAULT_BLOCK_SIZE, DEFAULT_DISABLE_BY_BATCH_SIZE, EngineConfig
+
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class KvserveConfig:
+    dtype: str
+    quantization: str
+    kv_cache_dtype: str
+    batch_invariant: bool = False
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    compile_decode: bool = False
+    compile_gemms: bool = False
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def name(self) -> str:
+        extras = ([f"{self.quantization} weights"] if self.quantization != "none" else []) + \
+            ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else []) + \
+            ([f"blocks of {self.block_size}"] if self.block_size != DEFAULT_BLOCK_SIZE else []) + \
+            (["batch-invariant"] if self.batch_invariant else []) + \
+            ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else []) + \
+            ([f"off above {self.disable_by_batch_size}"] if self.disable_by_batch_size != DEFAULT_DISABLE_BY_BATCH_SIZE
+             and self.speculative != "off" else []) + \
+            (["compiled decode"] if self.compile_decode else []) + (["compiled GEMMs"] if self.compile_gemms else [])
+        return f"kvserve ({', '.join([self.dtype, *extras])})"
+
+    @property
+    def speculative_config(self) -> dict | None:
+        if self.speculative == "off":
+            return None
+        return {"method": self.speculative, "num_speculative_tokens": self.num_speculative_tokens,
+                "disable_by_batch_size": self.disable_by_batch_size}
+
+
+def option_values(values: list[str]) -> list[str]:
+    """Space- or comma-separated option values ("auto,int8" or "auto int8")."""
+    return [v for value in values for v in value.split(",") if v]
+
+
+def kvserve_configs(args: argparse.Namespace) -> list[KvserveConfig]:
+    """Every combination of the options' values, in row order; a bad value exits naming the choices."""
+    modes, compile_modes, methods = _checked_modes(args)
+    configs = [KvserveConfig(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit, compiled != "off",
+                             compiled == "gemms", block)
+               for d in args.dtypes for q in option_values(args.quantization)
+               for kv in option_values(args.kv_cache_dtype)
+               for block in dict.fromkeys(args.block_size) for mode in modes for method in methods
+               for limit in (args.disable_by_batch_size if method != "off" else [DEFAULT_DISABLE_BY_BATCH_SIZE])
+               for compiled in compile_modes]
+    for c in configs:
+        _check_with_engine_config(c)
+    return configs
+
+
+def _checked_modes(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
+    """The --batch-invariant, --compile-decode and --speculative values, each checked against its choices."""
+    modes = option_values(args.batch_invariant)
+    if set(modes) - {"off", "on"}:
+        raise SystemExit(f"kvserve bench throughput: --batch-invariant takes off and/or on, got {args.batch_invariant}")
+    compile_modes = option_values(args.compile_decode)
+    if not compile_modes or set(compile_modes) - {"off", "on", "gemms"}:
+        raise SystemExit(f"kvserve bench throughput: --compile-decode takes off, on and/or gemms, got "
+                         f"{args.compile_decode}")
+    methods = option_values(args.speculative)
+    if set(methods) - set(SPECULATIVE_METHODS):
+        raise SystemExit(f"kvserve bench throughput: --speculative takes {', '.join(SPECULATIVE_METHODS)}, got "
+                         f"{args.speculative}")
+    return modes, compile_modes, methods
+
+
+def _check_with_engine_config(config: KvserveConfig) -> None:
+    """Bad values fail here, naming the choices, before anything loads."""
+    try:
+        EngineConfig(dtype=config.dtype, quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+                     speculative_config=config.speculative_config, block_size=config.block_size)
+    except ValueError as exc:
+        raise SystemExit(f"kvserve bench throughput: {exc}") from exc

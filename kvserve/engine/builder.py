@@ -1,7 +1,8 @@
-"""Building an engine, one part at a time: resolve the model and its config, plan the KV cache, check the settings
-against each other, then load the model, allocate the cache, open the disk tier, compile the steps and wire the
-scheduler and runner. Everything a setting can refuse is refused before the weights load; each part's start-up
-line (engine/startup.py) is logged as soon as that part exists, so a slow compile follows the lines before it."""
+"""Building an engine, one part at a time: resolve the model and its config, check the settings against each other
+and the model, plan the KV cache, then load the model, allocate the cache, open the disk tier, wire the cache
+manager, speculator and scheduler, and compile the steps for the runner. A setting is refused before the weights
+load; each part's start-up line (engine/startup.py) is logged as soon as that part exists, so the lines come in
+the order the parts are built and a slow compile waits behind the lines before it."""
 from __future__ import annotations
 
 import json
@@ -87,6 +88,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     eager_decode_reason = unsupported(MODEL_CLASSES[setup.model_config.architecture], config.batch_invariant,
                                       setup.eviction.unbounded_length) if config.compile_decode else None
     model = load_model(config, setup, eager_decode_reason)
+    check_model_windows(setup)
     tiles = RowTiles(TILE_ROWS if config.batch_invariant else None)
     cache = build_cache(config, setup, tiles)
     disk_cache = open_disk_cache(config, setup, cache) if config.kv_disk_cache is not None else None
@@ -177,6 +179,7 @@ def load_tokenizer(path: Path):
 
 
 def _generation_eos(path: Path) -> frozenset[int]:
+    """The end-of-sequence ids generation_config.json adds to the model config's."""
     file = path / "generation_config.json"
     if not file.exists():
         return frozenset()
@@ -194,14 +197,20 @@ def load_model(config: EngineConfig, setup: EngineSetup, eager_decode_reason: st
                         config.quantization, config.batch_invariant,
                         dense_in_graph=config.compile_decode and eager_decode_reason is None)
     logger.info(startup.weights_line(weights_facts(config, model)))
+    return model
+
+
+def check_model_windows(setup: EngineSetup) -> None:
+    """The model's sliding-window layers are the ones the planner's KV layout gives a window."""
+    mc = setup.model_config
     model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
     if model_windows != [setup.layout.windows[g] for g in setup.layout.group_of]:
         raise ValueError(f"{setup.model_name}: the model's sliding-window layers {model_windows} disagree with "
                          "the KV layout the planner derived from its config")
-    return model
 
 
 def weights_facts(config: EngineConfig, model) -> startup.WeightsFacts:
+    """What the built model holds: its bytes, its form and the copies its kernels keep."""
     linears = model.linears
     fallback = linears.kernel.reason if isinstance(linears.kernel, FloatKernel) else None
     return startup.WeightsFacts(model.weights_nbytes, config.dtype, config.quantization, fallback,

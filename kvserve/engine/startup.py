@@ -1,5 +1,6 @@
-"""What an engine built, as data, and the start-up lines that say it: the builder (engine/builder.py) fills the facts
-as each part is built and logs each part's line here; nothing else words them."""
+"""What an engine built, as data, and the start-up lines that say it. The builder (engine/builder.py) logs each
+part's line as soon as that part is built; LLMEngine.capacity_line() words the cache's facts again when asked,
+as the cache describes itself then (its decode attention may have fallen back to eager)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -48,10 +48,6 @@ class LLMEngine:
         """The start-up line: the pool the planner sized, its storage format and layer groups (as they are now)."""
         return startup.capacity_line(cache_facts(self.cache_plan, self.cache, self.layout, self.config.max_num_seqs))
 
-    def batch_invariance_line(self) -> str:
-        """The start-up line saying which guarantee holds (docs/architecture.md, "Batch invariance")."""
-        return startup.batch_invariance_line(self.config.batch_invariant, self.config.block_size)
-
     # ---- requests in -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> Request:
         """Validate and queue a request; raises ValueError naming the problem, queueing nothing."""

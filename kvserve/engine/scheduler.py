@@ -79,6 +79,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> dict[str, int]:
+        return {"num_running": len(self.running), "num_waiting": self.num_waiting_seqs,
+                "num_preemptions": self.num_preemptions}
+
     def schedule(self) -> SchedulerOutput:
         self.kv.collect_loads()  # prefixes read from disk since the last step join the prefix index
         out = SchedulerOutput()

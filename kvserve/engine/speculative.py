@@ -124,6 +124,12 @@ class SpeculationStats:
         for i in range(num_accepted):
             self.accepted_by_position[i] += 1
 
+    def as_dict(self) -> dict[str, int | list[int]]:
+        """The counters under the engine's stats keys."""
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_accepted_by_position": list(self.accepted_by_position)}
+
 
 class Speculator:
     """Proposes drafts for decoding sequences and samples the verification rows; the engine rolls the KV back."""
@@ -142,16 +148,6 @@ class Speculator:
             self._recent = _RecentOutputs(config.suffix_decoding_max_cached_requests,
                                           config.suffix_decoding_max_tree_depth)
         self._indexes: dict[str, _NgramIndex] = {}
-
-    def describe(self) -> str:
-        c = self.config
-        if c.method == "ngram":
-            how = f"prompt lookup of {c.prompt_lookup_min}..{c.prompt_lookup_max}-grams"
-        else:
-            how = (f"suffix match up to {c.suffix_decoding_max_tree_depth} tokens over the request and the last "
-                   f"{c.suffix_decoding_max_cached_requests} outputs")
-        return (f"speculative decoding: {c.method}, up to {c.num_speculative_tokens} draft tokens ({how}), while at "
-                f"most {self.max_batch} sequences decode in a step (disable_by_batch_size)")
 
     def propose(self, seq: Sequence, max_tokens: int, num_decoding: int) -> list[int]:
         """Draft tokens to verify after `seq`'s last token this step: at most `max_tokens` (the step's token budget

@@ -257,7 +257,7 @@ def build_application(config: ScaleOutConfig):
 
 
 def _load_tokenizer(config: ScaleOutConfig):
-    from kvserve.engine.llm_engine import _load_tokenizer as load
+    from kvserve.engine.builder import load_tokenizer as load
     from kvserve.model.loader import resolve_model
 
     return load(resolve_model(config.engine.model).path)

@@ -1,0 +1,138 @@
+"""What an engine built, as data, and the start-up lines that say it. The builder (engine/builder.py) logs each
+part's line as soon as that part is built; LLMEngine.capacity_line() words the cache's facts again when asked,
+as the cache describes itself then (its decode attention may have fallen back to eager)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.batch_invariant import TILE_ROWS
+from kvserve.config import SpeculativeConfig
+from kvserve.planner.capacity import KVCachePlan
+
+
+@dataclass(frozen=True)
+class WeightsFacts:
+    """The model's weights in memory: their bytes, their form, and the copies a kernel keeps of some of them."""
+
+    nbytes: int
+    dtype: str  # the float dtype's name (norms are held in it under int8)
+    quantization: str | None  # "int8": linear weights quantized to int8
+    fallback_kernel_reason: str | None = None  # int8 codes held as float32 for the fallback kernel: why
+    tied_copy_nbytes: int = 0  # a kernel's packed copy of the tied embedding table
+    dense_copy_nbytes: int = 0  # dense weights kept beside packed copies for compiled decode steps
+    matmul_name: str = ""  # the float linear kernel whose packed copies those are
+
+
+@dataclass(frozen=True)
+class CacheFacts:
+    """The KV pool the planner sized, how its format and layer groups describe themselves, and its staging."""
+
+    plan: KVCachePlan
+    format_description: str
+    layout_description: str
+    staging_nbytes: int  # full-precision staging for partly filled blocks (int4), 0 for other formats
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class CompiledAttentionFacts:
+    """A KV format's decode attention compiled at start."""
+
+    format_name: str
+    compile_s: float
+
+
+@dataclass(frozen=True)
+class CompiledStepsFacts:
+    """How decode steps were compiled (--compile-decode): whether attention runs outside the graph and why, and
+    how compile/steps.py accounts for the start's graphs and GEMMs."""
+
+    attention_outside: str | None  # None: a whole graph takes attention too
+    whole_graph_kv_bytes: int  # several sequences run in a whole graph while their padded K/V is at most this
+    compile_s: float
+    phases: str  # CompiledDecode.compile_phases_line()
+    gemms: str  # CompiledDecode.gemms_line()
+
+
+def weights_line(facts: WeightsFacts) -> str:
+    """e.g. "weights: 135.5 MB int8 (per-output-channel scales; activations per token)"."""
+    if facts.quantization == "int8":
+        form = ("int8 (per-output-channel scales, activations quantized per token, both rotated; norms in "
+                f"{facts.dtype})")
+        if facts.fallback_kernel_reason is not None:
+            form += f"; the codes are held as float32 for the fallback kernel ({facts.fallback_kernel_reason})"
+        if facts.tied_copy_nbytes:
+            form += (f"; of which {facts.tied_copy_nbytes / 1e6:,.1f} MB is the int8 kernel's own copy of the tied "
+                     "embedding table (lookups read the codes, the output head its packed copy)")
+    else:
+        form = facts.dtype
+        copies = []
+        if facts.tied_copy_nbytes:
+            copies.append(f"{facts.tied_copy_nbytes / 1e6:,.1f} MB is {facts.matmul_name}'s packed copy of "
+                          "the tied embedding table: lookups read the table, the output head its packed copy")
+        if facts.dense_copy_nbytes:
+            copies.append(f"{facts.dense_copy_nbytes / 1e6:,.1f} MB the dense weights kept beside "
+                          f"{facts.matmul_name}'s packed copies for --compile-decode: the single stream's graph "
+                          "multiplies them in loops of its own")
+        if copies:
+            form += f" (of which {'; '.join(copies)})"
+    return f"weights: {facts.nbytes / 1e6:,.1f} MB {form}"
+
+
+def capacity_line(facts: CacheFacts) -> str:
+    """The pool the planner sized, its storage format and layer groups."""
+    described = "; ".join(filter(None, [facts.format_description, facts.layout_description]))
+    line = facts.plan.summary_line(described)
+    if facts.staging_nbytes:
+        line += (f"; plus {facts.staging_nbytes / 2**20:.1f} MiB of full-precision staging for partly "
+                 f"filled blocks (2 blocks for each of {facts.max_num_seqs} sequences)")
+    return line
+
+
+def batch_invariance_line(batch_invariant: bool, block_size: int) -> str:
+    """Which guarantee holds (docs/architecture.md, "Batch invariance")."""
+    if batch_invariant:
+        return (f"batch invariance: bitwise (--batch-invariant: every per-token op on tiles of {TILE_ROWS} "
+                f"tokens, attention per {block_size}-token query tile); a request's logits do not "
+                "depend on its batch, chunking, prefix hits or preemption")
+    return ("batch invariance: same greedy tokens batched or alone up to float rounding (a lossy KV format "
+            "may flip a near-tie); --batch-invariant makes logits bitwise independent of the batch")
+
+
+def compiled_attention_line(facts: CompiledAttentionFacts) -> str:
+    return (f"{facts.format_name} decode attention compiled in {facts.compile_s:.1f} s "
+            "(torch.compile; --enforce-eager skips it)")
+
+
+def speculation_line(config: SpeculativeConfig) -> str:
+    """The speculative decoding method and its bounds (engine/speculative.py)."""
+    if config.method == "ngram":
+        how = f"prompt lookup of {config.prompt_lookup_min}..{config.prompt_lookup_max}-grams"
+    else:
+        how = (f"suffix match up to {config.suffix_decoding_max_tree_depth} tokens over the request and the last "
+               f"{config.suffix_decoding_max_cached_requests} outputs")
+    return (f"speculative decoding: {config.method}, up to {config.num_speculative_tokens} draft tokens ({how}), "
+            f"while at most {config.disable_by_batch_size} sequences decode in a step (disable_by_batch_size)")
+
+
+def eager_steps_line(reason: str) -> str:
+    """--compile-decode asked for, but no decode step can run compiled."""
+    return f"decode steps: eager ({reason})"
+
+
+def gemms_not_applied_line(reason: str) -> str:
+    return f"--compile-gemms: not applied ({reason}); the decode step compiles without it"
+
+
+def compiled_steps_line(facts: CompiledStepsFacts) -> str:
+    """Which graphs decode steps run in, and what compiling them took."""
+    if facts.attention_outside is None:
+        graphs = ("compiled (torch.compile, --compile-decode): one sequence in a whole graph, several in "
+                  "another while their K/V padded to the longest is at most "
+                  f"{facts.whole_graph_kv_bytes / 2**20:,.0f} MiB, the others (any number, any context lengths) in one "
+                  "with attention outside it")
+    else:
+        graphs = (f"one compiled graph with attention outside it (torch.compile, --compile-decode; "
+                  f"{facts.attention_outside})")
+    return (f"decode steps: {graphs}, in {facts.compile_s:.1f} s{facts.phases}{facts.gemms}; prefill and mixed steps "
+            "in the graph with attention outside it too")

@@ -9,19 +9,18 @@ the long explanation (layer regions, the one-row loops, --compile-gemms, roundin
 (`kvserve bench step`, `kvserve bench throughput --compile-decode`) the measurements."""
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 import types
-import warnings
 import weakref
 from dataclasses import replace
-from unittest import mock
 
 import torch
 
 from kvserve.compile.graph_cache import GraphKey, GraphMiss, GraphSet, engine_objects, first_line
+from kvserve.compile.inductor import (COMPILE_PHASES, freezing, phase_seconds, quiet_autotuning, resident_bytes,
+                                      step_guards)
+from kvserve.compile.shapes import at_least_two_blocks, mark_dynamic, mark_sequences, two_rows
 from kvserve.inductor_isa import remember_vec_isa_probe
 from kvserve.kv.kv_cache import FullPrecisionKVCache, PagedKVCache
 from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerRegion, attend_over,
@@ -246,12 +245,12 @@ class CompiledDecode:
         """The whole graph over a step it takes (`eligible`). Serving calls it through `forward`; `kvserve bench
         step` directly, with `compile_missing`, to time it against the graph with attention outside on steps that
         serving runs there: a graph for the step is compiled if none takes it."""
-        meta, num_seqs = replace(_at_least_two_blocks(meta), layer_regions=self._regions), input_ids.shape[0]
+        meta, num_seqs = replace(at_least_two_blocks(meta), layer_regions=self._regions), input_ids.shape[0]
         if num_seqs == 1 and self.gemms:
-            input_ids, meta = _two_rows(input_ids, meta)
+            input_ids, meta = two_rows(input_ids, meta)
             self.cache.begin_step([], [], meta.slot_mappings)  # the runner began the step: now its slots, twice
-        args, mark = (input_ids, meta, self.cache), lambda: _mark_dynamic(input_ids, meta)
-        with torch.no_grad(), _freezing(self.gemms):
+        args, mark = (input_ids, meta, self.cache), lambda: mark_dynamic(input_ids, meta)
+        with torch.no_grad(), freezing(self.gemms):
             if compile_missing:
                 return self._whole.run_or_compile(f"whole-{input_ids.shape[0]}", args, mark)[:num_seqs]
             return self._whole(*args, mark=mark)[:num_seqs]
@@ -274,7 +273,7 @@ class CompiledDecode:
         paged_attention over the step's cache and metadata)."""
         attend, stand_in = attend or attend_over(self.cache, meta), self._stand_in(meta)
         with torch.no_grad(), attention_outside_graph(attend):
-            return self._outside(input_ids, stand_in, self.cache, mark=lambda: _mark_sequences(input_ids, stand_in))
+            return self._outside(input_ids, stand_in, self.cache, mark=lambda: mark_sequences(input_ids, stand_in))
 
     def _stand_in(self, meta: AttentionMetadata) -> AttentionMetadata:
         """What the graph with attention outside sees of a step's metadata: its positions."""
@@ -307,10 +306,10 @@ class CompiledDecode:
     def warm_up(self) -> bool:
         """Compile (or load) at start, and run once: the whole graph for a decode step of one sequence and one of
         two (the number a symbol: any number above one; with --compile-gemms only the latter, which one sequence
-        runs as two rows: _two_rows) over the pool's first blocks (the one block they write to is put back after),
+        runs as two rows: two_rows) over the pool's first blocks (the one block they write to is put back after),
         and the graph with attention outside for two sequences (without the whole graph, for one too; its
         attention op returns zeros there: it writes nothing). Returns whether all compiled."""
-        started, resident, phases = time.perf_counter(), _resident_bytes(), _phase_seconds()
+        started, resident, phases = time.perf_counter(), resident_bytes(), phase_seconds()
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block) if self.whole else None  # the one block it writes, put back after
         try:
@@ -318,8 +317,8 @@ class CompiledDecode:
                 input_ids, meta = self._warm_up_step(num_seqs)
                 meta = replace(meta, layer_regions=self._regions)
                 self.cache.begin_step([], [], meta.slot_mappings)
-                with torch.no_grad(), _freezing(self.gemms), _quiet_autotuning(self.gemms):
-                    mark = lambda: _mark_dynamic(input_ids, meta)  # noqa: E731
+                with torch.no_grad(), freezing(self.gemms), quiet_autotuning(self.gemms):
+                    mark = lambda: mark_dynamic(input_ids, meta)  # noqa: E731
                     self._whole.add(f"whole-{num_seqs}", (input_ids, meta, self.cache), mark)
                     self._whole(input_ids, meta, self.cache, mark=mark)
             for num_seqs in (2,) if self.whole else (1, 2):
@@ -327,7 +326,7 @@ class CompiledDecode:
                 stand_in = self._stand_in(meta)
                 with torch.no_grad(), attention_outside_graph(zero_attention):
                     self._outside.add(f"outside-{num_seqs}", (input_ids, stand_in, self.cache),
-                                      lambda: _mark_sequences(input_ids, stand_in))
+                                      lambda: mark_sequences(input_ids, stand_in))
                 self.run_outside(input_ids, meta, zero_attention)
             if self._head is not None:
                 head = self.model.lm_head
@@ -343,8 +342,8 @@ class CompiledDecode:
         sets = [graphs for graphs in (self._whole, self._outside, self._head) if graphs is not None]
         self.graphs_loaded, self.graphs_compiled = sum(g.loaded for g in sets), sum(g.compiled for g in sets)
         self.compile_seconds = time.perf_counter() - started
-        self.compile_phases = {name: seconds - phases.get(name, 0.0) for name, seconds in _phase_seconds().items()}
-        self.resident_growth = _resident_bytes() - resident
+        self.compile_phases = {name: seconds - phases.get(name, 0.0) for name, seconds in phase_seconds().items()}
+        self.resident_growth = resident_bytes() - resident
         return self.failed is None
 
     def compile_phases_line(self) -> str:
@@ -392,119 +391,3 @@ class CompiledDecode:
     def _fail(self, exc: Exception) -> None:
         self.failed = first_line(exc)
         logger.warning(f"compiled decode step failed ({self.failed}); decode steps run eagerly from now on")
-
-
-# where the graphs reach what never changes in an engine's life: its model (the forward copy's global) and the layers
-# that the regions hold (CompiledDecode._regions, built once)
-ENGINE_CONSTANTS = ("G['_engine']", "meta.layer_regions")
-
-
-def step_guards(entries) -> list[bool]:
-    """Which of Dynamo's guards a compiled step checks (torch.compile's guard_filter_fn): those on the step (the
-    inputs' sizes and kinds, the metadata, the cache), not those on the model's weights and layers, which the engine
-    never changes and whose graphs are its own (CompiledDecode). Those were most of the guards, checked at every
-    step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared. Nor
-    those on globals (kvserve's code, which names a saved graph: compile/graph_cache.py) or of kinds torch cannot
-    save with a graph (an object's identity)."""
-    from torch._dynamo.guards import CheckFunctionManager  # Dynamo's, imported only when it compiles
-
-    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    return [not (entry.name.startswith(ENGINE_CONSTANTS) or entry.is_global or entry.guard_type in unsaved)
-            for entry in entries]
-
-
-# torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics) named in the start-up line
-COMPILE_PHASES = {"bytecode_tracing": "Dynamo's tracing", "create_aot_dispatcher_function": "Inductor",
-                  "build_guards": "guards"}
-
-
-def _phase_seconds() -> dict[str, float]:
-    """Seconds torch.compile has spent so far in this process in each of COMPILE_PHASES (its own timers, a module
-    dict of torch._dynamo.utils; none where a torch version keeps no such dict)."""
-    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
-    return {name: float(sum(metrics.get(name, ()))) for name in COMPILE_PHASES}
-
-
-def _freezing(on: bool):
-    """--compile-gemms: Inductor's freezing flag set while Dynamo traces (Dynamo reads the global flag, not the
-    compile's options, to lift nn.Parameters as the graph's parameters) and while it checks the graphs' guards."""
-    return torch._inductor.config.patch(freezing=True) if on else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _quiet_autotuning(on: bool):
-    """Inductor prints each GEMM's autotuning table to stderr, hundreds of lines, under a module flag of its own, and
-    its lowering of oneDNN's int8 linear warns twice about its own code (a tensor copy, a deprecated storage call)."""
-    if not on:
-        yield
-        return
-    from torch._inductor import select_algorithm  # Inductor's, imported only when it compiles
-    with mock.patch.object(select_algorithm, "PRINT_AUTOTUNE", False), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-        yield
-
-
-def _resident_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 where there is none)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
-def _at_least_two_blocks(meta: AttentionMetadata) -> AttentionMetadata:
-    """The step with each one-block table widened to two (the first block again, its keys masked out). Dynamo
-    specializes a size of 1 rather than make it a symbol, so contexts of up to one block would need a graph of
-    their own; a masked key adds exp(-inf) = 0 to the softmax."""
-    if all(groups[0].block_tables.shape[1] > 1 for groups in meta.groups):
-        return meta
-    widened = []
-    for groups in meta.groups:
-        g = groups[0]
-        if g.block_tables.shape[1] == 1:
-            hidden = torch.zeros_like(g.mask)
-            g = replace(g, block_tables=g.block_tables.repeat(1, 2), mask=torch.cat([g.mask, hidden], dim=3))
-        widened.append([g])
-    return replace(meta, groups=widened)
-
-
-def _two_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
-    """--compile-gemms: a one-sequence step as two identical sequences, so that it runs the graph of several (Dynamo
-    specializes a size of 1, so one sequence would need a graph of its own, compiled at every start and holding a
-    second packed copy of the weights). The copy computes the same keys and values from the same inputs and writes
-    them to the same slots; its output row is dropped. Without --compile-gemms one sequence keeps its own graph: there
-    its matmuls are BLAS calls, and MKL's matrix-vector product (one row) can be much faster than its two-row product
-    (docs/benchmarks.md), while a graph without frozen weights costs no memory and is cached."""
-    groups = [[replace(g, query_index=torch.arange(2, device=g.query_index.device)[:, None],
-                       block_tables=g.block_tables.repeat(2, 1), mask=g.mask.repeat(2, 1, 1, 1))]
-              for g in (groups[0] for groups in meta.groups)]
-    meta = replace(meta, positions=meta.positions.repeat(2), groups=groups,
-                   slot_mappings=[slots.repeat(2) for slots in meta.slot_mappings])
-    return input_ids.repeat(2), meta
-
-
-def _mark_sequences(input_ids: torch.Tensor, stand_in: AttentionMetadata) -> None:
-    """The number of sequences is a symbol in the graph with attention outside, where it is above 1 (one sequence
-    is a graph of its own)."""
-    if input_ids.shape[0] > 1:
-        for tensor in (input_ids, stand_in.positions):
-            torch._dynamo.mark_dynamic(tensor, 0)
-
-
-def _mark_dynamic(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-    """The step's sizes are symbols in the whole graph (the weights' are not): the number of sequences S, where it
-    is above 1 (--compile-gemms; one sequence is a graph of its own), and the block-table width B of each layer
-    group (at least 2: _at_least_two_blocks)."""
-    if input_ids.shape[0] > 1:
-        for tensor in (input_ids, meta.positions, *meta.slot_mappings):
-            torch._dynamo.mark_dynamic(tensor, 0)
-    for groups in meta.groups:
-        g = groups[0]
-        if input_ids.shape[0] > 1:
-            torch._dynamo.mark_dynamic(g.query_index, 0)
-            torch._dynamo.mark_dynamic(g.block_tables, 0)
-            torch._dynamo.mark_dynamic(g.mask, 0)
-        torch._dynamo.mark_dynamic(g.block_tables, 1)
-        torch._dynamo.mark_dynamic(g.mask, 3)

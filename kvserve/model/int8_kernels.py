@@ -83,7 +83,7 @@ class OneDNNKernel(Int8Kernel):
         return (_frozen(torch.ops.onednn.qlinear_prepack(weight, None)), *_unit_scales(weight.shape[0]))
 
     def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
-        # Inductor's freezing flag is set while a frozen graph traces (compile/steps.py, _freezing)
+        # Inductor's freezing flag is set while a frozen graph traces (compile/inductor.py, freezing)
         if torch.compiler.is_compiling() and not torch._inductor.config.freezing:
             return _onednn_sums(x, *packed)
         return _onednn_sums_eager(x, *packed)

@@ -590,7 +590,7 @@ def test_a_step_no_graph_fits_runs_eagerly_with_one_warning_and_serving_goes_on(
     path = make_tiny_model(tmp_path)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
     compiled = LLM(str(path), **COMMON, **COMPILED)
-    monkeypatch.setattr(compiled_step, "_at_least_two_blocks", lambda meta: meta)  # one-block steps: a new graph
+    monkeypatch.setattr(compiled_step, "at_least_two_blocks", lambda meta: meta)  # one-block steps: a new graph
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with caplog.at_level(logging.WARNING, logger="kvserve"):

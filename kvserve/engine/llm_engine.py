@@ -26,7 +26,7 @@ from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.engine.speculative import Speculator
 from kvserve.kv.disk_cache import DiskBlockStore, DiskKVCache, model_fingerprint
 from kvserve.kv.eviction import AttentionScores, make_policy
-from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.compiled import decode_kind
 from kvserve.kv.formats.latent import check_latent_settings
 from kvserve.kv.kv_cache_manager import KVCacheManager
@@ -102,11 +102,11 @@ class LLMEngine:
                              "the KV layout the planner derived from its config")
         tiles = RowTiles(TILE_ROWS if config.batch_invariant else None)
         # batch-invariant attention reads every format the same way for every query (no compiled decode)
-        self.cache = make_kv_cache(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
+        self.cache = make_kv_cache(KVCacheSpec(config.kv_cache_format, self.layout, plan.num_blocks, plan.block_size,
                                    mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs,
                                    compile=not (config.enforce_eager or config.batch_invariant), tiles=tiles,
                                    decode_in_place=config.compile_decode,
-                                   latent_rope_dim=mc.deepseek.qk_rope_head_dim if mc.deepseek else None)
+                                   latent_rope_dim=mc.deepseek.qk_rope_head_dim if mc.deepseek else None))
         started = time.perf_counter()
         self.cache.warm_up(mc.num_heads)
         compile_seconds = time.perf_counter() - started

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from kvserve.rotation import apply_rotary  # noqa: F401 - the models rotate with it from here
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -78,9 +80,3 @@ class RotaryEmbedding:
             sin = (emb.sin() * self.attention_factor).to(dtype=self.sin.dtype, device=self.sin.device)
             return cos.unsqueeze(1), sin.unsqueeze(1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

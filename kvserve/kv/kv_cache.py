@@ -8,7 +8,7 @@ tokens of the `layers_per_block` layers of one layer group, and each group has i
 full-precision format is here; the quantized ones are in kvserve/kv/formats/."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ class PagedKVCache:
         # how attention reads this cache: batch-invariant mode's tiles, else gathered blocks (attend_decodes_with)
         self.reader: AttentionReader = TileReader(self) if self.tiles else GatherReader(self)
 
-    def attend_decodes_with(self, kernel) -> None:
+    def attend_decodes_with(self, kernel: Callable[..., torch.Tensor | None] | None) -> None:
         """A format's compiled decode attention (formats.compiled.CompiledFunction, or None: none), which then
         reads its decodes (DecodeKernelReader) unless tiles read every query alike (batch-invariant mode)."""
         self.fused_decode = kernel
@@ -187,10 +187,8 @@ class LayerRow:
     """One layer's row of a cache as the cache of a one-group step, the row a tensor: what the whole compiled graph's
     layer region (model/attention.py, run_layer) writes to and reads from, so that one traced layer serves all
     (Dynamo reuses a region only for tensor inputs: an int row would be baked into it). It writes and gathers as
-    the cache does for that row, at the step's slots of that layer's group."""
-
-    fused_decode = None
-    exact_own_block = False
+    the cache does for that row, at the step's slots of that layer's group, and is read by gathering (GatherReader:
+    the whole graph attends one query per request inside itself)."""
 
     def __init__(self, cache: PagedKVCache, row: torch.Tensor, slot_mapping: torch.Tensor):
         self.cache, self.row, self.slot_mapping = cache, row, slot_mapping

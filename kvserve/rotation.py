@@ -1,4 +1,5 @@
-"""Orthonormal rotations that spread a vector's energy over all its channels before it is quantized.
+"""Orthonormal rotations: those that spread a vector's energy over all its channels before it is quantized, and
+RoPE's (apply_rotary), which the models and StreamingLLM's sink scoring (kv/scored_attention.py) both apply.
 
 A few large channels (outliers) set a per-row scale and leave the other channels only a few quantization levels;
 rotated, every channel carries a share of them. Used by the fp8 KV cache (kvserve/kv/formats/fp8.py) and by int8
@@ -8,6 +9,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by RoPE's angles (HF's rotate-half layout): cos and sin broadcast over x's last dimension."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def hadamard(size: int) -> torch.Tensor:

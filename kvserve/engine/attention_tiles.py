@@ -6,7 +6,7 @@ the window of the tile's first position up to b (the KV manager keeps them for t
 keys, mask and call shape are functions of the position alone: the same whether it is decoded, prefilled in a
 chunk of any size, recomputed after a preemption or computed after a prefix hit. Tiles with the same number of
 key blocks and of positions share one call, with no padding: each position is a query head of its own there
-(model/attention.py), so a query is one [1, head_dim] x [head_dim, keys] problem however many share the call."""
+(kv/readers.py, TileReader), so a query is one [1, head_dim] x [head_dim, keys] problem however many share the call."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv.kv_cache_manager import BlockTable
-from kvserve.model.attention import TileCall
+from kvserve.kv.readers import TileCall
 
 
 @dataclass

@@ -27,7 +27,7 @@ from kvserve.engine.sequence_factory import SequenceFactory
 from kvserve.engine.speculative import Speculator
 from kvserve.engine.validation import RequestValidator, longest_token_chars
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy, make_policy
-from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.compiled import decode_kind
 from kvserve.kv.formats.latent import check_latent_settings
 from kvserve.kv.kv_cache import PagedKVCache
@@ -224,11 +224,11 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
     """The KV cache the planner sized, allocated and warmed up (its decode attention compiled, where it is)."""
     mc, plan, layout = setup.model_config, setup.cache_plan, setup.layout
     # batch-invariant attention reads every format the same way for every query (no compiled decode)
-    cache = make_kv_cache(config.kv_cache_format, layout, plan.num_blocks, plan.block_size,
-                          mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device, config.max_num_seqs,
-                          compile=not (config.enforce_eager or config.batch_invariant), tiles=tiles,
-                          decode_in_place=config.compile_decode,
-                          latent_rope_dim=mc.deepseek.qk_rope_head_dim if mc.deepseek else None)
+    cache = make_kv_cache(KVCacheSpec(config.kv_cache_format, layout, plan.num_blocks, plan.block_size,
+                                      mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device,
+                                      config.max_num_seqs, compile=not (config.enforce_eager or config.batch_invariant),
+                                      tiles=tiles, decode_in_place=config.compile_decode,
+                                      latent_rope_dim=mc.deepseek.qk_rope_head_dim if mc.deepseek else None))
     started = time.perf_counter()
     cache.warm_up(mc.num_heads)
     compile_seconds = time.perf_counter() - started

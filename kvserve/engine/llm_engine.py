@@ -41,8 +41,7 @@ class LLMEngine:
         self.scheduler, self.runner = parts.scheduler, parts.runner
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
-        self.num_prefill_tokens = 0
-        self.num_decode_tokens = 0
+        self.num_prefill_tokens = self.num_decode_tokens = 0
 
     def capacity_line(self) -> str:
         """The start-up line: the pool the planner sized, its storage format and layer groups (as they are now)."""

@@ -11,10 +11,11 @@ from kvserve.compile.steps import CompiledDecode
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.attention_mask import GroupChunk, group_keys
-from kvserve.kv.eviction import AttentionScores
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
-from kvserve.model.attention import AttentionGroup, AttentionMetadata
+from kvserve.kv.readers import AttentionGroup
+from kvserve.kv.scored_attention import AttentionScores
+from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaModel
 
 
@@ -67,6 +68,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.device = device
         self.scores = scores  # H2O's accumulated attention, when the eviction policy needs it
+        # the eviction policy's scored attention, where it needs one, wraps the format's reader once, here
+        cache.reader = kv.eviction.attention_reader(cache.reader, scores)
         self.tiles = tiles or RowTiles()  # batch-invariant mode: fixed token tiles and per-tile attention
         self.compiled = compiled  # steps as compiled graphs (compile/steps.py)
         self.num_steps = self.num_compiled_steps = 0  # steps run, and of those steps run by a compiled graph
@@ -127,9 +130,8 @@ class ModelRunner:
             tokens.extend((seq.token_ids + draft if draft else seq.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
         slot_mappings, groups = [], []
-        # decode attention that reads blocks where they lie pads nothing: every decode in one call (unless eviction
-        # or H2O's scores have it attend over gathered keys)
-        in_place = self.cache.decode_reads_in_place() and self.scores is None and not self.kv.eviction.evicts
+        # decode attention that reads blocks where they lie pads nothing: every decode in one call
+        in_place = self.cache.reader.reads_decodes_in_place()
         for g in range(num_groups):
             slot_mappings.append(self._tensor([slot for c in chunks for slot in c.slots[g]]))
             if self.tiles:

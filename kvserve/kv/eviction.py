@@ -10,14 +10,18 @@
 Eviction is per block (16 tokens): a block is dropped only when no query will read it again (streaming) or when
 its accumulated attention is the lowest among the droppable ones (h2o, summing its tokens' scores: a block
 shares one slot range, so a per-block score is what can be freed). A dropped block shared with another
-sequence only loses this sequence's reference."""
+sequence only loses this sequence's reference.
+
+A policy that needs more of attention than its output (H2O's scores, StreamingLLM's rotated sink queries) wraps
+the cache's reader in a scored one once, at start (`attention_reader`, kv/scored_attention.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from kvserve.kv.readers import AttentionReader, GatherReader
+from kvserve.kv.scored_attention import AttentionScores, H2OScoredReader, SinkScoredReader
 from kvserve.planner.kv_size import eviction_max_blocks, round_up_to_blocks as blocks_for
+
 
 @dataclass(frozen=True)
 class EvictionPolicy:
@@ -56,6 +60,10 @@ class EvictionPolicy:
         `next_position`."""
         return []
 
+    def attention_reader(self, reader: AttentionReader, scores: AttentionScores | None) -> AttentionReader:
+        """The reader attention uses under this policy, given the cache's own: that one, for no eviction."""
+        return reader
+
 
 @dataclass(frozen=True)
 class StreamingPolicy(EvictionPolicy):
@@ -72,6 +80,10 @@ class StreamingPolicy(EvictionPolicy):
         sink_blocks = blocks_for(self.sink_tokens, block_size)
         window_start = next_position - self.recent_tokens + 1  # the oldest key any later query reads
         return [i for i, b in enumerate(logical) if b >= sink_blocks and (b + 1) * block_size <= window_start]
+
+    def attention_reader(self, reader: GatherReader, scores: AttentionScores | None) -> SinkScoredReader:
+        """Sink keys scored with the query rotated back by their gap, where a query's window has left them."""
+        return SinkScoredReader(reader)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,10 @@ class H2OPolicy(EvictionPolicy):
         droppable.sort(key=lambda i: block_scores[i])
         return sorted(droppable[:excess])
 
+    def attention_reader(self, reader: GatherReader, scores: AttentionScores) -> H2OScoredReader:
+        """Every group written out, the attention each key receives added to `scores`."""
+        return H2OScoredReader(reader, scores)
+
 
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:
     """The policy for EngineConfig's kv_eviction options (already validated there)."""
@@ -103,18 +119,3 @@ def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: 
         return H2OPolicy(sink_tokens=sink_tokens, recent_tokens=recent_tokens, budget_tokens=budget_tokens)
     return EvictionPolicy()
 
-
-class AttentionScores:
-    """H2O's accumulated attention per cache slot: summed over layers, heads and queries, reset when a block is
-    freed (a block's score belongs to the sequences holding it)."""
-
-    def __init__(self, num_slots: int, block_size: int, device: str | torch.device = "cpu"):
-        self.block_size = block_size
-        self.per_slot = torch.zeros(num_slots, dtype=torch.float32, device=device)
-
-    def reset(self, block_ids: list[int]) -> None:
-        if block_ids:
-            self.per_slot.view(-1, self.block_size)[torch.tensor(block_ids)] = 0
-
-    def block_scores(self, block_ids: list[int]) -> list[float]:
-        return self.per_slot.view(-1, self.block_size)[torch.tensor(block_ids)].sum(dim=1).tolist()

@@ -2,16 +2,18 @@
 
 `PagedKVCache` is the interface every storage format implements: once per step, learn where this step's tokens
 go (begin_step); per layer, write the new tokens and gather a batch's context for attention (in the model's
-compute dtype); copy blocks for copy-on-write. Blocks follow the model's KVLayout: a block holds block_size
+compute dtype); copy blocks for copy-on-write. Each cache holds the reader attention reads it with (`reader`,
+kv/readers.py), chosen once when it is built. Blocks follow the model's KVLayout: a block holds block_size
 tokens of the `layers_per_block` layers of one layer group, and each group has its own slots for a token. The
 full-precision format is here; the quantized ones are in kvserve/kv/formats/."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvserve.batch_invariant import RowTiles
+from kvserve.kv.readers import AttentionReader, DecodeKernelReader, GatherReader, TileReader
 from kvserve.planner.layout import KVLayout
 
 
@@ -24,7 +26,7 @@ class PagedKVCache:
     # When set ([head_dim, head_dim], orthonormal), gather returns K and V as stored: multiplied by it on the right.
     # Attention then multiplies queries by it too and its output by its transpose (formats.fp8 explains why).
     rotation: torch.Tensor | None = None
-    fused_decode = None  # a formats.compiled.CompiledFunction: see decode_attention
+    fused_decode = None  # a formats.compiled.CompiledFunction: see decode_attention and attend_decodes_with
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", tiles: RowTiles | None = None):
@@ -37,6 +39,15 @@ class PagedKVCache:
         self.dtype = dtype  # what gather returns: the model's compute dtype
         self.device = device
         self.tiles = tiles or RowTiles()  # how a format cuts per-token work on write (batch-invariant mode: tiles)
+        # how attention reads this cache: batch-invariant mode's tiles, else gathered blocks (attend_decodes_with)
+        self.reader: AttentionReader = TileReader(self) if self.tiles else GatherReader(self)
+
+    def attend_decodes_with(self, kernel: Callable[..., torch.Tensor | None] | None) -> None:
+        """A format's compiled decode attention (formats.compiled.CompiledFunction, or None: none), which then
+        reads its decodes (DecodeKernelReader) unless tiles read every query alike (batch-invariant mode)."""
+        self.fused_decode = kernel
+        if kernel is not None and not self.tiles:
+            self.reader = DecodeKernelReader(self)
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +96,8 @@ class PagedKVCache:
         raise NotImplementedError(f"{self.format_name} KV cache reads every block quantized (exact_own_block=False)")
 
     def decode_reads_in_place(self) -> bool:
-        """Whether decode attention reads each request's blocks where they lie, nothing padded: the runner then
-        attends a step's decodes in one call per layer group instead of buckets of alike context lengths."""
+        """Whether decode attention reads each request's blocks where they lie, nothing padded (see
+        AttentionReader.reads_decodes_in_place)."""
         return False
 
     def decode_attention(self, layer: int, queries: torch.Tensor, block_tables: torch.Tensor,
@@ -176,14 +187,13 @@ class LayerRow:
     """One layer's row of a cache as the cache of a one-group step, the row a tensor: what the whole compiled graph's
     layer region (model/attention.py, run_layer) writes to and reads from, so that one traced layer serves all
     (Dynamo reuses a region only for tensor inputs: an int row would be baked into it). It writes and gathers as
-    the cache does for that row, at the step's slots of that layer's group."""
-
-    fused_decode = None
-    exact_own_block = False
+    the cache does for that row, at the step's slots of that layer's group, and is read by gathering (GatherReader:
+    the whole graph attends one query per request inside itself)."""
 
     def __init__(self, cache: PagedKVCache, row: torch.Tensor, slot_mapping: torch.Tensor):
         self.cache, self.row, self.slot_mapping = cache, row, slot_mapping
         self.rotation = cache.rotation
+        self.reader = GatherReader(self)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache._write(self.row, 0, self.slot_mapping, k, v)

@@ -26,7 +26,8 @@ from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionGroup, AttentionMetadata
 from kvserve.model.config import DeepseekConfig, ModelConfig
 from kvserve.model.linear import Linears, WeightsPolicy, load_linears, weights_nbytes
-from kvserve.model.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
+from kvserve.model.rotary import RotaryEmbedding, yarn_mscale
+from kvserve.rotation import apply_rotary
 
 ATTENTION_MODES = ("auto", "absorbed", "expanded")
 

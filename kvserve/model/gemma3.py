@@ -12,7 +12,8 @@ from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention, run_layer
 from kvserve.model.config import SLIDING_ATTENTION, ModelConfig
 from kvserve.model.linear import Linears, WeightsPolicy, load_linears, tensor_storages, weights_nbytes
-from kvserve.model.rotary import RotaryEmbedding, apply_rotary
+from kvserve.model.rotary import RotaryEmbedding
+from kvserve.rotation import apply_rotary
 
 
 class Gemma3Norm:

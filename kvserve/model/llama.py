@@ -8,7 +8,8 @@ from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.model.attention import AttentionMetadata, paged_attention, run_layer
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear import Linears, WeightsPolicy, load_linears, weights_nbytes
-from kvserve.model.rotary import RotaryEmbedding, apply_rotary
+from kvserve.model.rotary import RotaryEmbedding
+from kvserve.rotation import apply_rotary
 
 
 class DecoderLayer:

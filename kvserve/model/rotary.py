@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 
+
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
@@ -78,9 +79,3 @@ class RotaryEmbedding:
             sin = (emb.sin() * self.attention_factor).to(dtype=self.sin.dtype, device=self.sin.device)
             return cos.unsqueeze(1), sin.unsqueeze(1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

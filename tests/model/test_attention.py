@@ -117,7 +117,8 @@ def test_the_whole_graphs_layer_region_attends_inside_it_over_each_layers_own_ro
     same output and the same pool as eager."""
     from kvserve.kv.kv_cache import FullPrecisionKVCache
     from kvserve.planner.layout import KVLayout
-    from kvserve.model.attention import AttentionGroup, AttentionMetadata, LayerRegion
+    from kvserve.kv.readers import AttentionGroup
+    from kvserve.model.attention import AttentionMetadata, LayerRegion
 
     layers, num_seqs, block_size = [ToyLayer(i, k_times=2, v_times=3, scale=0.5) for i in range(4)], 2, 4
     layout = KVLayout.from_layer_windows([8, 8, None, None])  # groups of two layers: sliding {0, 1}, full {2, 3}

@@ -1,7 +1,10 @@
-"""KV cache storage formats by canonical name (EngineConfig.kv_cache_format), and the factory the engine calls.
+"""KV cache storage formats by canonical name (EngineConfig.kv_cache_format), and the factory the engine calls with
+one KVCacheSpec.
 
 Full precision lives in kvserve/kv/kv_cache.py; each quantized format is its own module here."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,30 +21,53 @@ FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def make_kv_cache(format_name: str, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int,
-                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                  max_num_seqs: int = 1, compile: bool = True, tiles: RowTiles | None = None,
-                  latent_rope_dim: int | None = None, decode_in_place: bool = False) -> PagedKVCache:
-    """The storage for `format_name`; `dtype` is the model's compute dtype, which reads return. int4 keeps one
-    full-precision staging row per partly filled block (two per sequence at most), sized for `max_num_seqs`
-    sequences per layer group. int8 and int4 compile their decode attention unless `compile` is False
-    (formats.compiled); float32 on a CPU compiles one that reads the blocks in place when `decode_in_place` is set
-    too (formats.flex_decode: the engine sets it with --compile-decode). `tiles`: how writes cut per-token work
-    (kvserve/batch_invariant.py). An MLA model caches one latent vector of head_dim values per token and layer,
-    the last `latent_rope_dim` its RoPE key (formats.latent)."""
-    args = (layout, num_blocks, block_size, num_kv_heads, head_dim)
-    common = dict(dtype=dtype, device=device, tiles=tiles)
-    if latent_rope_dim is not None:
-        return LatentKVCache(*args, **common, format_name=format_name, rope_dim=latent_rope_dim)
-    if format_name in FLOAT_FORMATS:
-        storage = FLOAT_FORMATS[format_name]
-        if compile and decode_in_place and storage == dtype == torch.float32 and torch.device(device).type == "cpu":
-            return InPlaceFloatKVCache(*args, **common)
-        return FullPrecisionKVCache(*args, **common, storage_dtype=storage)
-    if format_name in FP8_FORMATS:
-        return Fp8KVCache(*args, **common, fp8_dtype=FP8_FORMATS[format_name])
-    if format_name == "int8":
-        return Int8KVCache(*args, **common, compile=compile)
-    if format_name == "int4":
-        return Int4KVCache(*args, **common, max_num_seqs=max_num_seqs * layout.num_groups, compile=compile)
-    raise ValueError(f"unknown KV cache format {format_name!r}")
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What make_kv_cache builds: `format_name`'s storage for `num_blocks` blocks of `layout`'s rows, read back in
+    `dtype` (the model's compute dtype). int4 keeps one full-precision staging row per partly filled block (two per
+    sequence at most), sized for `max_num_seqs` sequences per layer group. int8 and int4 compile their decode
+    attention unless `compile` is False (formats.compiled); float32 on a CPU compiles one that reads the blocks in
+    place when `decode_in_place` is set too (formats.flex_decode: the engine sets it with --compile-decode). `tiles`:
+    how writes cut per-token work, and batch-invariant mode's tile reads (kvserve/batch_invariant.py). An MLA model
+    caches one latent vector of head_dim values per token and layer, the last `latent_rope_dim` its RoPE key
+    (formats.latent)."""
+
+    format_name: str
+    layout: KVLayout
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str | torch.device = "cpu"
+    max_num_seqs: int = 1
+    compile: bool = True
+    tiles: RowTiles | None = None
+    latent_rope_dim: int | None = None
+    decode_in_place: bool = False
+
+
+def make_kv_cache(spec: KVCacheSpec | str, *args, **kwargs) -> PagedKVCache:
+    """The storage `spec` describes, with the reader attention reads it with (kv/readers.py). KVCacheSpec's fields
+    in order (the positional and keyword arguments callers passed before the spec) build the spec too."""
+    if not isinstance(spec, KVCacheSpec):
+        spec = KVCacheSpec(spec, *args, **kwargs)
+    blocks = (spec.layout, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    common = dict(dtype=spec.dtype, device=spec.device, tiles=spec.tiles)
+    name = spec.format_name
+    if spec.latent_rope_dim is not None:
+        return LatentKVCache(*blocks, **common, format_name=name, rope_dim=spec.latent_rope_dim)
+    if name in FLOAT_FORMATS:
+        storage = FLOAT_FORMATS[name]
+        if spec.compile and spec.decode_in_place and storage == spec.dtype == torch.float32 and \
+                torch.device(spec.device).type == "cpu":
+            return InPlaceFloatKVCache(*blocks, **common)
+        return FullPrecisionKVCache(*blocks, **common, storage_dtype=storage)
+    if name in FP8_FORMATS:
+        return Fp8KVCache(*blocks, **common, fp8_dtype=FP8_FORMATS[name])
+    if name == "int8":
+        return Int8KVCache(*blocks, **common, compile=spec.compile)
+    if name == "int4":
+        return Int4KVCache(*blocks, **common, max_num_seqs=spec.max_num_seqs * spec.layout.num_groups,
+                           compile=spec.compile)
+    raise ValueError(f"unknown KV cache format {name!r}")

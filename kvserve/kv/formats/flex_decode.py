@@ -34,7 +34,7 @@ class InPlaceFloatKVCache(FullPrecisionKVCache):
         super().__init__(*args, **kwargs)
         # the cache's own, so a failure (say, no C++ compiler) is this engine's; Dynamo keeps the graphs with the
         # function's code, which every cache's copy shares: a later engine of the same shapes compiles nothing
-        self.fused_decode = flex_decode_attention(self.block_size)
+        self.attend_decodes_with(flex_decode_attention(self.block_size))
         self._block_masks: dict[tuple[int, int], tuple] = {}  # this step's, by its tables and mask (_decode_attention)
 
     def describe(self) -> str:

@@ -46,7 +46,7 @@ class Int4KVCache(PagedKVCache):
 
     def __init__(self, *args, max_num_seqs: int = 1, compile: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fused_decode = fused_decode_attention(self.block_size) if compile else None
+        self.attend_decodes_with(fused_decode_attention(self.block_size) if compile else None)
         if self.block_size % 2:
             raise ValueError(f"int4 KV cache packs two tokens of a block per byte; block_size {self.block_size} is odd")
         L, N, bs, H, D = self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim

@@ -16,7 +16,7 @@ class Int8KVCache(PerTokenQuantizedKVCache):
 
     def __init__(self, *args, compile: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fused_decode = fused_decode_attention(self.block_size) if compile else None
+        self.attend_decodes_with(fused_decode_attention(self.block_size) if compile else None)
 
     def describe(self) -> str:
         return f"{super().describe()}; {decode_kind(self.fused_decode)} decode attention"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.compiled import CompiledFunction
 from kvserve.planner.layout import KVLayout
 
@@ -18,7 +18,8 @@ FORMATS = ["int8", "int4"]  # fp8 attends eagerly: compiled, its float8 widening
 
 def filled_cache(fmt: str, blocks: int, heads: int, dim: int, dtype=torch.float32, compile: bool = True):
     """One layer with `blocks` full blocks, then a block holding 2 tokens (int4: staged in full precision)."""
-    cache = make_kv_cache(fmt, KVLayout.uniform(1), blocks + 8, BS, heads, dim, dtype, max_num_seqs=8, compile=compile)
+    spec = KVCacheSpec(fmt, KVLayout.uniform(1), blocks + 8, BS, heads, dim, dtype, max_num_seqs=8, compile=compile)
+    cache = make_kv_cache(spec)
     g = torch.Generator().manual_seed(0)
     n = blocks * BS + 2
     cache.begin_step([], [], [torch.arange(n)])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.flex_decode import InPlaceFloatKVCache, block_mask_inputs
 from kvserve.kv.kv_cache import FullPrecisionKVCache
 from kvserve.planner.layout import KVLayout
@@ -17,8 +17,8 @@ HEADS, PER_HEAD, DIM = 2, 3, 16
 
 
 def filled_cache(blocks: int, compile: bool = True, dtype=torch.float32):
-    cache = make_kv_cache("float32", KVLayout.uniform(2), blocks, BS, HEADS, DIM, dtype, compile=compile,
-                          decode_in_place=True)
+    cache = make_kv_cache(KVCacheSpec("float32", KVLayout.uniform(2), blocks, BS, HEADS, DIM, dtype, compile=compile,
+                                      decode_in_place=True))
     g = torch.Generator().manual_seed(0)
     cache.begin_step([], [], [torch.arange(blocks * BS)])
     for layer in range(2):
@@ -48,9 +48,9 @@ def test_float32_on_a_cpu_is_read_in_place_when_asked_unless_compiling_is_off():
     assert "compiled decode attention in place" in filled_cache(4).describe()
     assert type(filled_cache(4, compile=False)) is FullPrecisionKVCache
     assert not filled_cache(4, compile=False).decode_reads_in_place()
-    not_asked = make_kv_cache("float32", KVLayout.uniform(1), 4, BS, HEADS, DIM, torch.float32)
-    stored_narrower = make_kv_cache("bfloat16", KVLayout.uniform(1), 4, BS, HEADS, DIM, torch.float32,
-                                    decode_in_place=True)  # flex_attention takes one dtype for q, k and v
+    not_asked = make_kv_cache(KVCacheSpec("float32", KVLayout.uniform(1), 4, BS, HEADS, DIM, torch.float32))
+    stored_narrower = make_kv_cache(KVCacheSpec("bfloat16", KVLayout.uniform(1), 4, BS, HEADS, DIM, torch.float32,
+                                                decode_in_place=True))  # flex_attention takes one dtype for q, k and v
     assert type(not_asked) is type(stored_narrower) is FullPrecisionKVCache
 
 

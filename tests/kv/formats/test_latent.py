@@ -3,7 +3,7 @@ planner's MLA figure, and blocks that copy, export and import whole (copy-on-wri
 import pytest
 import torch
 
-from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.latent import LATENT_FORMATS, check_latent_settings
 from kvserve.planner.layout import KVLayout
 from kvserve.planner.kv_size import KV_DTYPES
@@ -15,8 +15,8 @@ TOLERANCE = {"float32": 0.0, "bfloat16": 2**-8, "float16": 2**-11, "int8": 0.5 /
 
 
 def latent_cache(fmt: str):
-    return make_kv_cache(fmt, KVLayout.uniform(LAYERS), BLOCKS, BS, 1, RANK + ROPE, torch.float32,
-                         latent_rope_dim=ROPE)
+    return make_kv_cache(KVCacheSpec(fmt, KVLayout.uniform(LAYERS), BLOCKS, BS, 1, RANK + ROPE, torch.float32,
+                                     latent_rope_dim=ROPE))
 
 
 def written(cache, slots: torch.Tensor, layer: int = 1, seed: int = 0) -> torch.Tensor:

@@ -4,7 +4,7 @@ FP8 stores vectors rotated by an orthonormal Hadamard matrix and reads them back
 import pytest
 import torch
 
-from kvserve.kv.formats import make_kv_cache
+from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.planner.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 4, 4, 3, 16
@@ -12,7 +12,7 @@ FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8"]
 
 
 def make(fmt: str):
-    return make_kv_cache(fmt, KVLayout.uniform(LAYERS), BLOCKS, BS, HEADS, DIM, torch.float32)
+    return make_kv_cache(KVCacheSpec(fmt, KVLayout.uniform(LAYERS), BLOCKS, BS, HEADS, DIM, torch.float32))
 
 
 def write(cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

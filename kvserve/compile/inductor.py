@@ -10,14 +10,14 @@ from unittest import mock
 import torch
 
 # where the graphs reach what never changes in an engine's life: its model (the forward copy's global) and the layers
-# that the regions hold (CompiledDecode._regions, built once)
+# that the regions hold (CompiledSteps._regions, built once)
 ENGINE_CONSTANTS = ("G['_engine']", "meta.layer_regions")
 
 
 def step_guards(entries) -> list[bool]:
     """Which of Dynamo's guards a compiled step checks (torch.compile's guard_filter_fn): those on the step (the
     inputs' sizes and kinds, the metadata, the cache), not those on the model's weights and layers, which the engine
-    never changes and whose graphs are its own (CompiledDecode). Those were most of the guards, checked at every
+    never changes and whose graphs are its own (CompiledSteps). Those were most of the guards, checked at every
     step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared. Nor
     those on globals (kvserve's code, which names a saved graph: compile/graph_cache.py) or of kinds torch cannot
     save with a graph (an object's identity)."""

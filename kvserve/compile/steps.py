@@ -117,7 +117,7 @@ def layer_regions(model, cache: PagedKVCache, gemms: bool) -> list[LayerRegion] 
 
 
 def _decode_forward(input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
-    """The model's forward pass; each engine runs a copy whose globals reach its model (CompiledDecode)."""
+    """The model's forward pass; each engine runs a copy whose globals reach its model (CompiledSteps)."""
     return _raw_forward(_engine.model, input_ids, meta, cache)  # noqa: F821 - the copy's globals
 
 
@@ -137,13 +137,13 @@ def head_in_graph(model) -> bool:
 class _ModelSlot:
     """An engine's model as its forward copy's globals reach it. Dynamo's guards keep those globals alive after the
     engine is gone (neither `reset_code` nor `torch._dynamo.reset()` lets go of them), so they hold this slot, which
-    is emptied when the engine's CompiledDecode is freed, and not the model with its weights."""
+    is emptied when the engine's CompiledSteps is freed, and not the model with its weights."""
 
     def __init__(self, model):
         self.model = model
 
 
-class CompiledDecode:
+class CompiledSteps:
     """`model.forward` compiled for decode steps: `forward` runs a step in the graph that fits it, if any."""
 
     def __init__(self, model, cache: PagedKVCache, gemms: bool = False, whole: bool = True):

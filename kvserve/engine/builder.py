@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
-from kvserve.compile.steps import (WHOLE_GRAPH_KV_BYTES, CompiledDecode, attention_outside, gemms_unused,
+from kvserve.compile.steps import (WHOLE_GRAPH_KV_BYTES, CompiledSteps, attention_outside, gemms_unused,
                                    unsupported)
 from kvserve.config import EngineConfig
 from kvserve.engine import startup
@@ -274,7 +274,7 @@ def attention_scores(config: EngineConfig, setup: EngineSetup) -> AttentionScore
 
 # ---- compiled steps ----------------------------------------------------------------------------------------
 def compile_decode_steps(config: EngineConfig, model, cache: PagedKVCache, eviction: EvictionPolicy,
-                         eager_decode_reason: str | None) -> CompiledDecode | None:
+                         eager_decode_reason: str | None) -> CompiledSteps | None:
     """Decode steps as one compiled graph, compiled now (compile/steps.py); None: they run eagerly."""
     if not config.compile_decode:
         return None
@@ -286,7 +286,7 @@ def compile_decode_steps(config: EngineConfig, model, cache: PagedKVCache, evict
     if gemms and (unused := outside or gemms_unused(model)) is not None:
         logger.info(startup.gemms_not_applied_line(unused))
         gemms = False
-    compiled = CompiledDecode(model, cache, gemms=gemms, whole=outside is None)
+    compiled = CompiledSteps(model, cache, gemms=gemms, whole=outside is None)
     if not compiled.warm_up():
         return None
     facts = startup.CompiledStepsFacts(outside, WHOLE_GRAPH_KV_BYTES, compiled.compile_seconds,

@@ -7,7 +7,7 @@ import torch
 
 from kvserve.batch_invariant import RowTiles
 from kvserve.engine.attention_tiles import TileChunk, tile_calls
-from kvserve.compile.steps import CompiledDecode
+from kvserve.compile.steps import CompiledSteps
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.attention_mask import GroupChunk, group_keys
@@ -61,7 +61,7 @@ def _buckets(chunks: list[_Chunk], group: int) -> list[list[_Chunk]]:
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu",
                  scores: AttentionScores | None = None, tiles: RowTiles | None = None,
-                 compiled: CompiledDecode | None = None):
+                 compiled: CompiledSteps | None = None):
         self.model = model
         self.cache = cache
         self.kv = kv

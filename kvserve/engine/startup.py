@@ -50,8 +50,8 @@ class CompiledStepsFacts:
     attention_outside: str | None  # None: a whole graph takes attention too
     whole_graph_kv_bytes: int  # several sequences run in a whole graph while their padded K/V is at most this
     compile_s: float
-    phases: str  # CompiledDecode.compile_phases_line()
-    gemms: str  # CompiledDecode.gemms_line()
+    phases: str  # CompiledSteps.compile_phases_line()
+    gemms: str  # CompiledSteps.gemms_line()
 
 
 def weights_line(facts: WeightsFacts) -> str:

@@ -71,7 +71,7 @@ def run_layer(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inde
         return layer.forward(h, cos, sin, index, cache, meta)
     if meta.outside_graph:
         return _layer_region(regions[index], h, cos, sin)
-    group = meta.layer_group[index]  # the whole graph: one attention call per layer group (CompiledDecode.eligible)
+    group = meta.layer_group[index]  # the whole graph: one attention call per layer group (CompiledSteps.eligible)
     g = meta.groups[group][0]
     # the mask by block ([S, 1, Q, B, block size]): an input whose size is a product of symbols (B * block size)
     # made Dynamo's reuse of the region fail ("KeyError: 16*s95", torch 2.13)

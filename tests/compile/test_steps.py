@@ -663,14 +663,14 @@ def test_the_graphs_skip_inductors_per_call_input_checks(tmp_path):
     # torch._inductor.utils.run_and_get_code: it resets Dynamo, which would drop the graphs of the engines other tests
     # in this process hold), generated here, not loaded from cache; the KV cache's decode attention, compiled before
     # them (or not at all, where another test of this process compiled its shapes), is a function of its own
-    warm_up = compiled_step.CompiledDecode.warm_up
+    warm_up = compiled_step.CompiledSteps.warm_up
 
     def recording(self):
         with mock.patch.object(GraphLowering, "save_output_code", codes.append):
             return warm_up(self)
 
     with torch._inductor.config.patch(fx_graph_cache=False), \
-            mock.patch.object(compiled_step.CompiledDecode, "warm_up", recording):
+            mock.patch.object(compiled_step.CompiledSteps, "warm_up", recording):
         llm = LLM(str(path), **COMMON, **COMPILED)
     assert llm.engine.runner.compiled is not None
     assert len(codes) >= 2, "both graphs' code (whole, attention outside)"

@@ -15,7 +15,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kv.block_hash import hash_full_blocks
-from kvserve.kv.tiers import store as store_module
+from kvserve.kv.tiers import writer as writer_module
+from kvserve.kv.tiers.chain_read import ChainRead
 from kvserve.kv.tiers.store import DiskBlockStore
 from tests.conftest import make_tiny_model
 
@@ -227,9 +228,8 @@ def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, mo
     first = engine(llama, tmp_path)
     reference = first.generate(tokens, GREEDY)[0]
     written(first)
-    gate, read_chain = threading.Event(), DiskBlockStore.read_chain_counted
-    monkeypatch.setattr(DiskBlockStore, "read_chain_counted",
-                        lambda self, *args: gate.wait(10) and read_chain(self, *args))
+    gate, run = threading.Event(), ChainRead.run
+    monkeypatch.setattr(ChainRead, "run", lambda self: gate.wait(10) and run(self))
     llm = engine(llama, tmp_path).engine
     llm.add_request("from-disk", tokens, GREEDY)
     llm.add_request("other", prompt(40, seed=5), GREEDY)
@@ -247,9 +247,8 @@ def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, mo
 def test_a_request_aborted_while_its_prefix_is_read_gives_every_block_back(llama, tmp_path, monkeypatch):
     tokens = prompt(100)
     generated_and_written(engine(llama, tmp_path), tokens)
-    gate, read_chain = threading.Event(), DiskBlockStore.read_chain_counted
-    monkeypatch.setattr(DiskBlockStore, "read_chain_counted",
-                        lambda self, *args: gate.wait(10) and read_chain(self, *args))
+    gate, run = threading.Event(), ChainRead.run
+    monkeypatch.setattr(ChainRead, "run", lambda self: gate.wait(10) and run(self))
     llm = engine(llama, tmp_path).engine
     llm.add_request("from-disk", tokens, GREEDY)
     assert llm.step() == [] and llm.kv.pool.num_used_blocks == 6  # taken for the reads
@@ -276,7 +275,7 @@ def test_a_prefix_is_recomputed_where_that_is_faster_than_reading_it(llama, tmp_
 def behind_writer(llm: LLM, monkeypatch) -> threading.Event:
     """Make the writer take at most two records at a time and hold its writes until the returned event is set."""
     gate, write = threading.Event(), DiskBlockStore._write
-    monkeypatch.setattr(store_module, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
+    monkeypatch.setattr(writer_module, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
     monkeypatch.setattr(DiskBlockStore, "_write", lambda self, record: (gate.wait(60), write(self, record))[1])
     return gate
 
@@ -316,11 +315,11 @@ def test_a_skipped_block_the_pool_no_longer_holds_is_never_written(llama, tmp_pa
 EXITING_WRITER = """
 import sys, threading, time
 from kvserve import LLM, SamplingParams
-from kvserve.kv.tiers import store as store_module
+from kvserve.kv.tiers import writer as writer_module
 from kvserve.kv.tiers.store import DiskBlockStore
 
 llm = LLM(sys.argv[1], kv_cache_memory="1MiB", max_model_len=512, enforce_eager=True, kv_disk_cache=sys.argv[2])
-store_module.MAX_PENDING_BYTES = 2 * llm.engine.disk_cache.record_bytes
+writer_module.MAX_PENDING_BYTES = 2 * llm.engine.disk_cache.record_bytes
 write = DiskBlockStore._write
 DiskBlockStore._write = lambda self, record: time.sleep(0.05) or write(self, record)
 llm.generate([int(t) for t in sys.argv[3].split(",")], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))

@@ -53,11 +53,11 @@ def test_the_exit_handler_writes_the_queue_then_ends_the_writer_thread(tmp_path,
     monkeypatch.setattr(DiskBlockStore, "_write", lambda self, r: time.sleep(0.05) or write(self, r))
     for i in range(4):
         s.submit(record(i, keys, tokens))
-    writer = s._writer
+    writer = s.writer.thread
     assert writer is not None and writer.is_alive()
     store_module._flush_at_exit(weakref.ref(s))
     assert s.counters.num_writes == 4 and not writer.is_alive()  # nothing left running while Python finalizes
-    assert s.submit(record(0, *chain(1, salt="after"))) and s._writer is None  # an exiting store queues nothing
+    assert s.submit(record(0, *chain(1, salt="after"))) and s.writer.thread is None  # an exiting store queues nothing
 
 
 def damage_truncate(path: Path) -> None:

@@ -75,6 +75,8 @@ class RecordSource(Protocol):
 
     def reject(self, path: str, rejected: RecordRejected) -> None: ...
 
+    def skips(self, path: str) -> bool: ...
+
     def count_reads(self, num_reads: int, num_queued_reads: int, num_bytes: int) -> None: ...
 
 
@@ -131,7 +133,8 @@ class ChainRead:
             return True
         if fd is None:  # written since it was opened ahead (it was queued), or else evicted since the lookup
             fd = _open(path, self.cold)
-        if fd is None:  # evicted, by this process or another, since the lookup saw it
+        if fd is None or self.source.skips(path):  # evicted since the lookup saw it; or never to be read again
+            _close(fd)
             return False
         if isinstance(fd, OSError):
             self.source.reject(path, unopened(fd))

@@ -27,26 +27,27 @@ class Rejections:
 
     def reject(self, path: str, rejected: RecordRejected) -> None:
         """Count, log once per kind, and remove the file (or skip it, where it cannot be removed or must stay)."""
-        removed = rejected.kind not in LEFT_IN_PLACE
+        if rejected.kind == "timeout":
+            self.skipped.add(path)
+        fate = "left in place" if rejected.kind in LEFT_IN_PLACE else self._remove(path)
         if self._count(rejected.kind):
-            fate = "removed" if removed else "left in place"
             logger.warning(f"KV disk cache: {os.path.basename(path)} rejected ({rejected.kind}: {rejected}); read as "
                            f"a miss and {fate} (later {rejected.kind} records are only counted: "
                            "kvserve:kv_disk_cache_errors)")
-        if rejected.kind == "timeout":
-            self.skipped.add(path)
-        if removed:
-            self._remove(path)
 
-    def _remove(self, path: str) -> None:
+    def skips(self, path: str) -> bool:
+        """Whether `path` is never to be read again (it could not be removed, or its read was abandoned)."""
+        return path in self.skipped
+
+    def _remove(self, path: str) -> str:
+        """Remove a rejected file; what became of it."""
         try:
             remove(path)
+            return "removed"
         except OSError as exc:
             self.skipped.add(path)
-            if self._count("unremovable"):
-                logger.warning(f"KV disk cache: cannot remove the rejected {os.path.basename(path)} "
-                               f"({type(exc).__name__}: {exc.strerror or exc}); skipped from now on (later ones are "
-                               "only counted: kvserve:kv_disk_cache_errors)")
+            self._count("unremovable")
+            return f"skipped from now on: it cannot be removed ({type(exc).__name__}: {exc.strerror or exc})"
 
     def _count(self, kind: str) -> bool:
         """Count one error of `kind`; whether it is the first (to log)."""

@@ -102,7 +102,7 @@ class DiskBlockStore:
         if key in self.writer.pending:
             return True
         path = self.record_file(key)
-        return path not in self.rejections.skipped and os.path.exists(path)
+        return not self.rejections.skips(path) and os.path.exists(path)
 
     def read(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
              specs: Specs) -> list[torch.Tensor] | None:
@@ -176,6 +176,9 @@ class DiskBlockStore:
 
     def record_file(self, key: BlockHash) -> str:
         return os.path.join(self._directory, hashlib.sha256(self._salt + key).hexdigest() + RECORD_SUFFIX)
+
+    def skips(self, path: str) -> bool:
+        return self.rejections.skips(path)
 
     def reject(self, path: str, rejected: RecordRejected) -> None:
         """A record not used: counted by kind, logged once per kind, removed or skipped (rejections.py)."""

@@ -4,7 +4,10 @@ whether a writer's process is still alive."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+from kvserve.kv.tiers.record import RecordRejected
 
 
 # A FIFO opens without waiting for a writer; a symlink fails (ELOOP) rather than being followed.
@@ -30,6 +33,17 @@ def read_ahead(fd: int | None) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
+
+
+def checked_size(fd: int, max_bytes: int) -> int:
+    """An open file's size, if it is a regular file of at most `max_bytes` (else RecordRejected: nothing is read
+    from a FIFO, a device or a directory, nor more than a record can be)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise RecordRejected("not_regular", f"not a regular file (mode {info.st_mode:o})")
+    if info.st_size > max_bytes:
+        raise RecordRejected("oversized", f"{info.st_size:,} bytes, more than a record can be ({max_bytes:,})")
+    return info.st_size
 
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: a read that returns only what the page cache holds

@@ -12,7 +12,6 @@ import atexit
 import hashlib
 import logging
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Sequence
@@ -25,11 +24,11 @@ import torch
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.tiers.chain_read import ChainLink, ChainRead, Specs
 from kvserve.kv.tiers.directory import RECORD_SUFFIX, TEMP_PREFIX, open_directory, remove_dead_writers_temps
-from kvserve.kv.tiers.files import read_fd, write_new_file
+from kvserve.kv.tiers.files import checked_size, read_fd, write_new_file
 from kvserve.kv.tiers.index import RecordIndex
 from kvserve.kv.tiers.record import (ERROR_KINDS, BlockRecord, Checksum, RecordRejected, encode_record,
                                      max_record_bytes, parse_record)
-from kvserve.kv.tiers.rejections import Rejections
+from kvserve.kv.tiers.rejections import LEFT_IN_PLACE, Rejections
 from kvserve.kv.tiers.writer import RecordWriter
 from kvserve.planner.units import format_bytes
 
@@ -78,11 +77,6 @@ class DiskBlockStore:
             self.index.scan()
         self.num_records_at_start = self.index.num_own_records
         atexit.register(_flush_at_exit, weakref.ref(self))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of records under the root, every model's (what the cap holds)."""
-        return self.index.nbytes
 
     def start_line(self, block_size: int, num_groups: int) -> str:
         """e.g. "KV disk cache: /data/kv, 20.00 GiB cap, 12,345 blocks (197,520 tokens) from earlier runs"."""
@@ -139,8 +133,7 @@ class DiskBlockStore:
         """The record's tensors, its checksum to check and its size in bytes (None: rejected), and whether it was
         all in the page cache. Only a regular file no larger than a record of `specs` can be is read."""
         try:
-            size = self._record_size(fd, len(token_ids), specs)
-            data, cached = read_fd(fd, size)
+            data, cached = read_fd(fd, checked_size(fd, max_record_bytes(specs, len(token_ids))))
         except RecordRejected as rejected:
             self.reject(path, rejected)
             return None, True
@@ -160,16 +153,6 @@ class DiskBlockStore:
             self.index.touch(path)
         return (tensors, checksum, len(data)), cached
 
-    @staticmethod
-    def _record_size(fd: int, num_tokens: int, specs: Specs) -> int:
-        """The open file's size, if it is a regular file no larger than a record can be (else RecordRejected)."""
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RecordRejected("not_regular", f"not a regular file (mode {info.st_mode:o})")
-        if info.st_size > (limit := max_record_bytes(specs, num_tokens)):
-            raise RecordRejected("oversized", f"{info.st_size:,} bytes, more than a record can be ({limit:,})")
-        return info.st_size
-
     def path(self, key: BlockHash) -> Path:
         """Where `key`'s record is (or would be)."""
         return Path(self.record_file(key))
@@ -182,8 +165,9 @@ class DiskBlockStore:
 
     def reject(self, path: str, rejected: RecordRejected) -> None:
         """A record not used: counted by kind, logged once per kind, removed or skipped (rejections.py)."""
-        with self._cond:
-            self.index.forget(path)
+        if rejected.kind not in LEFT_IN_PLACE:  # gone, or never evictable: out of the cap's count
+            with self._cond:
+                self.index.forget(path)
         self.rejections.reject(path, rejected)
 
     # ---- writes: submit on the step thread, written on the writer thread (writer.py) -----------------------

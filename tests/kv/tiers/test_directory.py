@@ -66,7 +66,7 @@ def test_the_scan_counts_regular_files_only_and_follows_no_symlink(tmp_path):
     assert sorted(size for _, _, size in scan_records(tmp_path / "kv")) == sorted(
         p.stat().st_size for p in s.directory.glob("*.kvblock") if p.is_file() and not p.is_symlink())
     again = store(tmp_path / "kv")
-    assert again.nbytes < 1 << 20 and again.start_line(BS, 1).endswith("2 blocks (32 tokens) from earlier runs")
+    assert again.index.nbytes < 1 << 20 and again.start_line(BS, 1).endswith("2 blocks (32 tokens) from earlier runs")
 
 
 def test_the_gauges_drop_to_zero_when_the_directory_is_removed(tmp_path):

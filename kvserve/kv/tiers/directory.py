@@ -36,10 +36,13 @@ def check_trusted(path: Path, root: Path) -> None:
     mode = stat.S_IMODE(info.st_mode)
     if info.st_uid == os.geteuid() and not mode & 0o022:
         return
-    why = f"owned by uid {info.st_uid}" if info.st_uid != os.geteuid() else "writable by group or others"
-    raise ValueError(f"--kv-disk-cache {root}: {path} is {why} (owner uid {info.st_uid}, mode {mode:04o}; serving "
-                     f"as uid {os.geteuid()}), and whoever can write there could make the server read wrong K/V: "
-                     f"run `chmod 700 {path}` as its owner, or use a directory you own")
+    if info.st_uid != os.geteuid():
+        why, fix = f"owned by uid {info.st_uid}, not the serving user's uid {os.geteuid()}", \
+            f"use a directory you own (`chmod 700 {path}` once it is yours)"
+    else:
+        why, fix = "writable by group or others", f"run `chmod 700 {path}`, or use a directory you own"
+    raise ValueError(f"--kv-disk-cache {root}: {path} is {why} (owner uid {info.st_uid}, mode {mode:04o}); whoever "
+                     f"else can write there could make the server serve wrong K/V: {fix}")
 
 
 def remove_dead_writers_temps(root: Path) -> None:

@@ -126,7 +126,8 @@ class _EngineStatsCollector:
             family.add_metric([self._model_name], stats[key])
             yield family
         errors = CounterMetricFamily("kvserve:kv_disk_cache_errors", "Disk tier records rejected (read as misses) "
-                                     "or I/O errors, by kind: corrupt, mismatch, foreign, read, write.",
+                                     "or I/O errors, by kind: corrupt, mismatch, foreign, read, write, not_regular, "
+                                     "oversized, unremovable, fd_limit, timeout, unexpected.",
                                      labels=["model_name", "kind"])
         for key, value in stats.items():
             if key.startswith(DISK_ERROR_PREFIX):

@@ -4,6 +4,7 @@ hybrid model, and greedy output is the same from the pool, from disk and recompu
 cache_salt never hits; a record that fails its check halfway through a prefix costs only the blocks after it, and
 every block goes back to the pool; other requests run while a prefix is read."""
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -15,7 +16,10 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kv.block_hash import hash_full_blocks
+from kvserve.kv.tiers import disk as disk_module
 from kvserve.kv.tiers import store as store_module
+from kvserve.kv.tiers import writer as writer_module
+from kvserve.kv.tiers.chain_read import ChainRead
 from kvserve.kv.tiers.store import DiskBlockStore
 from tests.conftest import make_tiny_model
 
@@ -227,9 +231,8 @@ def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, mo
     first = engine(llama, tmp_path)
     reference = first.generate(tokens, GREEDY)[0]
     written(first)
-    gate, read_chain = threading.Event(), DiskBlockStore.read_chain_counted
-    monkeypatch.setattr(DiskBlockStore, "read_chain_counted",
-                        lambda self, *args: gate.wait(10) and read_chain(self, *args))
+    gate, run = threading.Event(), ChainRead.run
+    monkeypatch.setattr(ChainRead, "run", lambda self: gate.wait(10) and run(self))
     llm = engine(llama, tmp_path).engine
     llm.add_request("from-disk", tokens, GREEDY)
     llm.add_request("other", prompt(40, seed=5), GREEDY)
@@ -247,9 +250,8 @@ def test_other_requests_run_while_a_prefix_is_read_from_disk(llama, tmp_path, mo
 def test_a_request_aborted_while_its_prefix_is_read_gives_every_block_back(llama, tmp_path, monkeypatch):
     tokens = prompt(100)
     generated_and_written(engine(llama, tmp_path), tokens)
-    gate, read_chain = threading.Event(), DiskBlockStore.read_chain_counted
-    monkeypatch.setattr(DiskBlockStore, "read_chain_counted",
-                        lambda self, *args: gate.wait(10) and read_chain(self, *args))
+    gate, run = threading.Event(), ChainRead.run
+    monkeypatch.setattr(ChainRead, "run", lambda self: gate.wait(10) and run(self))
     llm = engine(llama, tmp_path).engine
     llm.add_request("from-disk", tokens, GREEDY)
     assert llm.step() == [] and llm.kv.pool.num_used_blocks == 6  # taken for the reads
@@ -276,7 +278,7 @@ def test_a_prefix_is_recomputed_where_that_is_faster_than_reading_it(llama, tmp_
 def behind_writer(llm: LLM, monkeypatch) -> threading.Event:
     """Make the writer take at most two records at a time and hold its writes until the returned event is set."""
     gate, write = threading.Event(), DiskBlockStore._write
-    monkeypatch.setattr(store_module, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
+    monkeypatch.setattr(writer_module, "MAX_PENDING_BYTES", 2 * llm.engine.disk_cache.record_bytes)
     monkeypatch.setattr(DiskBlockStore, "_write", lambda self, record: (gate.wait(60), write(self, record))[1])
     return gate
 
@@ -316,11 +318,11 @@ def test_a_skipped_block_the_pool_no_longer_holds_is_never_written(llama, tmp_pa
 EXITING_WRITER = """
 import sys, threading, time
 from kvserve import LLM, SamplingParams
-from kvserve.kv.tiers import store as store_module
+from kvserve.kv.tiers import writer as writer_module
 from kvserve.kv.tiers.store import DiskBlockStore
 
 llm = LLM(sys.argv[1], kv_cache_memory="1MiB", max_model_len=512, enforce_eager=True, kv_disk_cache=sys.argv[2])
-store_module.MAX_PENDING_BYTES = 2 * llm.engine.disk_cache.record_bytes
+writer_module.MAX_PENDING_BYTES = 2 * llm.engine.disk_cache.record_bytes
 write = DiskBlockStore._write
 DiskBlockStore._write = lambda self, record: time.sleep(0.05) or write(self, record)
 llm.generate([int(t) for t in sys.argv[3].split(",")], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -337,3 +339,96 @@ def test_a_clean_exit_writes_what_the_pool_holds_that_the_disk_lacks(llama, tmp_
     assert skipped >= 10 and written_before_exit < 13  # the exit had work to do
     again = engine(llama, tmp_path).generate(tokens, GREEDY)[0]
     assert again.num_disk_cached_tokens == 192
+
+
+def in_place_directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def in_place_sparse_file(path: Path) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(1 << 40)  # 1 TiB, none of it on disk
+
+
+def in_place_fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def in_place_symlink(path: Path) -> None:
+    target = path.parent.parent / "elsewhere"
+    os.replace(path, target)
+    path.symlink_to(target)
+
+
+@pytest.mark.parametrize("hostile, kind", [(in_place_directory, "not_regular"), (in_place_sparse_file, "oversized"),
+                                           (in_place_fifo, "not_regular"), (in_place_symlink, "not_regular")])
+def test_an_odd_file_in_place_of_a_record_is_a_miss_and_the_engine_serves_on(llama, tmp_path, hostile, kind):
+    tokens, other = prompt(100), prompt(100, seed=3)
+    first = engine(llama, tmp_path)
+    reference, other_reference = first.generate(tokens, GREEDY)[0], first.generate(other, GREEDY)[0]
+    path = written(first).engine.disk_cache.store.path(chain_key(first, tokens, 3))  # the 4th of 6 blocks
+    hostile(path)
+    for restart in range(2):  # removed and written again by the first restart; a directory stays, and still a miss
+        still_there = restart == 0 or path.is_dir()
+        llm = engine(llama, tmp_path)
+        out = llm.generate(tokens, GREEDY)[0]
+        assert out.num_cached_tokens == (48 if still_there else 96)
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert llm.stats()[f"disk_cache_errors_{kind}"] == int(still_there)
+        assert llm.generate(other, GREEDY)[0].outputs[0].token_ids == other_reference.outputs[0].token_ids
+        assert llm.generate(tokens, GREEDY)[0].outputs[0].token_ids == reference.outputs[0].token_ids
+        written(llm)
+
+
+def test_an_unforeseen_error_while_reading_is_a_miss_not_a_failed_step(llama, tmp_path, monkeypatch, caplog):
+    tokens = prompt(100)
+    reference = generated_and_written(engine(llama, tmp_path), tokens)
+
+    def unforeseen(self):
+        raise RuntimeError("something no one foresaw")
+
+    monkeypatch.setattr(ChainRead, "run", unforeseen)
+    llm = engine(llama, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        out = llm.generate(tokens, GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert llm.stats()["disk_cache_errors_unexpected"] == 1 and "something no one foresaw" in caplog.text
+
+
+def test_a_read_slower_than_the_bound_is_abandoned_as_a_miss(llama, tmp_path, monkeypatch):
+    tokens = prompt(100)
+    reference = generated_and_written(engine(llama, tmp_path), tokens)
+    stuck = threading.Event()
+    monkeypatch.setattr(store_module, "read_fd", lambda fd, size: stuck.wait())  # a disk that never answers
+    monkeypatch.setattr(disk_module, "READ_TIMEOUT_S", 0.5)
+    llm = engine(llama, tmp_path)
+    out = llm.generate(tokens, GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert llm.stats()["disk_cache_errors_timeout"] == 1
+    assert not llm.engine.disk_cache.contains(chain_key(llm, tokens, 0))  # the stuck record is not tried again
+    assert llm.generate(tokens, GREEDY)[0].outputs[0].token_ids == reference.outputs[0].token_ids
+    stuck.set()
+
+
+STUCK_READER = """
+import sys, threading
+from kvserve import LLM, SamplingParams
+from kvserve.kv.tiers import disk, store
+
+store.read_fd = lambda fd, size: threading.Event().wait()  # a read that never returns
+disk.READ_TIMEOUT_S = 0.5
+llm = LLM(sys.argv[1], kv_cache_memory="1MiB", max_model_len=512, enforce_eager=True, kv_disk_cache=sys.argv[2])
+out = llm.generate([int(t) for t in sys.argv[3].split(",")], SamplingParams(max_tokens=4, temperature=0.0))[0]
+print(out.num_cached_tokens, llm.stats()["disk_cache_errors_timeout"], flush=True)
+"""  # and exits, with the reader thread still stuck
+
+
+def test_shutdown_never_waits_on_a_stuck_reader(llama, tmp_path):
+    tokens = prompt(100)
+    generated_and_written(engine(llama, tmp_path), tokens)
+    done = subprocess.run([sys.executable, "-c", STUCK_READER, str(llama), str(tmp_path), ",".join(map(str, tokens))],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1"]

@@ -3,9 +3,11 @@ open ahead of the one being read; once a record is found outside the page cache,
 ahead too (posix_fadvise WILLNEED), so the disk sees many at once rather than one file's latency at a time (while
 records come from the page cache the hint costs a walk over their cached pages and saves nothing). Checksums run on
 the store's checker thread, CHECK_BATCH records at a time, while this thread reads the next records: zlib releases
-the GIL while it runs."""
+the GIL while it runs. A record that cannot be opened (a symlink, no file descriptor left...) is a miss, counted by
+the store like a rejected one."""
 from __future__ import annotations
 
+import errno
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -41,6 +43,26 @@ def _num_matching(checksums: Sequence[Checksum]) -> int:
     return next((i for i, checksum in enumerate(checksums) if not checksum.matches()), len(checksums))
 
 
+def unopened(exc: OSError) -> RecordRejected:
+    """Why a record could not be opened, by kind: a symlink (not followed), no file descriptor left, else a read
+    error."""
+    kind = {errno.ELOOP: "not_regular", errno.EMFILE: "fd_limit", errno.ENFILE: "fd_limit"}.get(exc.errno, "read")
+    return RecordRejected(kind, f"cannot open it ({type(exc).__name__}: {exc.strerror or exc})")
+
+
+def _open(path: str, ahead: bool) -> int | OSError | None:
+    """An open record, None if there is none, or why it could not be opened (handled when its turn comes)."""
+    try:
+        return open_record(path, ahead)
+    except OSError as exc:
+        return exc
+
+
+def _close(fd: int | OSError | None) -> None:
+    if isinstance(fd, int):
+        os.close(fd)
+
+
 class RecordSource(Protocol):
     """What a chain read asks of the store, one record at a time."""
 
@@ -52,6 +74,8 @@ class RecordSource(Protocol):
                     specs: Specs) -> tuple[tuple[list[torch.Tensor], Checksum, int] | None, bool]: ...
 
     def reject(self, path: str, rejected: RecordRejected) -> None: ...
+
+    def skips(self, path: str) -> bool: ...
 
     def count_reads(self, num_reads: int, num_queued_reads: int, num_bytes: int) -> None: ...
 
@@ -66,7 +90,9 @@ class ChainRead:
         self.links = links
         self.specs = specs
         self.paths = [source.record_file(key) for key, _, _ in links]
-        self.ahead: deque[int | None] = deque()  # open files of the records after the one being read (None: missing)
+        # open files of the records after the one being read (None: missing; an OSError: could not be opened)
+        self.ahead: deque[int | OSError | None] = deque()
+        self.reading: str | None = None  # the record being read (a read abandoned as too slow skips it from then on)
         self.cold = False  # a record came from the disk: hint the kernel about every record ahead
         self.found: list[list[torch.Tensor]] = []
         self.checks: list[Future] = []  # each: how many of its batch of checksums match before the first that does not
@@ -81,8 +107,7 @@ class ChainRead:
                     break
         finally:
             for fd in self.ahead:
-                if fd is not None:
-                    os.close(fd)
+                _close(fd)
         if self.batch:
             self.checks.append(self.checker.submit(_num_matching, self.batch))
         self._cut_at_first_bad_checksum()
@@ -93,22 +118,26 @@ class ChainRead:
 
     def _open_ahead(self) -> None:
         while len(self.ahead) < READ_AHEAD and (n := len(self.found) + len(self.ahead)) < len(self.paths):
-            self.ahead.append(open_record(self.paths[n], self.cold))
+            self.ahead.append(_open(self.paths[n], self.cold))
 
     def _read_next(self, link: ChainLink, path: str) -> bool:
         """Take the next record, from the writer's queue or from its file; False on a miss."""
         key, parent, token_ids = link
+        self.reading = path
         self._open_ahead()
         fd = self.ahead.popleft()
         queued = self.source.queued(key, parent, token_ids)
         if queued is not None:  # still on its way to disk: this process's own copy, nothing to check
-            if fd is not None:
-                os.close(fd)
+            _close(fd)
             self._add(queued.tensors, _QUEUED, 0, True)
             return True
         if fd is None:  # written since it was opened ahead (it was queued), or else evicted since the lookup
-            fd = open_record(path, self.cold)
-        if fd is None:  # evicted, by this process or another, since the lookup saw it
+            fd = _open(path, self.cold)
+        if fd is None or self.source.skips(path):  # evicted since the lookup saw it; or never to be read again
+            _close(fd)
+            return False
+        if isinstance(fd, OSError):
+            self.source.reject(path, unopened(fd))
             return False
         try:
             read, cached = self.source.read_record(fd, path, key, parent, token_ids, self.specs)
@@ -117,7 +146,8 @@ class ChainRead:
         if not cached and not self.cold:
             self.cold = True
             for other in self.ahead:
-                read_ahead(other)
+                if isinstance(other, int):
+                    read_ahead(other)
         if read is None:
             return False
         self._add(*read, False)

@@ -7,28 +7,37 @@ chains through the whole prefix, with the storage format and cache_salt in its r
 is found only by the same model, format and tenant. Writes go through the store's writer thread (store.py); a block
 the writer has no room for is handed again later, from the pool, and at a clean exit. Reads start on admission and
 run on reader threads while the steps go on (chain_read.py); the request waits, and its blocks join the pool's prefix
-index once read. Whether to read at all is the cost model's call (cost.py)."""
+index once read. Whether to read at all is the cost model's call (cost.py). Whatever goes wrong on a read is a miss
+at this boundary, counted by kind, never an exception in the engine's step; a read that takes longer than
+READ_TIMEOUT_S is abandoned as a miss, and its reader thread (a daemon) left to end when it can."""
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.tiers.base import BlockLoad
+from kvserve.kv.tiers.chain_read import ChainRead
 from kvserve.kv.tiers.cost import ReadCost
-from kvserve.kv.tiers.record import BlockRecord
+from kvserve.kv.tiers.readers import ReaderThreads, ReadJob
+from kvserve.kv.tiers.record import BlockRecord, RecordRejected
 from kvserve.kv.tiers.store import EXIT_FLUSH_S, DiskBlockStore
 
+logger = logging.getLogger("kvserve")
+
 READ_THREADS = 2  # prefixes read at once; each prefix's records are read in order on one thread (see DiskKVCache)
+# A prefix read not done this long after it started is abandoned: the request is prefilled as if the tier lacked it
+# (a read of a healthy disk's records takes a small fraction of this; a stuck one would hold the request forever).
+READ_TIMEOUT_S = 30.0
 MAX_SKIPPED = 1 << 16  # skipped blocks remembered to hand again (a key, parent and 16 token ids each)
 
 
@@ -50,7 +59,7 @@ class DiskKVCache:
         # One thread reads one prefix's records in order, after asking the kernel to read all its files ahead
         # (posix_fadvise WILLNEED: the disk sees them all at once). Several threads per prefix were slower: most
         # of a record's time out of the page cache is Python holding the GIL, and threads only contend for it.
-        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvserve-disk-reader")
+        self._readers = ReaderThreads(READ_THREADS, "kvserve-disk-reader")
         atexit.register(_flush_tier_at_exit, weakref.ref(self))
 
     def attach_pool(self, find_block: Callable[[BlockHash], int | None]) -> None:
@@ -113,13 +122,19 @@ class DiskKVCache:
     def start_reading(self, loads: Sequence[BlockLoad]) -> PrefixRead:
         """Read and check the records of `loads` on the reader threads; PrefixRead.finish puts them in the pool."""
         started = time.perf_counter()  # before the first read starts: a read may end before PrefixRead exists
-        return PrefixRead(self, list(loads), self._readers.submit(self._read, list(loads)), started)
+        chain = self.store.chain_read([(load.key, load.parent, load.token_ids) for load in loads], self.specs)
+        return PrefixRead(self, list(loads), chain, self._readers.submit(self._read, chain), started)
 
-    def _read(self, loads: list[BlockLoad]) -> tuple[list[list[torch.Tensor]], float, int]:
-        """The records of `loads` up to the first miss (the blocks after it would not be used), when the reads
-        ended, and how many came from the writer's queue (no disk read: not in the measured read rate)."""
-        found, num_queued = self.store.read_chain_counted([(load.key, load.parent, load.token_ids) for load in loads],
-                                                          self.specs)
+    def _read(self, chain: ChainRead) -> tuple[list[list[torch.Tensor]], float, int]:
+        """The records of `chain` up to the first miss (the blocks after it would not be used), when the reads
+        ended, and how many came from the writer's queue (no disk read: not in the measured read rate). An error
+        nothing below foresaw is a miss of the whole prefix, counted and logged once: it must not reach the step."""
+        try:
+            found, num_queued = chain.run()
+        except Exception as exc:
+            self.store.reject(chain.reading or str(self.store.directory),
+                              RecordRejected("unexpected", f"{type(exc).__name__}: {exc}"))
+            return [], time.perf_counter(), 0
         return found, time.perf_counter(), num_queued
 
     def stats(self) -> dict[str, float | int]:
@@ -128,23 +143,30 @@ class DiskKVCache:
 
 
 class PrefixRead:
-    """A prefix's records being read on the reader threads, while the engine's steps go on (base.py:TierRead)."""
+    """A prefix's records being read on the reader threads, while the engine's steps go on (base.py:TierRead). Done
+    when the read is, or READ_TIMEOUT_S after it started: then `finish` abandons it as a miss."""
 
-    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], read: Future, started_s: float):
+    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], chain: ChainRead, job: ReadJob, started_s: float):
         self.tier = tier
         self.loads = loads
-        self._read = read
+        self._chain = chain
+        self._job = job
         self._started = started_s  # perf_counter() when the read was submitted
+        self._deadline = started_s + READ_TIMEOUT_S
 
     def done(self) -> bool:
-        return self._read.done()
+        return self._job.future.done() or time.perf_counter() >= self._deadline
 
     def wait(self, timeout_s: float) -> None:
-        futures.wait([self._read], timeout_s)
+        futures.wait([self._job.future], max(0.0, min(timeout_s, self._deadline - time.perf_counter())))
 
     def finish(self) -> int:
-        """Put the records read into their pool blocks, in order up to the first miss (once done); returns how many."""
-        found, ended, num_queued = self._read.result()
+        """Put the records read into their pool blocks, in order up to the first miss (once done); returns how many.
+        A read still running is abandoned: none (its reader thread's results are never used)."""
+        if not self._job.future.done():
+            self._abandon()
+            return 0
+        found, ended, num_queued = self._job.future.result()
         for load, tensors in zip(self.loads, found):
             self.tier.cache.import_block(load.block_id, tensors)
         num_loaded = len(found)
@@ -153,6 +175,12 @@ class PrefixRead:
         if num_loaded > num_queued:  # the rate of reading from disk: a block taken from the queue cost no read
             self.tier.cost.note_read(num_loaded - num_queued, read_s)
         return num_loaded
+
+    def _abandon(self) -> None:
+        """Stop waiting: the next read may start, and the record it was stuck on is skipped from now on."""
+        self._job.abandon()
+        path = self._chain.reading or str(self.tier.store.directory)  # None: it never started (the readers were stuck)
+        self.tier.store.reject(path, RecordRejected("timeout", f"not read within {READ_TIMEOUT_S:g} s"))
 
 
 def _flush_tier_at_exit(tier: weakref.ref[DiskKVCache]) -> None:

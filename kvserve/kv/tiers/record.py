@@ -24,7 +24,17 @@ RECORD_VERSION = "2"  # bump when what a record's tensors mean changes: old reco
 # Files whose bytes decide a block's K/V (besides the weights): the config (layers, heads, RoPE, windows) and the
 # tokenizer (which ids the keys chain over).
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
-ERROR_KINDS = ("corrupt", "mismatch", "foreign", "read", "write")
+# Why a record was not used (kvserve:kv_disk_cache_errors{kind}): damaged, not the block asked for, not a record of
+# this model, an I/O error, a write error; not a regular file (a directory, FIFO, symlink...), larger than any record
+# of the pool's block can be, could not be removed once rejected (skipped from then on), out of file descriptors,
+# read for longer than the tier waits, or an error the tier did not foresee.
+ERROR_KINDS = ("corrupt", "mismatch", "foreign", "read", "write", "not_regular", "oversized", "unremovable",
+               "fd_limit", "timeout", "unexpected")
+# A record's safetensors header, at most: fixed metadata (format, version, fingerprint, keys, checksum), an entry
+# per tensor, and the token ids as a JSON list (up to 20 digits and a separator each).
+HEADER_FIXED_BYTES = 4096
+HEADER_BYTES_PER_TENSOR = 256
+HEADER_BYTES_PER_TOKEN = 24
 
 
 def model_fingerprint(model_path: Path, **facts: object) -> dict[str, str]:
@@ -86,6 +96,14 @@ def encode_record(fingerprint: str, record: BlockRecord) -> bytes:
                 "key": record.key.hex(), "parent": record.parent.hex() if record.parent else "",
                 "token_ids": json.dumps(list(record.token_ids)), "crc32": tensors_crc32(record.tensors)}
     return safetensors.torch.save({f"t{i}": t.contiguous() for i, t in enumerate(record.tensors)}, metadata)
+
+
+def max_record_bytes(specs: Sequence[tuple[torch.dtype, tuple[int, ...]]], num_tokens: int) -> int:
+    """The largest a record of a block of `num_tokens` tokens whose tensors are `specs` can be: a larger file is
+    rejected before it is read."""
+    tensor_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in specs)
+    return 8 + HEADER_FIXED_BYTES + HEADER_BYTES_PER_TENSOR * len(specs) + HEADER_BYTES_PER_TOKEN * num_tokens \
+        + tensor_bytes
 
 
 def _header(data: bytes | bytearray) -> dict:

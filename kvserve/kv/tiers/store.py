@@ -1,22 +1,19 @@
 """The disk tier's file store: records of one model fingerprint as files under a directory, least recently used
 removed first to hold a cap shared by every model and process in the directory.
 
-Writes run on a writer thread; the step thread only queues a block's bytes (a block the writer has no room for is
-refused, for the caller to hand again later). A record is written to a temporary file and renamed into place, so a
+Writes run on a writer thread (writer.py). A record is written to a temporary file and renamed into place, so a
 process killed mid-write leaves no partial record visible. Several processes may share a directory without a lock:
 a record is complete once visible, two writers of one key write the same bytes, and a record removed under a reader
-is a plain miss. A block still queued for the writer is found by lookups and read from memory."""
+is a plain miss. A block still queued for the writer is found by lookups and read from memory. Only regular files no
+larger than a record can be are read; a rejected one is removed, or, where it cannot be, skipped from then on."""
 from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import logging
 import os
 import threading
-import time
 import weakref
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,17 +23,17 @@ import torch
 
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.tiers.chain_read import ChainLink, ChainRead, Specs
-from kvserve.kv.tiers.files import process_alive, read_fd, remove, write_new_file
-from kvserve.kv.tiers.record import ERROR_KINDS, BlockRecord, Checksum, RecordRejected, encode_record, parse_record
+from kvserve.kv.tiers.directory import RECORD_SUFFIX, TEMP_PREFIX, open_directory, remove_dead_writers_temps
+from kvserve.kv.tiers.files import checked_size, read_fd, write_new_file
+from kvserve.kv.tiers.index import RecordIndex
+from kvserve.kv.tiers.record import (ERROR_KINDS, BlockRecord, Checksum, RecordRejected, encode_record,
+                                     max_record_bytes, parse_record)
+from kvserve.kv.tiers.rejections import LEFT_IN_PLACE, Rejections
+from kvserve.kv.tiers.writer import RecordWriter
 from kvserve.planner.units import format_bytes
 
 logger = logging.getLogger("kvserve")
 
-RECORD_SUFFIX = ".kvblock"
-TEMP_PREFIX = ".tmp-"
-MAX_PENDING_BYTES = 256 * 2**20  # blocks copied for the writer and not yet written; more are skipped, not waited for
-WRITER_IDLE_S = 1.0  # the writer thread ends after this long without work (a later block starts a new one)
-RESCAN_S = 10.0  # when evicting, see other processes' records at most this often
 EXIT_FLUSH_S = 10.0  # at interpreter exit, wait this long for queued (and skipped) blocks to be written
 EXIT_JOIN_S = 2.0  # ... then this long for the writer thread to end (it finishes the record it is writing)
 
@@ -66,27 +63,19 @@ class DiskBlockStore:
         self.directory = self.root / self.fingerprint[:16]
         self._directory = str(self.directory)  # records' paths are plain strings: pathlib costs more than a read
         self._salt = bytes.fromhex(self.fingerprint)
-        self._make_directory(fingerprint)
+        open_directory(self.root, self.directory, fingerprint)
         self.counters = DiskCacheCounters()
+        self.rejections = Rejections(self.counters.errors)
         self.writing_stopped = False
-        self._cond = threading.Condition()  # guards everything below
-        self._files: OrderedDict[str, int] = OrderedDict()  # every record's path under root, least recently used first
-        self.nbytes = 0
-        self.num_own_records = 0  # of those, this fingerprint's
-        self._scanned_at = 0.0
-        self._queue: deque[BlockRecord] = deque()
-        # queued or being written: a lookup finds these too, and a read takes their tensors from here (the writer
-        # may be behind the step thread by seconds when both want the GIL; a returning request must not miss them)
-        self._pending: dict[BlockHash, BlockRecord] = {}
-        self._pending_bytes = 0
-        self._writer: threading.Thread | None = None
-        self._closing = False  # the interpreter is exiting: the writer ends after its record (stop_writer)
-        self._logged: set[str] = set()
+        self._cond = threading.Condition()  # guards the index and the read counters (reads run on several threads)
+        self.index = RecordIndex(self.root, self._directory)
+        # the class's _write, looked up at each call (tests hold a write back by patching it)
+        self.writer = RecordWriter(lambda record: self._write(record), self._count_skipped)
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-disk-checker")  # read_chain's checksums
-        self._remove_dead_writers_temps()
+        remove_dead_writers_temps(self.root)
         with self._cond:
-            self._scan()
-        self.num_records_at_start = self.num_own_records
+            self.index.scan()
+        self.num_records_at_start = self.index.num_own_records
         atexit.register(_flush_at_exit, weakref.ref(self))
 
     def start_line(self, block_size: int, num_groups: int) -> str:
@@ -95,16 +84,19 @@ class DiskBlockStore:
         blocks = f"{self.num_records_at_start:,} block{'' if self.num_records_at_start == 1 else 's'}"
         line = (f"KV disk cache: {self.root}, {format_bytes(self.capacity_bytes)} cap, {blocks} ({tokens:,} tokens) "
                 "from earlier runs")
-        others = len(self._files) - self.num_own_records
+        others = len(self.index.files) - self.index.num_own_records
         if others:
             line += f"; {others:,} records of other models or formats share the cap"
         return line
 
     # ---- reads: lookups on the step thread, records read on the reader threads ---------------------------
     def contains(self, key: BlockHash) -> bool:
-        """Whether a record for `key` is on disk now (any process's; it is verified only when read) or queued for
-        the writer here (read from memory)."""
-        return key in self._pending or os.path.exists(self.record_file(key))
+        """Whether a record for `key` is on disk now (any process's; it is verified only when read; one skipped as
+        unremovable or too slow is not) or queued for the writer here (read from memory)."""
+        if key in self.writer.pending:
+            return True
+        path = self.record_file(key)
+        return not self.rejections.skips(path) and os.path.exists(path)
 
     def read(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
              specs: Specs) -> list[torch.Tensor] | None:
@@ -120,7 +112,11 @@ class DiskBlockStore:
     def read_chain_counted(self, records: Sequence[ChainLink], specs: Specs) -> tuple[list[list[torch.Tensor]], int]:
         """The tensors of `records` ((key, parent, token ids) of a prefix's blocks, in order), verified, up to the
         first miss, and how many of them came from the writer's queue rather than from disk (chain_read.py)."""
-        return ChainRead(self, self._checker, records, specs).run()
+        return self.chain_read(records, specs).run()
+
+    def chain_read(self, records: Sequence[ChainLink], specs: Specs) -> ChainRead:
+        """A read of `records` to `run` (on a reader thread); it says which record it is reading (`reading`)."""
+        return ChainRead(self, self._checker, records, specs)
 
     def count_reads(self, num_reads: int, num_queued_reads: int, num_bytes: int) -> None:
         with self._cond:  # reads run on several threads
@@ -130,18 +126,17 @@ class DiskBlockStore:
 
     def queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> BlockRecord | None:
         """The record queued (or being written) for `key`, if it is the one the request's chain asks for."""
-        with self._cond:
-            record = self._pending.get(key)
-        if record is None or record.parent != parent or record.token_ids != tuple(token_ids):
-            return None
-        return record
+        return self.writer.queued(key, parent, token_ids)
 
     def read_record(self, fd: int, path: str, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
                     specs: Specs) -> tuple[tuple[list[torch.Tensor], Checksum, int] | None, bool]:
         """The record's tensors, its checksum to check and its size in bytes (None: rejected), and whether it was
-        all in the page cache."""
+        all in the page cache. Only a regular file no larger than a record of `specs` can be is read."""
         try:
-            data, cached = read_fd(fd)
+            data, cached = read_fd(fd, checked_size(fd, max_record_bytes(specs, len(token_ids))))
+        except RecordRejected as rejected:
+            self.reject(path, rejected)
+            return None, True
         except OSError as exc:
             self.reject(path, RecordRejected("read", f"{type(exc).__name__}: {exc}"))
             return None, True
@@ -155,8 +150,7 @@ class DiskBlockStore:
         except OSError:
             pass
         with self._cond:
-            if path in self._files:
-                self._files.move_to_end(path)
+            self.index.touch(path)
         return (tensors, checksum, len(data)), cached
 
     def path(self, key: BlockHash) -> Path:
@@ -166,94 +160,30 @@ class DiskBlockStore:
     def record_file(self, key: BlockHash) -> str:
         return os.path.join(self._directory, hashlib.sha256(self._salt + key).hexdigest() + RECORD_SUFFIX)
 
-    def reject(self, path: str, rejected: RecordRejected) -> None:
-        with self._cond:
-            self.counters.errors[rejected.kind] += 1
-            first = rejected.kind not in self._logged
-            self._logged.add(rejected.kind)
-            self._forget(path)
-        if first:
-            logger.warning(f"KV disk cache: {os.path.basename(path)} rejected ({rejected.kind}: {rejected}); read as "
-                           f"a miss and removed (later {rejected.kind} records are only counted: "
-                           "kvserve:kv_disk_cache_errors)")
-        remove(path)
+    def skips(self, path: str) -> bool:
+        return self.rejections.skips(path)
 
-    # ---- writes: submit on the step thread, written on the writer thread ---------------------------------------
+    def reject(self, path: str, rejected: RecordRejected) -> None:
+        """A record not used: counted by kind, logged once per kind, removed or skipped (rejections.py)."""
+        if rejected.kind not in LEFT_IN_PLACE:  # gone, or never evictable: out of the cap's count
+            with self._cond:
+                self.index.forget(path)
+        self.rejections.reject(path, rejected)
+
+    # ---- writes: submit on the step thread, written on the writer thread (writer.py) -----------------------
     def submit(self, record: BlockRecord) -> bool:
         """Queue a block for writing; never waits. False if it was skipped because the writer is MAX_PENDING_BYTES
         behind (the caller may hand it again later); True if queued, queued already, or writing has stopped."""
-        with self._cond:
-            if self.writing_stopped or self._closing or record.key in self._pending:
-                return True
-            if self._pending_bytes + record.nbytes > MAX_PENDING_BYTES:
-                self.counters.num_writes_skipped += 1
-                return False
-            self._queue.append(record)
-            self._pending[record.key] = record
-            self._pending_bytes += record.nbytes
-            if self._writer is None:
-                writer = threading.Thread(target=self._write_queued, name="kvserve-disk-writer", daemon=True)
-                try:
-                    writer.start()
-                    self._writer = writer
-                except RuntimeError:  # an exiting interpreter starts no threads (3.12+): flush writes on its own
-                    pass
-            self._cond.notify_all()
-            return True
+        return self.writing_stopped or self.writer.submit(record)
 
     def wait_for_room(self, num_bytes: int, timeout_s: float) -> bool:
-        """Wait until the writer is less than half of MAX_PENDING_BYTES behind with `num_bytes` more; False if
-        `timeout_s` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending_bytes + num_bytes <= MAX_PENDING_BYTES // 2, timeout_s)
+        return self.writer.wait_for_room(num_bytes, timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every queued block is written (or skipped); False if `timeout_s` passed first. With no writer
-        thread (none could start: the interpreter is exiting) the queue is written here."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._writer is None and (deadline is None or time.monotonic() < deadline) and self._write_next():
-            pass
-        with self._cond:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return self._cond.wait_for(lambda: not self._pending, left)
+        return self.writer.flush(timeout_s)
 
     def stop_writer(self, timeout_s: float) -> None:
-        """End the writer thread (after the record it is writing) and wait up to `timeout_s` for it: what is still
-        queued stays unwritten. At exit, after the flush, so that no daemon thread is still running library code while
-        the interpreter finalizes, which can abort the process (CI's disk-tier exit test aborted once with
-        "terminate called without an active exception"; not reproduced since)."""
-        with self._cond:
-            self._closing = True
-            writer = self._writer
-            self._cond.notify_all()
-        if writer is not None and writer is not threading.current_thread():
-            writer.join(timeout_s)
-
-    def _write_queued(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue and not self._closing:
-                    self._cond.wait(WRITER_IDLE_S)
-                if not self._queue or self._closing:
-                    self._writer = None
-                    self._cond.notify_all()
-                    return
-            self._write_next()
-
-    def _write_next(self) -> bool:
-        """Write the oldest queued block; False if none was queued."""
-        with self._cond:
-            if not self._queue:
-                return False
-            record = self._queue.popleft()
-        try:
-            self._write(record)
-        finally:
-            with self._cond:
-                del self._pending[record.key]
-                self._pending_bytes -= record.nbytes
-                self._cond.notify_all()
-        return True
+        self.writer.stop(timeout_s)
 
     def _write(self, record: BlockRecord) -> None:
         path = self.record_file(record.key)
@@ -265,7 +195,8 @@ class DiskBlockStore:
             return
         temp = self.directory / f"{TEMP_PREFIX}{os.getpid()}-{threading.get_ident()}"
         try:
-            self._make_room(len(data))
+            with self._cond:
+                self.counters.num_evicted += self.index.make_room(len(data), self.capacity_bytes)
             write_new_file(temp, data)
             os.replace(temp, path)
         except OSError as exc:
@@ -273,9 +204,12 @@ class DiskBlockStore:
             self._stop_writing(exc)
             return
         with self._cond:
-            self._remember(path, len(data))
+            self.index.remember(path, len(data))
         self.counters.num_writes += 1
         self.counters.bytes_written += len(data)
+
+    def _count_skipped(self) -> None:
+        self.counters.num_writes_skipped += 1
 
     def _stop_writing(self, exc: OSError) -> None:
         self.writing_stopped = True
@@ -283,73 +217,11 @@ class DiskBlockStore:
         logger.warning(f"KV disk cache: writing to {self.directory} stopped ({type(exc).__name__}: {exc}); serving "
                        "goes on, and the records already there are still read")
 
-    # ---- the cap ------------------------------------------------------------------------------------------
-    def _make_room(self, num_bytes: int) -> None:
-        """Remove least recently used records until `num_bytes` more fit under the cap."""
-        with self._cond:
-            if self.nbytes + num_bytes > self.capacity_bytes and time.monotonic() - self._scanned_at > RESCAN_S:
-                self._scan()  # count what other processes wrote since
-            while self._files and self.nbytes + num_bytes > self.capacity_bytes:
-                oldest = next(iter(self._files))
-                self._forget(oldest)
-                remove(oldest)
-                self.counters.num_evicted += 1
-
-    def _scan(self) -> None:
-        """Every record under root, ordered by last use (mtime); callers hold the lock."""
-        found = []
-        for directory in (d for d in self.root.iterdir() if d.is_dir()):
-            for entry in os.scandir(directory):
-                if entry.name.endswith(RECORD_SUFFIX):
-                    try:
-                        stat = entry.stat()
-                    except FileNotFoundError:
-                        continue
-                    found.append((stat.st_mtime_ns, entry.path, stat.st_size))
-        self._files.clear()
-        self.nbytes = self.num_own_records = 0
-        for _, path, size in sorted(found, key=lambda f: f[0]):
-            self._remember(path, size)
-        self._scanned_at = time.monotonic()
-
-    def _remember(self, path: str, size: int) -> None:
-        if path not in self._files:
-            self._files[path] = size
-            self.nbytes += size
-            self.num_own_records += os.path.dirname(path) == self._directory
-
-    def _forget(self, path: str) -> None:
-        size = self._files.pop(path, None)
-        if size is not None:
-            self.nbytes -= size
-            self.num_own_records -= os.path.dirname(path) == self._directory
-
-    # ---- start-up -----------------------------------------------------------------------------------------
-    def _make_directory(self, fingerprint: dict[str, str]) -> None:
-        """Create the directories (owner only) and prove they take a file: an unwritable one fails here, clearly."""
-        try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # (mkdir gives parents the default mode)
-            self.directory.mkdir(mode=0o700, exist_ok=True)
-            description = self.directory / "model.json"
-            temp = self.directory / f"{TEMP_PREFIX}{os.getpid()}-start"
-            write_new_file(temp, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
-            os.replace(temp, description)
-        except OSError as exc:
-            raise ValueError(f"--kv-disk-cache {self.root}: cannot write there ({type(exc).__name__}: "
-                             f"{exc.strerror or exc})") from exc
-
-    def _remove_dead_writers_temps(self) -> None:
-        """Temporary files of processes that died mid-write (named .tmp-PID-...); live writers' are left alone."""
-        for directory in (d for d in self.root.iterdir() if d.is_dir()):
-            for temp in directory.glob(f"{TEMP_PREFIX}*"):
-                pid = temp.name.removeprefix(TEMP_PREFIX).split("-")[0]
-                if pid.isdigit() and not process_alive(int(pid)):
-                    temp.unlink(missing_ok=True)
-
     def stats(self) -> dict[str, float | int]:
         c = self.counters
         with self._cond:
-            blocks, nbytes = self.num_own_records, self.nbytes
+            self.index.forget_if_gone()  # a directory removed under us holds no records: no stale gauges
+            blocks, nbytes = self.index.num_own_records, self.index.nbytes
         return {"disk_cache_blocks": blocks, "disk_cache_bytes": nbytes,
                 "disk_cache_capacity_bytes": self.capacity_bytes,
                 "disk_cache_reads": c.num_reads, "disk_cache_queued_reads": c.num_queued_reads,

@@ -29,7 +29,7 @@ def test_a_record_still_queued_for_the_writer_is_found_and_read_from_memory(tmp_
     assert len(s.read_chain([*asked[:3], (keys[3], keys[3], tokens[3])], SPECS)) == 3  # another parent: a miss
     assert len(s.read_chain([*asked[:3], (keys[3], keys[2], [0] * BS)], SPECS)) == 3  # other tokens: a miss
     held.set()
-    assert s.flush(10) and s.path(keys[3]).exists() and not s._pending
+    assert s.flush(10) and s.path(keys[3]).exists() and not s.writer.pending
     reads, queued = s.counters.num_reads, s.counters.num_queued_reads
     assert len(s.read_chain(asked, SPECS)) == 4  # from disk once written
     assert (s.counters.num_reads, s.counters.num_queued_reads) == (reads + 4, queued)

@@ -53,11 +53,11 @@ def test_the_exit_handler_writes_the_queue_then_ends_the_writer_thread(tmp_path,
     monkeypatch.setattr(DiskBlockStore, "_write", lambda self, r: time.sleep(0.05) or write(self, r))
     for i in range(4):
         s.submit(record(i, keys, tokens))
-    writer = s._writer
+    writer = s.writer.thread
     assert writer is not None and writer.is_alive()
     store_module._flush_at_exit(weakref.ref(s))
     assert s.counters.num_writes == 4 and not writer.is_alive()  # nothing left running while Python finalizes
-    assert s.submit(record(0, *chain(1, salt="after"))) and s._writer is None  # an exiting store queues nothing
+    assert s.submit(record(0, *chain(1, salt="after"))) and s.writer.thread is None  # an exiting store queues nothing
 
 
 def damage_truncate(path: Path) -> None:
@@ -147,16 +147,16 @@ def test_the_cap_holds_and_evicts_the_least_recently_used(tmp_path):
     keys, tokens = chain(6)
     measure = store(tmp_path / "measure")
     written(measure, record(1, keys, tokens))
-    size = measure.nbytes  # records 1..5 are this size, record 0 (no parent) a little smaller
+    size = measure.index.nbytes  # records 1..5 are this size, record 0 (no parent) a little smaller
     tmp_path = tmp_path / "cache"
     s = store(tmp_path, capacity_bytes=3 * size)
     written(s, record(0, keys, tokens), record(1, keys, tokens), record(2, keys, tokens))
     assert s.read(keys[0], None, tokens[0], SPECS) is not None  # used: now the most recent
     written(s, record(3, keys, tokens))
-    assert s.nbytes <= 3 * size and [s.contains(k) for k in keys[:4]] == [True, False, True, True]
+    assert s.index.nbytes <= 3 * size and [s.contains(k) for k in keys[:4]] == [True, False, True, True]
     written(s, record(4, keys, tokens), record(5, keys, tokens))
     on_disk = sum(f.stat().st_size for f in tmp_path.glob("*/*.kvblock"))
-    assert on_disk == s.nbytes <= 3 * size and s.counters.num_evicted == 3
+    assert on_disk == s.index.nbytes <= 3 * size and s.counters.num_evicted == 3
     assert store(tmp_path, capacity_bytes=3 * size).start_line(BS, 1).endswith("3 blocks (48 tokens) from earlier runs")
 
 

@@ -4,7 +4,8 @@ already hold, verify them all in one forward pass, and keep the longest prefix t
 Proposing, at schedule time (`Speculator.propose`):
 - "ngram" (prompt lookup, vLLM's `ngram`, llama.cpp's lookup decoding): the last n tokens, n from
   prompt_lookup_max down to prompt_lookup_min, looked up in the request's own prompt and output; the tokens that
-  followed their latest earlier occurrence are the draft.
+  followed their latest earlier occurrence are the draft (one that runs into the present, as in a loop, repeats
+  its cycle).
 - "suffix" (after suffix decoding): the longest suffix of the request, up to suffix_decoding_max_tree_depth tokens,
   that occurs earlier in the request or in one of the last suffix_decoding_max_cached_requests requests' outputs
   (which repeat across templated and agentic traffic) of the same cache_salt; it proposes up to
@@ -134,6 +135,13 @@ class _OutputsBySalt:
         return sum(recent.num_entries for recent in self.by_salt.values())
 
 
+def _continuation(tokens: list[int], start: int, k: int) -> list[int]:
+    """Up to k tokens from `start`. A continuation that runs into the present (a loop such as "a a a a", whose
+    latest earlier occurrence ends one token back) goes on by repeating its cycle, as the loop would."""
+    period = len(tokens) - start
+    return [tokens[start + i % period] for i in range(k)]
+
+
 @dataclass
 class SpeculationStats:
     """Counters in vLLM's terms: drafts verified, tokens proposed, tokens accepted (and by draft position)."""
@@ -198,7 +206,7 @@ class Speculator:
         index.update(tokens)
         for n in reversed(self._sizes):
             start = index.find(tokens, n)
-            draft = tokens[start : start + self._length(n, limit)] if start is not None else []
+            draft = _continuation(tokens, start, self._length(n, limit)) if start is not None else []
             if self._recent is not None and len(draft) < self._length(n, limit):
                 found = self._recent.continuation(seq.cache_salt, tokens, n, self._length(n, limit))
                 draft = max(draft, found, key=len)

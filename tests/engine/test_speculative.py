@@ -258,6 +258,27 @@ def test_the_ngram_proposer_drafts_from_the_prompt_and_respects_the_limits(llama
     spec.engine.abort_request("x")
 
 
+def test_the_ngram_proposer_drafts_a_loop_in_full(llama):
+    """Issue 57: on a one-token loop the latest earlier occurrence's continuation runs into the present; the draft
+    repeats the cycle up to num_speculative_tokens, and a longer cycle repeats as a whole."""
+    spec = LLM(str(llama), **OPTIONS, speculative_config=NGRAM)
+    speculator = spec.engine.speculator
+    for prompt_ids, expected in [([9, 5, 5, 5, 5], [5, 5, 5, 5]), ([9, 5, 6, 5, 6, 5], [6, 5, 6, 5]),
+                                 ([1, 2, 3, 4, 1, 2], [3, 4, 1, 2])]:
+        seq = spec.engine.add_request("loop", {"prompt_token_ids": prompt_ids},
+                                      SamplingParams(max_tokens=20)).sequences[0]
+        assert speculator.propose(seq, max_tokens=10, num_decoding=1) == expected, prompt_ids
+        spec.engine.abort_request("loop")
+
+
+def test_a_loop_decodes_the_same_with_full_drafts(llama):
+    loop = [7] * 12 + [8, 9] * 6
+    plain = LLM(str(llama), **OPTIONS).generate(loop, GREEDY)
+    spec = LLM(str(llama), **OPTIONS, speculative_config=NGRAM)
+    assert tokens(spec.generate(loop, GREEDY)) == tokens(plain)
+    assert_nothing_held(spec)
+
+
 def test_the_suffix_proposer_uses_recent_requests_outputs(llama):
     spec = LLM(str(llama), **OPTIONS, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
     speculator = spec.engine.speculator

@@ -11,10 +11,10 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -24,8 +24,6 @@ from kvserve.kv.snapshot import BLOCK_STATES, snapshot_pool
 from kvserve.server.async_engine import AsyncEngine, EngineDeadError
 from kvserve.server.errors import bad_request, engine_unavailable
 from kvserve.server.shared_view import SharedView
-
-T = TypeVar("T")
 
 FORMAT_VERSION = 1  # of /v1/kv/blocks and /v1/kv/history: fields may be added; a change of meaning bumps it
 HISTORY_INTERVAL_S = 1.0
@@ -154,8 +152,12 @@ def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: Stats
     share a view up to `kv_blocks_max_age_s` old (app.state.kv_blocks)."""
     shared = app.state.kv_blocks = shared_blocks(async_engine, fixed_view(async_engine.engine, model_name),
                                                  kv_blocks_max_age_s)
+
+    async def all_samples() -> list[dict[str, Any]]:
+        return history.samples_after(0.0)
+
     # the history changes once a sample; its pollers share one copy of the samples, as the block view's do
-    samples = app.state.kv_history = SharedView(_async(history.samples_after, 0.0), kv_blocks_max_age_s)
+    samples = app.state.kv_history = SharedView(all_samples, kv_blocks_max_age_s)
 
     @app.get("/", include_in_schema=False)
     async def index() -> Response:
@@ -179,13 +181,6 @@ def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: Stats
         body = {"format_version": FORMAT_VERSION, "interval_s": history.interval_s,
                 "samples": [sample for sample in await samples.value() if sample["time"] > after]}
         return JSONResponse(body, headers=NO_STORE)
-
-
-def _async(fn: Callable[..., T], *args: Any) -> Callable[[], Awaitable[T]]:
-    async def call() -> T:
-        return fn(*args)
-
-    return call
 
 
 def _float_param(request: Request, name: str, default: float) -> float:

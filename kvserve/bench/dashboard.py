@@ -9,8 +9,8 @@ inflate it.
    the block view is taken and encoded as JSON --polls times, as the server does, on the empty and on the full
    pool: the difference is what a full pool adds to each refresh.
 3. With --pollers N: one greedy stream of --stream-tokens tokens, timed alone and beside N pollers that fetch
-   GET /v1/kv/blocks back to back from another process (its own interpreter, as real pages are), alternating
-   --rounds times: the stream's time and its gaps between chunks over 10 ms, the server's CPU time meanwhile
+   --poll-routes in turn (GET /v1/kv/blocks unless told) back to back from another process (its own interpreter,
+   as real pages are), alternating --rounds times: the stream's time and its gaps between chunks over 10 ms, the server's CPU time meanwhile
    (wall time on a shared machine is noisy, CPU time is not), and the views the engine thread took."""
 from __future__ import annotations
 
@@ -83,20 +83,21 @@ def fill_pool(engine, fraction: float, num_seqs: int) -> list[str]:
     return request_ids
 
 
-# Run in its own process: N threads GET /v1/kv/blocks back to back until stdin closes, then print the count.
+# Run in its own process: N threads GET the routes (in turn) back to back until stdin closes, then print the count.
 # Their clients are made and connected first: making 16 httpx clients costs about half a second of CPU, which
 # on a 2-core machine would be counted against the stream.
 POLLERS = """
 import sys, threading, httpx
-num_pollers = int(sys.argv[2])
+num_pollers, routes = int(sys.argv[2]), sys.argv[3].split(",")
 clients = [httpx.Client(base_url=sys.argv[1], timeout=60) for _ in range(num_pollers)]
 warm, stop, counts = threading.Barrier(num_pollers + 1), threading.Event(), []
 def poll(client):
-    client.get("/v1/kv/blocks").raise_for_status()  # connected and warm before the stream starts
+    for route in routes:
+        client.get(route).raise_for_status()  # connected and warm before the stream starts
     warm.wait()
     n = 0
     while not stop.is_set():
-        client.get("/v1/kv/blocks").raise_for_status()
+        client.get(routes[n % len(routes)]).raise_for_status()
         n += 1
     counts.append(n)
 threads = [threading.Thread(target=poll, args=(client,)) for client in clients]
@@ -124,7 +125,8 @@ def stream_s(url: str, num_tokens: int) -> tuple[float, list[float]]:
     return arrivals[-1] - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
-def stream_with_pollers(engine, num_pollers: int, num_tokens: int, rounds: int) -> dict[str, list]:
+def stream_with_pollers(engine, num_pollers: int, num_tokens: int, rounds: int,
+                        routes: str = PAGE_ROUTES[0]) -> dict[str, list]:
     """The stream alone and beside `num_pollers` pollers, alternately, `rounds` times each."""
     from kvserve.server.app import build_app
     from kvserve.server.launch import ServerThread
@@ -138,7 +140,7 @@ def stream_with_pollers(engine, num_pollers: int, num_tokens: int, rounds: int) 
             before = _cpu_s(threads)
             results["alone"].append(stream_s(server.url, num_tokens))
             results["alone_cpu"].append(_cpu_s(threads) - before)
-            pollers = subprocess.Popen([sys.executable, "-c", POLLERS, server.url, str(num_pollers)],
+            pollers = subprocess.Popen([sys.executable, "-c", POLLERS, server.url, str(num_pollers), routes],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:
                 assert pollers.stdout.readline().strip() == "ready"
@@ -196,7 +198,7 @@ def run_dashboard_bench(args: argparse.Namespace) -> int:
 
 
 def _print_stream_with_pollers(engine, args: argparse.Namespace) -> None:
-    results = stream_with_pollers(engine, args.pollers, args.stream_tokens, args.rounds)
+    results = stream_with_pollers(engine, args.pollers, args.stream_tokens, args.rounds, args.poll_routes)
     alone, polled = (statistics.median(t for t, _ in results[k]) for k in ("alone", "polled"))
     print(f"one {args.stream_tokens}-token stream, {engine.kv.pool.num_blocks:,}-block pool, {args.rounds} rounds:")
     print(_stream_line("  alone", results["alone"]))
@@ -217,7 +219,9 @@ def add_dashboard_bench_parser(bench_subparsers) -> None:
     p.add_argument("--num-seqs", type=int, default=64, help="running sequences holding it (64)")
     p.add_argument("--polls", type=int, default=200, help="refreshes timed in each part (200)")
     p.add_argument("--pollers", type=int, default=0,
-                   help="also time one stream alone and beside this many back-to-back pollers of /v1/kv/blocks")
+                   help="also time one stream alone and beside this many back-to-back pollers of --poll-routes")
+    p.add_argument("--poll-routes", default=PAGE_ROUTES[0],
+                   help="comma-separated routes each poller GETs in turn (/v1/kv/blocks)")
     p.add_argument("--stream-tokens", type=int, default=400, help="tokens of that stream (400)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of it, alone and polled (3)")
     p.set_defaults(func=run_dashboard_bench)

@@ -74,7 +74,7 @@ class LLMEngine:
         self.validator.check_prompt_chars(num_chars)
 
     def check_prompt_length(self, num_tokens: int) -> None:
-        """Refuse an empty prompt or one that leaves no room to generate (reads only max_model_len)."""
+        """Refuse an empty prompt or one longer than max_model_len (reads only max_model_len)."""
         self.validator.check_prompt_length(num_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

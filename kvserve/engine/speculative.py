@@ -4,11 +4,12 @@ already hold, verify them all in one forward pass, and keep the longest prefix t
 Proposing, at schedule time (`Speculator.propose`):
 - "ngram" (prompt lookup, vLLM's `ngram`, llama.cpp's lookup decoding): the last n tokens, n from
   prompt_lookup_max down to prompt_lookup_min, looked up in the request's own prompt and output; the tokens that
-  followed their latest earlier occurrence are the draft.
+  followed their latest earlier occurrence are the draft (one that runs into the present, as in a loop, repeats
+  its cycle).
 - "suffix" (after suffix decoding): the longest suffix of the request, up to suffix_decoding_max_tree_depth tokens,
   that occurs earlier in the request or in one of the last suffix_decoding_max_cached_requests requests' outputs
-  (which repeat across templated and agentic traffic); it proposes up to suffix_decoding_max_spec_factor tokens per
-  matched token. An n-gram index per depth stands in for the suffix tree (same matches, no frequency pruning).
+  (which repeat across templated and agentic traffic) of the same cache_salt; it proposes up to
+  suffix_decoding_max_spec_factor tokens per matched token. An n-gram index per depth stands in for the suffix tree (same matches, no frequency pruning).
 The scheduler gives a drafted sequence 1 + k tokens: its last token and the draft, in slots of its own blocks.
 
 Verifying, after the forward pass (`sample_drafted`): row j of a drafted sequence's logits is the distribution of
@@ -61,11 +62,10 @@ class _NgramIndex:
 
 
 class _RecentOutputs:
-    """The last `capacity` finished requests' output tokens in one n-gram index (suffix decoding's global tree).
-    Entries of requests pushed out are ignored when found, and dropped when they outnumber the live ones."""
+    """Finished requests' output tokens in one n-gram index (suffix decoding's global tree), oldest first. Entries
+    of outputs dropped are ignored when found, and dropped themselves when they outnumber the live ones."""
 
-    def __init__(self, capacity: int, depth: int):
-        self.capacity = capacity
+    def __init__(self, depth: int):
         self.sizes = range(1, depth + 1)
         self.outputs: deque[tuple[int, list[int], int]] = deque()  # (first corpus position, tokens, index entries)
         self.next_position = 0
@@ -73,14 +73,13 @@ class _RecentOutputs:
         self.num_entries = self.num_live_entries = 0
 
     def add(self, tokens: list[int]) -> None:
-        if len(tokens) < 2:
-            return
         added = self._index(self.next_position, tokens)
         self.outputs.append((self.next_position, tokens, added))
         self.num_live_entries += added
         self.next_position += len(tokens) + 1  # a gap: no continuation runs from one output into the next
-        while len(self.outputs) > self.capacity:
-            self.num_live_entries -= self.outputs.popleft()[2]
+
+    def drop_oldest(self) -> None:
+        self.num_live_entries -= self.outputs.popleft()[2]
         if self.num_entries > 2 * self.num_live_entries:  # mostly stale: rebuild from what is kept
             self.index, self.num_entries = _NgramIndex(self.sizes), 0
             for position, kept, _ in self.outputs:
@@ -104,6 +103,43 @@ class _RecentOutputs:
             if first <= position < first + len(output):
                 return output[position - first : position - first + k]
         return []
+
+
+class _OutputsBySalt:
+    """The last `capacity` finished requests' outputs, in one index per cache_salt: one tenant's outputs never
+    become another's drafts (the tokens would be the same, but speed would depend on other tenants' text). The
+    capacity is shared, so memory stays bounded however many salts come: the oldest output of all is dropped."""
+
+    def __init__(self, capacity: int, depth: int):
+        self.capacity, self.depth = capacity, depth
+        self.by_salt: dict[str | None, _RecentOutputs] = {}
+        self.order: deque[str | None] = deque()  # each kept output's salt, oldest first
+
+    def add(self, salt: str | None, tokens: list[int]) -> None:
+        if len(tokens) < 2:
+            return
+        self.by_salt.setdefault(salt, _RecentOutputs(self.depth)).add(tokens)
+        self.order.append(salt)
+        while len(self.order) > self.capacity:
+            oldest = self.order.popleft()
+            self.by_salt[oldest].drop_oldest()
+            if not self.by_salt[oldest].outputs:
+                del self.by_salt[oldest]
+
+    def continuation(self, salt: str | None, tokens: list[int], n: int, k: int) -> list[int]:
+        recent = self.by_salt.get(salt)
+        return recent.continuation(tokens, n, k) if recent is not None else []
+
+    @property
+    def num_entries(self) -> int:
+        return sum(recent.num_entries for recent in self.by_salt.values())
+
+
+def _continuation(tokens: list[int], start: int, k: int) -> list[int]:
+    """Up to k tokens from `start`. A continuation that runs into the present (a loop such as "a a a a", whose
+    latest earlier occurrence ends one token back) goes on by repeating its cycle, as the loop would."""
+    period = len(tokens) - start
+    return [tokens[start + i % period] for i in range(k)]
 
 
 @dataclass
@@ -145,7 +181,7 @@ class Speculator:
             self._recent = None
         else:
             self._sizes = range(1, config.suffix_decoding_max_tree_depth + 1)
-            self._recent = _RecentOutputs(config.suffix_decoding_max_cached_requests,
+            self._recent = _OutputsBySalt(config.suffix_decoding_max_cached_requests,
                                           config.suffix_decoding_max_tree_depth)
         self._indexes: dict[str, _NgramIndex] = {}
 
@@ -170,9 +206,10 @@ class Speculator:
         index.update(tokens)
         for n in reversed(self._sizes):
             start = index.find(tokens, n)
-            draft = tokens[start : start + self._length(n, limit)] if start is not None else []
+            draft = _continuation(tokens, start, self._length(n, limit)) if start is not None else []
             if self._recent is not None and len(draft) < self._length(n, limit):
-                draft = max(draft, self._recent.continuation(tokens, n, self._length(n, limit)), key=len)
+                found = self._recent.continuation(seq.cache_salt, tokens, n, self._length(n, limit))
+                draft = max(draft, found, key=len)
             if draft:
                 return draft
         return []
@@ -186,13 +223,13 @@ class Speculator:
         """Drop what suffix decoding keeps of finished requests (benchmarks: a timed run must not find the answers
         an earlier run of the same prompts left)."""
         if self._recent is not None:
-            self._recent = _RecentOutputs(self._recent.capacity, len(self._recent.sizes))
+            self._recent = _OutputsBySalt(self._recent.capacity, self._recent.depth)
 
     def finish(self, seq: Sequence) -> None:
         """Forget a finished sequence's index; suffix decoding keeps its output for later requests."""
         self._indexes.pop(seq.request_id, None)
         if self._recent is not None and seq.num_output_tokens:
-            self._recent.add(list(seq.output_token_ids))
+            self._recent.add(seq.cache_salt, list(seq.output_token_ids))
 
     def sample_drafted(self, logits: torch.Tensor, seq: Sequence, draft: list[int],
                        generator: torch.Generator) -> tuple[list[tuple], int]:

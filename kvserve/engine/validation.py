@@ -59,30 +59,51 @@ class RequestValidator:
             )
 
     def check_prompt_length(self, num_tokens: int) -> None:
-        """Refuse an empty prompt or one that leaves no room to generate (reads only max_model_len)."""
+        """Refuse an empty prompt or one longer than max_model_len (reads only max_model_len). A prompt of exactly
+        max_model_len tokens passes here: check_lengths takes it only from a request that scores it."""
         if num_tokens == 0:
             raise ValueError("the prompt is empty; give at least one token")
-        if num_tokens >= self.max_model_len and not self.unbounded_length:
-            raise ValueError(f"the prompt has {num_tokens} tokens, but max_model_len={self.max_model_len} leaves no "
-                             f"room to generate")
+        if num_tokens > self.max_model_len and not self.unbounded_length:
+            raise self._no_room(num_tokens)
 
     def check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Check the prompt's tokens, its room to generate, n and stop strings; returns the request's max_tokens."""
+        """Check the prompt's tokens, its room to generate, n, stop strings and stop token ids; returns the
+        request's max_tokens."""
         self.check_prompt_length(len(token_ids))  # before the per-token check: a huge prompt is refused at once
-        prompt_len, limit = len(token_ids), self.max_model_len
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        self._check_token_ids("prompt token ids", token_ids)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
         if self.unbounded_length:  # positions stay within the cache: only max_tokens bounds the length
-            max_tokens = params.max_tokens if params.max_tokens is not None else limit
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
             return self._check_n_and_stop(params, max_tokens)
+        return self._check_n_and_stop(params, self._bounded_max_tokens(len(token_ids), params))
+
+    def _bounded_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """max_tokens, at most what max_model_len leaves after the prompt. As vLLM, a request that only scores its
+        prompt (prompt logprobs and the one token the engine samples, which the server's echo with max_tokens 0
+        drops) may fill the context: that token follows the last position and is never written to the cache."""
+        limit = self.max_model_len
+        if prompt_len == limit:
+            if params.max_tokens == 1 and params.prompt_logprobs is not None:
+                return 1
+            raise self._no_room(prompt_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise ValueError(
                 f"max_tokens={max_tokens} exceeds max_model_len={limit} minus prompt length {prompt_len} "
                 f"(at most {limit - prompt_len})"
             )
-        return self._check_n_and_stop(params, max_tokens)
+        return max_tokens
+
+    def _no_room(self, num_tokens: int) -> ValueError:
+        scoring = " (only a request scoring its prompt may fill it: prompt logprobs with max_tokens 1, the " \
+                  "server's echo with logprobs and max_tokens 0)" if num_tokens == self.max_model_len else ""
+        return ValueError(f"the prompt has {num_tokens} tokens, but max_model_len={self.max_model_len} leaves no "
+                          f"room to generate{scoring}")
+
+    def _check_token_ids(self, what: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def _check_n_and_stop(self, params: SamplingParams, max_tokens: int) -> int:
         if params.n > self.max_num_seqs:

@@ -24,7 +24,8 @@ from kvserve.server.dashboard import KV_BLOCKS_MAX_AGE_S, StatsHistory, add_dash
 from kvserve.server.errors import APIError, engine_unavailable, unauthorized
 from kvserve.server.generation import ServingContext
 from kvserve.server.hosts import HostCheck
-from kvserve.server.metrics import ServerMetrics
+from kvserve.server.metrics import METRICS_MAX_AGE_S, ServerMetrics
+from kvserve.server.shared_view import SharedView
 
 logger = logging.getLogger("kvserve")
 
@@ -32,14 +33,16 @@ logger = logging.getLogger("kvserve")
 def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               allowed_hosts: Sequence[str] = (), chat_content_special_tokens: bool = False,
-              kv_blocks_max_age_s: float = KV_BLOCKS_MAX_AGE_S) -> FastAPI:
+              kv_blocks_max_age_s: float = KV_BLOCKS_MAX_AGE_S,
+              metrics_max_age_s: float = METRICS_MAX_AGE_S) -> FastAPI:
     """An app serving `engine` as `served_model_name`; the engine thread (app.state.engine) runs while the app's
     lifespan does. With `api_key`, every route but /health, /metrics and /version needs `Authorization: Bearer
     <api_key>`. A request that finds `max_waiting` sequences already queued for the engine gets 503; a body over
     `max_body_bytes` gets 413. Without `api_key`, on a loopback address, a Host that is neither local nor in
     `allowed_hosts` gets 403. `chat_content_special_tokens` parses special-token text in chat messages as the
     tokens themselves (as before issue 31; it lets a message forge template markers). Pollers of /v1/kv/blocks
-    share one view of the pool up to `kv_blocks_max_age_s` old."""
+    and /v1/kv/history share one view up to `kv_blocks_max_age_s` old, scrapers of /metrics one rendering up to
+    `metrics_max_age_s` old (a poll that comes sooner waits for the next)."""
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
     if api_key is not None and not api_key.strip():  # an empty key would lock everyone out (or, ignored, no one)
@@ -71,14 +74,20 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     auth = _api_key_check(api_key)
-    _add_open_routes(app, async_engine, metrics)
+    _add_open_routes(app, async_engine, metrics, metrics_max_age_s)
     _add_docs_routes(app, auth)
     _add_v1_routes(app, ctx, engine.max_model_len, auth, max_body_bytes)
     add_dashboard_routes(app, async_engine, history, model_name, auth, kv_blocks_max_age_s)
     return app
 
 
-def _add_open_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics) -> None:
+def _add_open_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
+                     metrics_max_age_s: float) -> None:
+    async def render() -> bytes:
+        return metrics.render()
+
+    rendered = app.state.metrics = SharedView(render, metrics_max_age_s)
+
     @app.get("/health")
     async def health() -> Response:
         if async_engine.error is not None:
@@ -87,7 +96,7 @@ def _add_open_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMet
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await rendered.value(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> Response:

@@ -3,12 +3,12 @@ and the engine's stats at one moment) and `GET /v1/kv/history` (a sample a secon
 
 The block view is taken on the engine thread between two steps, only when someone asks, so an unwatched
 server pays nothing, and at most once per KV_BLOCKS_MAX_AGE_S however many pages poll: they share one view,
-encoded once. The history only copies the stats the engine thread already publishes after each step."""
+encoded once. The history only copies the stats the engine thread already publishes after each step, and its
+pollers too get one answer per KV_BLOCKS_MAX_AGE_S (shared_view.py)."""
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +23,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kv.snapshot import BLOCK_STATES, snapshot_pool
 from kvserve.server.async_engine import AsyncEngine, EngineDeadError
 from kvserve.server.errors import bad_request, engine_unavailable
+from kvserve.server.shared_view import SharedView
 
 FORMAT_VERSION = 1  # of /v1/kv/blocks and /v1/kv/history: fields may be added; a change of meaning bumps it
 HISTORY_INTERVAL_S = 1.0
@@ -74,49 +75,22 @@ def live_view(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
-class SharedView:
-    """The encoded body of GET /v1/kv/blocks, shared by every poller, at most one view per `max_age_s`: a poll
-    gets the view being taken when it came, or a new one, taken at once if the last is `max_age_s` old and else
-    when it will be. So every answer is taken after its poll arrived (or was being taken), and a client polling
-    back to back gets one answer per `max_age_s`, costing the server next to nothing while it waits."""
+def shared_blocks(async_engine: AsyncEngine, fixed: dict[str, Any], max_age_s: float) -> SharedView[bytes]:
+    """The encoded body of GET /v1/kv/blocks, one view shared by every poller (shared_view.py); none once the
+    engine has failed."""
 
-    def __init__(self, async_engine: AsyncEngine, fixed: dict[str, Any], max_age_s: float = KV_BLOCKS_MAX_AGE_S):
-        self.max_age_s = max_age_s
-        self.num_taken = 0
-        self._async_engine = async_engine
-        self._fixed = fixed
-        self._body = b""
-        self._taken_at = -math.inf  # time.monotonic() of the last view
-        self._taking: asyncio.Future | None = None
+    async def take() -> bytes:
+        live = await async_engine.call(live_view)
+        # encoded once per view, here, the way JSONResponse would
+        return json.dumps({**fixed, **live}, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8")
 
-    async def body(self) -> bytes:
-        """A view as JSON, as described above; raises EngineDeadError once the engine has failed."""
-        arrived_at = self._checked(time.monotonic())
-        if self._taking is None and (wait_s := self._taken_at + self.max_age_s - arrived_at) > 0:
-            await asyncio.sleep(wait_s)
-            if self._taken_at >= arrived_at:  # another poller's, taken since this one came
-                return self._checked(self._body)
-        if self._taking is None:
-            self._taking = asyncio.ensure_future(self._take())
-        return self._checked(await asyncio.shield(self._taking))  # a poller that leaves cancels no one's view
+    return SharedView(take, max_age_s, lambda: _raise_if_dead(async_engine))
 
-    def _checked(self, value: Any) -> Any:
-        """`value`, unless the engine has failed: then no view, not even a cached one."""
-        if self._async_engine.error is not None:
-            raise EngineDeadError(self._async_engine.error)
-        return value
 
-    async def _take(self) -> bytes:
-        try:
-            live = await self._async_engine.call(live_view)
-            # encoded once per view, here, the way JSONResponse would
-            self._body = json.dumps({**self._fixed, **live}, ensure_ascii=False, allow_nan=False, indent=None,
-                                    separators=(",", ":")).encode("utf-8")
-            self._taken_at = time.monotonic()
-            self.num_taken += 1
-            return self._body
-        finally:
-            self._taking = None
+def _raise_if_dead(async_engine: AsyncEngine) -> None:
+    if async_engine.error is not None:
+        raise EngineDeadError(async_engine.error)
 
 
 class StatsHistory:
@@ -176,8 +150,14 @@ def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: Stats
                          auth, kv_blocks_max_age_s: float = KV_BLOCKS_MAX_AGE_S) -> None:
     """GET / (links), GET /dashboard (the page) and the two JSON routes behind `auth`; pollers of /v1/kv/blocks
     share a view up to `kv_blocks_max_age_s` old (app.state.kv_blocks)."""
-    shared = app.state.kv_blocks = SharedView(async_engine, fixed_view(async_engine.engine, model_name),
-                                              kv_blocks_max_age_s)
+    shared = app.state.kv_blocks = shared_blocks(async_engine, fixed_view(async_engine.engine, model_name),
+                                                 kv_blocks_max_age_s)
+
+    async def all_samples() -> list[dict[str, Any]]:
+        return history.samples_after(0.0)
+
+    # the history changes once a sample; its pollers share one copy of the samples, as the block view's do
+    samples = app.state.kv_history = SharedView(all_samples, kv_blocks_max_age_s)
 
     @app.get("/", include_in_schema=False)
     async def index() -> Response:
@@ -190,7 +170,7 @@ def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: Stats
     @app.get("/v1/kv/blocks", dependencies=[Depends(auth)])
     async def kv_blocks() -> Response:
         try:
-            body = await shared.body()
+            body = await shared.value()
         except EngineDeadError as exc:
             raise engine_unavailable(str(exc)) from exc
         return Response(body, media_type="application/json", headers=NO_STORE)
@@ -199,7 +179,7 @@ def add_dashboard_routes(app: FastAPI, async_engine: AsyncEngine, history: Stats
     async def kv_history(request: Request) -> Response:
         after = _float_param(request, "after", 0.0)
         body = {"format_version": FORMAT_VERSION, "interval_s": history.interval_s,
-                "samples": history.samples_after(after)}
+                "samples": [sample for sample in await samples.value() if sample["time"] > after]}
         return JSONResponse(body, headers=NO_STORE)
 
 

@@ -16,6 +16,10 @@ from kvserve.outputs import RequestOutput
 
 logger = logging.getLogger("kvserve")
 
+# Scrapers of /metrics share one rendering at most this old (a scrape that comes sooner waits for the next): 64
+# clients scraping back to back once kept the event loop busy enough to slow a stream severalfold.
+METRICS_MAX_AGE_S = 1.0
+
 # vLLM's buckets, so dashboards built for it read the same
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

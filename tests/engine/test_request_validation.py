@@ -45,6 +45,27 @@ def test_prompt_plus_max_tokens_beyond_max_model_len_names_both(llm):
 def test_prompt_filling_max_model_len_is_refused(llm):
     with pytest.raises(ValueError, match="the prompt has 64 tokens, but max_model_len=64 leaves no room"):
         llm.generate([5] * MAX_MODEL_LEN)
+    with pytest.raises(ValueError, match="the prompt has 64 tokens, but max_model_len=64 leaves no room"):
+        llm.generate([5] * MAX_MODEL_LEN, SamplingParams(max_tokens=1))
+
+
+def test_scoring_a_prompt_may_fill_max_model_len(llm):
+    """As vLLM: with nothing to generate but the one token the engine samples (which follows the last position
+    and is never written to the cache), a scored prompt may fill the context."""
+    prompt = [(7 * i) % 250 + 3 for i in range(MAX_MODEL_LEN)]
+    scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    full = llm.generate(prompt, scoring)[0]
+    shorter = llm.generate(prompt[:-1], scoring)[0]
+    assert len(full.prompt_logprobs) == MAX_MODEL_LEN and len(full.outputs[0].token_ids) == 1
+    for got, expected in zip(full.prompt_logprobs[1:-1], shorter.prompt_logprobs[1:]):  # up to float rounding
+        assert got.keys() == expected.keys() and list(got.values()) == pytest.approx(list(expected.values()),
+                                                                                    abs=1e-5)
+    assert prompt[-1] in full.prompt_logprobs[-1]
+
+
+def test_stop_token_ids_outside_the_vocab_are_refused(llm):
+    with pytest.raises(ValueError, match=r"stop_token_ids \[256\] are outside the vocabulary \[0, 256\)"):
+        llm.generate([5, 6], SamplingParams(stop_token_ids=[3, 256]))
 
 
 def test_max_tokens_none_fills_up_to_max_model_len(llm):

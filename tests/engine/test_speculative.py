@@ -258,6 +258,27 @@ def test_the_ngram_proposer_drafts_from_the_prompt_and_respects_the_limits(llama
     spec.engine.abort_request("x")
 
 
+def test_the_ngram_proposer_drafts_a_loop_in_full(llama):
+    """Issue 57: on a one-token loop the latest earlier occurrence's continuation runs into the present; the draft
+    repeats the cycle up to num_speculative_tokens, and a longer cycle repeats as a whole."""
+    spec = LLM(str(llama), **OPTIONS, speculative_config=NGRAM)
+    speculator = spec.engine.speculator
+    for prompt_ids, expected in [([9, 5, 5, 5, 5], [5, 5, 5, 5]), ([9, 5, 6, 5, 6, 5], [6, 5, 6, 5]),
+                                 ([1, 2, 3, 4, 1, 2], [3, 4, 1, 2])]:
+        seq = spec.engine.add_request("loop", {"prompt_token_ids": prompt_ids},
+                                      SamplingParams(max_tokens=20)).sequences[0]
+        assert speculator.propose(seq, max_tokens=10, num_decoding=1) == expected, prompt_ids
+        spec.engine.abort_request("loop")
+
+
+def test_a_loop_decodes_the_same_with_full_drafts(llama):
+    loop = [7] * 12 + [8, 9] * 6
+    plain = LLM(str(llama), **OPTIONS).generate(loop, GREEDY)
+    spec = LLM(str(llama), **OPTIONS, speculative_config=NGRAM)
+    assert tokens(spec.generate(loop, GREEDY)) == tokens(plain)
+    assert_nothing_held(spec)
+
+
 def test_the_suffix_proposer_uses_recent_requests_outputs(llama):
     spec = LLM(str(llama), **OPTIONS, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
     speculator = spec.engine.speculator
@@ -272,28 +293,65 @@ def test_the_suffix_proposer_uses_recent_requests_outputs(llama):
     spec.engine.abort_request("b")
 
 
+def test_the_suffix_proposer_keeps_one_index_per_cache_salt(llama):
+    """Issue 57: one tenant's outputs never become another's drafts; the output is the same either way."""
+    spec = LLM(str(llama), **OPTIONS, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    speculator = spec.engine.speculator
+    output = [40, 41, 42, 43, 44, 45, 46, 47]
+    for salt in ["tenant-a", None]:
+        done = spec.engine.add_request(f"done-{salt}", {"prompt_token_ids": [3, 3], "cache_salt": salt},
+                                       SamplingParams(max_tokens=50)).sequences[0]
+        done.token_ids += output
+        spec.engine.abort_request(f"done-{salt}")  # finishing hands its output to its salt's index
+    asking = {"tenant-a": [44, 45, 46], "tenant-b": [], None: [44, 45, 46]}
+    for salt, expected in asking.items():
+        seq = spec.engine.add_request(f"ask-{salt}", {"prompt_token_ids": [9, 9, 41, 42, 43], "cache_salt": salt},
+                                      SamplingParams(max_tokens=50)).sequences[0]
+        assert speculator.propose(seq, max_tokens=10, num_decoding=1) == expected, salt
+        spec.engine.abort_request(f"ask-{salt}")
+    prompts = [prompt(24, seed) for seed in range(3)]
+    plain = LLM(str(llama), **OPTIONS).generate(prompts * 2, GREEDY)
+    salted = [{"prompt_token_ids": p, "cache_salt": salt} for salt in ["tenant-a", "tenant-b"] for p in prompts]
+    assert tokens(spec.generate(salted, GREEDY)) == tokens(plain)
+    assert_nothing_held(spec)
+
+
+def test_the_outputs_of_all_salts_share_one_capacity():
+    from kvserve.engine.speculative import _OutputsBySalt
+
+    recent = _OutputsBySalt(capacity=3, depth=2)
+    for i, salt in enumerate(["a", "b", "a", "c"]):
+        recent.add(salt, [10 * i, 10 * i + 1, 10 * i + 2])
+    assert recent.continuation("a", [0], 1, 2) == []  # the oldest output of all was dropped
+    assert recent.continuation("a", [20], 1, 2) == [21, 22]
+    assert recent.continuation("b", [20], 1, 2) == [] and recent.continuation("b", [10], 1, 2) == [11, 12]
+    assert recent.continuation("c", [30], 1, 2) == [31, 32]
+    recent.add("c", [50, 51])
+    assert "b" not in recent.by_salt and len(recent.order) == 3
+
+
 def test_the_suffix_index_keeps_the_last_outputs_in_bounded_memory():
     """docs/speculative.md's figure: 100 outputs of 500 distinct tokens at depth 24 take about 135 MiB (measured
     here; tracemalloc), and older outputs stop being found."""
     import random
     import tracemalloc
 
-    from kvserve.engine.speculative import _RecentOutputs
+    from kvserve.engine.speculative import _OutputsBySalt
 
     rng = random.Random(0)
     outputs = [[rng.randrange(49152) for _ in range(500)] for _ in range(101)]
     tracemalloc.start()
-    recent = _RecentOutputs(capacity=100, depth=24)
+    recent = _OutputsBySalt(capacity=100, depth=24)
     for output in outputs[1:]:
-        recent.add(output)
+        recent.add(None, output)
     used = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     print(f"suffix index: {recent.num_entries:,} entries, {used / 2**20:.0f} MiB")
     assert used < 160 * 2**20
-    recent.add(outputs[0])  # pushes out the oldest kept output (outputs[1])
-    assert recent.continuation(outputs[0][:30], 24, 3) == outputs[0][30:33]
-    assert recent.continuation(outputs[1][:30], 24, 3) == []
-    assert recent.continuation(outputs[2][:30], 24, 3) == outputs[2][30:33]
+    recent.add(None, outputs[0])  # pushes out the oldest kept output (outputs[1])
+    assert recent.continuation(None, outputs[0][:30], 24, 3) == outputs[0][30:33]
+    assert recent.continuation(None, outputs[1][:30], 24, 3) == []
+    assert recent.continuation(None, outputs[2][:30], 24, 3) == outputs[2][30:33]
 
 
 @pytest.mark.parametrize("config, message", [

@@ -41,6 +41,26 @@ def test_prompts_that_leave_no_room_or_leave_the_vocabulary_are_refused():
     validator().check_prompt_chars(192)
 
 
+def test_only_a_request_scoring_its_prompt_may_fill_max_model_len():
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    assert validator().check_lengths([1] * 64, scoring) == 1
+    for params in [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2, prompt_logprobs=0),
+                   SamplingParams(max_tokens=None, prompt_logprobs=0)]:
+        with pytest.raises(ValueError, match="the prompt has 64 tokens, but max_model_len=64 leaves no room to "
+                                             "generate \\(only a request scoring its prompt may fill it"):
+            validator().check_lengths([1] * 64, params)
+    with pytest.raises(ValueError, match=r"the prompt has 65 tokens, but max_model_len=64 leaves no room to "
+                                         r"generate$"):
+        validator().check_lengths([1] * 65, scoring)
+    validator().check_prompt_length(64)  # the server's early check, before it knows the request's parameters
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_naming_the_field():
+    assert validator().check_lengths([1], SamplingParams(max_tokens=3, stop_token_ids=[0, 99])) == 3
+    with pytest.raises(ValueError, match=r"^stop_token_ids \[100, -1\] are outside the vocabulary \[0, 100\)"):
+        validator().check_lengths([1], SamplingParams(stop_token_ids=[5, 100, -1]))
+
+
 def test_n_stop_strings_and_text_need_what_the_engine_has():
     with pytest.raises(ValueError, match="n=5 exceeds max_num_seqs=4"):
         validator().check_lengths([1], SamplingParams(n=5))

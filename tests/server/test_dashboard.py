@@ -194,6 +194,47 @@ def test_kv_blocks_pollers_share_one_view_at_most_every_max_age(model_dir):
     assert fresh["time"] > times[-1] and fresh["stats"]["num_running"] == 0  # an old view is not kept
 
 
+def test_many_pollers_of_metrics_and_the_dashboard_cost_a_bounded_number_of_computations(model_dir):
+    """Issue 57: 64 clients polling /metrics, /v1/kv/blocks and /v1/kv/history back to back once kept the event
+    loop busy enough to slow a stream about 3x. However many poll, the engine's stats are taken once per block view
+    (and once more as the engine thread publishes them after that call), each view, /metrics rendering and history
+    copy at most once per max age, and a poller gets one answer per route and max age (no timing asserted)."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
+    max_age_s, routes = 0.5, ("/metrics", "/v1/kv/blocks", "/v1/kv/history")
+    app = build_app(engine, kv_blocks_max_age_s=max_age_s, metrics_max_age_s=max_age_s)
+    with ServerThread(app) as server:
+        stats, num_stats_calls = engine.stats, [0]
+
+        def counted_stats():
+            num_stats_calls[0] += 1
+            return stats()
+
+        engine.stats = counted_stats
+        clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(64)]  # made before the clock runs
+        answers, start = [], time.monotonic()
+
+        def poll(client: httpx.Client):
+            while True:  # a round at least, then until 1.2 s have passed
+                answers.extend(client.get(route).status_code for route in routes)
+                if time.monotonic() - start > 1.2:
+                    return
+
+        pollers = [threading.Thread(target=poll, args=(client,)) for client in clients]
+        for thread in pollers:
+            thread.start()
+        for thread in pollers:
+            thread.join()
+        elapsed_s, num_polled_stats_calls = time.monotonic() - start, num_stats_calls[0]
+        for client in clients:
+            client.close()
+    shared = [app.state.kv_blocks, app.state.metrics, app.state.kv_history]
+    most = int(elapsed_s / max_age_s) + 2  # one at once, then one per max age (+1: the last may start at the end)
+    assert answers.count(200) == len(answers) >= 64 * len(routes)
+    assert all(1 <= view.num_taken <= most for view in shared), [view.num_taken for view in shared]
+    assert num_polled_stats_calls <= 2 * app.state.kv_blocks.num_taken
+    assert len(answers) <= 64 * len(routes) * most  # each poller waited for its answers
+
+
 def test_the_kv_routes_need_the_api_key_and_the_page_asks_for_it(model_dir):
     engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
     with ServerThread(build_app(engine, api_key="sesame")) as server:

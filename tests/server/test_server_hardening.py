@@ -13,7 +13,9 @@ import time
 from contextlib import ExitStack
 
 import httpx
+import openai
 import pytest
+from openai import OpenAI
 
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.cli import main as kvserve_main
@@ -552,6 +554,24 @@ def test_prompt_logprobs_in_the_request_shape_of_lm_evaluation_harness(server, o
                              zip(output.prompt_logprobs[len(context):], prompt[len(context):]))
         assert choice["text"].startswith(tokenizer.decode(prompt)) and choice["finish_reason"] == "length"
     assert response.json()["usage"]["completion_tokens"] == max_tokens * len(prompts)
+
+
+def test_a_prompt_of_max_model_len_tokens_can_be_scored_but_not_continued(server, offline):
+    """Issue 57: with no token to generate, a scored prompt may fill the context (vLLM's rule)."""
+    prompt = [(37 * i) % 5000 + 100 for i in range(ENGINE_OPTIONS["max_model_len"])]
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    scored = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0).choices[0]
+    expected = offline.generate({"prompt_token_ids": prompt},
+                                SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs
+    assert len(scored.logprobs.tokens) == len(prompt) and scored.finish_reason == "length"
+    assert scored.logprobs.token_logprobs[1:] == pytest.approx(
+        [entry[t] for entry, t in zip(expected[1:], prompt[1:])], abs=1e-5)
+    for refused in [dict(max_tokens=1), dict(max_tokens=0, echo=True)]:  # generating, or scoring nothing
+        with pytest.raises(openai.BadRequestError, match="leaves no room to generate") as error:
+            client.completions.create(model="tiny-chat", prompt=prompt, temperature=0, **refused)
+        assert error.value.body["param"] == "prompt"
+    assert_serves_greedy(server, offline)
 
 
 def test_prompt_only_streams_one_chunk_per_choice(server, offline):

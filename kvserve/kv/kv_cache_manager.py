@@ -4,7 +4,9 @@ drop what a sliding window or an eviction policy no longer reads, free.
 A request has one block table per layer group of the model's KVLayout, kept by that group's manager
 (group_managers.py: full attention, sliding window, evicting). The coordinator here holds what the groups share:
 the pool, the requests' block hashes and their registration in the prefix index, the counters and the disk tier's
-loads (disk_loads.py), and calls the group managers to find a prefix hit, allocate, drop unneeded blocks and free."""
+loads (disk_loads.py), and calls the group managers to find a prefix hit, allocate, drop unneeded blocks and free.
+A hybrid model's linear layers keep a state slot per sequence instead of blocks (state_cache.py: StateSlots),
+taken with the first blocks, freed and forked with them."""
 from __future__ import annotations
 
 import bisect
@@ -17,6 +19,7 @@ from kvserve.kv.disk_loads import DiskLoads
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy
 from kvserve.kv.group_managers import make_group_managers
 from kvserve.kv.prefix_lookup import PrefixLookup, RequestHashes
+from kvserve.kv.state_cache import StateSlots
 
 if TYPE_CHECKING:
     from kvserve.kv.tiers.base import KVTier
@@ -30,7 +33,10 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_namespace: str = "",
                  eviction: EvictionPolicy | None = None, windows: Sequence[int | None] = (None,),
-                 tile_windows: bool = False, disk: KVTier | None = None):
+                 tile_windows: bool = False, disk: KVTier | None = None, state_slots: int | None = None):
+        if state_slots is not None and enable_prefix_caching:
+            raise ValueError("prefix caching with state slots (a hybrid model) is not supported: a KV hit without "
+                             "the linear layers' state at its end cannot resume")
         self.block_size = block_size
         self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.eviction = eviction or EvictionPolicy()
@@ -45,6 +51,8 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of each sequence already in the prefix index
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        # hybrid models: each sequence's state slot (linear-attention layers), None for attention-only models
+        self.state = StateSlots(state_slots) if state_slots is not None else None
 
     @property
     def num_groups(self) -> int:
@@ -121,6 +129,10 @@ class KVCacheManager:
         reclaimed = len({b.block_id for b in cached.all_blocks if b.ref_cnt == 0})  # taking these empties free slots
         if sum(growth.num_blocks for growth in growths) > self.pool.num_free_blocks - reclaimed:
             return None
+        if self.state is not None:
+            if not self.state.can_take(seq.request_id):
+                return None
+            self.state.take(seq.request_id)
         copies = []
         for g, (group, growth) in enumerate(zip(self.groups, growths)):
             copies += group.grow(seq.request_id, growth, cached.blocks[g], cached.first_logical[g])
@@ -163,7 +175,10 @@ class KVCacheManager:
         return min(candidates) if candidates else seq.num_computed_tokens
 
     def fork(self, parent: CachedSequence, child: CachedSequence) -> None:
-        """The child shares every parent block (copy-on-write when either writes into a shared one)."""
+        """The child shares every parent block (copy-on-write when either writes into a shared one) and gets a copy
+        of its state slot (hybrid models)."""
+        if self.state is not None:  # first: it refuses when no slot is free, before any block is shared
+            self.state.fork(parent.request_id, child.request_id)
         for group in self.groups:
             group.fork(parent.request_id, child.request_id)
         self._hashes.fork(parent, child)
@@ -174,5 +189,7 @@ class KVCacheManager:
         self._disk.free(seq.request_id)
         self._hashes.free(seq.request_id)
         self._num_registered.pop(seq.request_id, None)
+        if self.state is not None:
+            self.state.free(seq.request_id)
         for group in self.groups:
             group.free(seq.request_id)

@@ -132,6 +132,8 @@ def plan_engine(config: EngineConfig) -> EngineSetup:
         config.kv_eviction,
         eviction.max_blocks(config.block_size),
         state_slots=config.max_num_seqs if model_config.linear is not None else None,
+        # prefix caching keeps as many state checkpoints as running slots (the rule the start-up line states)
+        state_checkpoints=config.max_num_seqs if config.enable_prefix_caching else 0,
     )
     if not cache_plan.fits:
         raise ValueError(cache_plan.error)
@@ -264,13 +266,13 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
 
 
 def build_state_cache(config: EngineConfig, setup: EngineSetup) -> StateCache | None:
-    """A hybrid model's state slots, as many as the plan carved out of the budget (one per max_num_seqs)."""
+    """A hybrid model's state slots and checkpoints, as many as the plan carved out of the budget."""
     lc, plan = setup.model_config.linear, setup.cache_plan.state
     if lc is None:
         return None
     shape = StateShape(plan.num_linear_layers, lc.conv_dim, lc.conv_kernel - 1, lc.num_value_heads,
                        lc.key_head_dim, lc.value_head_dim)
-    return StateCache(shape, plan.num_slots, config.device)
+    return StateCache(shape, plan.num_slots + plan.num_checkpoints, config.device)
 
 
 def cache_facts(plan: KVCachePlan, cache: PagedKVCache, layout: KVLayout, max_num_seqs: int) -> startup.CacheFacts:
@@ -292,15 +294,12 @@ def open_disk_cache(config: EngineConfig, setup: EngineSetup, cache: PagedKVCach
 def cache_manager(config: EngineConfig, setup: EngineSetup, disk_cache: DiskKVCache | None) -> KVCacheManager:
     """Block tables, prefix index and eviction over the planned pool, reading prefixes from the disk tier if any."""
     plan, eviction, layout = setup.cache_plan, setup.eviction, setup.layout
-    prefix_caching = config.enable_prefix_caching
-    if plan.state is not None and prefix_caching:
-        logger.info("prefix caching: off for hybrid models (a cached KV prefix cannot resume without the "
-                    "linear layers' state at its end; state checkpoints do not exist yet)")
-        prefix_caching = False
-    return KVCacheManager(plan.num_blocks, plan.block_size, prefix_caching,
+    state = plan.state
+    return KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
                           hash_namespace=config.kv_cache_format, eviction=eviction,
-                          windows=layout.windows, tile_windows=config.batch_invariant,
-                          disk=disk_cache, state_slots=plan.state.num_slots if plan.state is not None else None)
+                          windows=layout.windows, tile_windows=config.batch_invariant, disk=disk_cache,
+                          state_slots=state.num_slots if state is not None else None,
+                          state_checkpoints=state.num_checkpoints if state is not None else 0)
 
 
 def attention_scores(config: EngineConfig, setup: EngineSetup) -> AttentionScores | None:

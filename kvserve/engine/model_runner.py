@@ -151,16 +151,38 @@ class ModelRunner:
         return self._tensor(tokens), meta, chunks
 
     def _state_step(self, seqs: list[Sequence], chunks: list[_Chunk]) -> StateStep:
-        """Each sequence's state slot for the linear layers: decodes batched, prompt chunks one by one."""
-        decode_rows, decode_slots, prompt_chunks = [], [], []
+        """Each sequence's state slot for the linear layers (decodes batched, prompt chunks one by one), and the
+        block boundaries where its state is saved as a checkpoint."""
+        step = StateStep(self.state_cache, self._tensor([]), self._tensor([]))
+        decode_rows, decode_slots = [], []
         for seq, c in zip(seqs, chunks):
             slot = self.kv.state.slot(seq.request_id)
+            boundary, decoding = self._checkpoint_boundary(seq, c)
+            checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding) if boundary else None
             if c.num_tokens == 1 and c.start > 0:
                 decode_rows.append(c.offset)
                 decode_slots.append(slot)
+                if checkpoint is not None:
+                    step.decode_checkpoints.append((slot, checkpoint))
             else:
-                prompt_chunks.append((slice(c.offset, c.offset + c.num_tokens), slot, c.start == 0))
-        return StateStep(self.state_cache, self._tensor(decode_rows), self._tensor(decode_slots), prompt_chunks)
+                step.prompt_chunks.append((slice(c.offset, c.offset + c.num_tokens), slot, c.start == 0,
+                                           (boundary - c.start, checkpoint) if checkpoint is not None else None))
+        step.decode_rows, step.decode_slots = self._tensor(decode_rows), self._tensor(decode_slots)
+        return step
+
+    def _checkpoint_boundary(self, seq: Sequence, c: _Chunk) -> tuple[int | None, bool]:
+        """Where this chunk saves a state checkpoint, if anywhere: at the prompt's last block boundary that a hit
+        can use (a later prompt must compute at least its last token), or, decoding, at each block boundary it
+        reaches (the sequence keeps its newest: the end of its last full block when it finishes)."""
+        if self.kv.checkpoints is None:
+            return None, False
+        bs = self.block_size
+        prompt_boundary = (seq.num_prompt_tokens - 1) // bs * bs
+        if c.start < prompt_boundary <= c.context_len:
+            return prompt_boundary, False
+        if c.context_len % bs == 0 and c.context_len > seq.num_prompt_tokens:
+            return c.context_len, True
+        return None, False
 
     def _tile_calls(self, chunks: list[_Chunk]) -> list[list]:
         """Batch-invariant attention: per layer group, the query tiles of every chunk (engine/attention_tiles.py)."""

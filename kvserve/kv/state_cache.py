@@ -7,6 +7,7 @@ which sequence owns which slot — taken at admission, freed when the sequence f
 step's linear layers where each sequence's tokens and slot are."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -67,12 +68,19 @@ class StateStep:
     cache: StateCache
     decode_rows: torch.Tensor  # [D] rows of the flat batch that are decodes
     decode_slots: torch.Tensor  # [D] their slots
-    prompt_chunks: list[tuple[slice, int, bool]] = field(default_factory=list)  # (rows, slot, fresh)
+    # (rows, slot, fresh, checkpoint): checkpoint (n, slot) saves the state after the chunk's first n tokens
+    prompt_chunks: list[tuple[slice, int, bool, tuple[int, int] | None]] = field(default_factory=list)
+    decode_checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (slot, checkpoint slot) after the step
+
+    def save(self, layer: int, slot: int, checkpoint: int) -> None:
+        """Copy one layer's state of `slot` into checkpoint slot `checkpoint`."""
+        self.cache.conv[layer, checkpoint] = self.cache.conv[layer, slot]
+        self.cache.recurrent[layer, checkpoint] = self.cache.recurrent[layer, slot]
 
 
 class StateSlots:
-    """Which sequence holds which of `num_slots` state slots; forks queue a copy the runner makes before the next
-    forward pass (take_copies)."""
+    """Which sequence holds which of `num_slots` state slots; forks and checkpoint restores queue a copy the runner
+    makes before the next forward pass (take_copies)."""
 
     def __init__(self, num_slots: int):
         if num_slots < 1:
@@ -102,6 +110,10 @@ class StateSlots:
             self._slot_of[request_id] = self._free.pop()
         return self._slot_of[request_id]
 
+    def restore(self, request_id: str, checkpoint_slot: int) -> None:
+        """The request's slot starts from a checkpoint's state (a prefix hit)."""
+        self._copies.append((checkpoint_slot, self.take(request_id)))
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child takes a slot and gets a copy of the parent's states before the next step."""
         if not self._free:
@@ -119,3 +131,42 @@ class StateSlots:
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
         return copies
+
+
+class StateCheckpoints:
+    """States saved at block boundaries, so that a prefix hit resumes: `num_slots` slots of the state cache from
+    `first_slot` on, each holding the state after the block whose chained hash is its key; the least recently used
+    is reused when none is free."""
+
+    def __init__(self, first_slot: int, num_slots: int):
+        self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU order: the oldest first
+        self.num_slots = num_slots
+        self.num_hits = 0
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def lookup(self, key: bytes) -> int | None:
+        """The checkpoint slot saved under `key`, marked recently used; None if there is none."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._slot_of.move_to_end(key)
+        return slot
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._slot_of
+
+    def take(self, key: bytes) -> int:
+        """A slot to save the state after `key`'s block in, the least recently used one if none is free."""
+        if not self._free:
+            _, slot = self._slot_of.popitem(last=False)
+            self._free.append(slot)
+        slot = self._free.pop()
+        self._slot_of[key] = slot
+        return slot
+
+    def release(self, key: bytes) -> None:
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)

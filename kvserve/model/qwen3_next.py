@@ -79,9 +79,18 @@ class GatedDeltaNetLayer:
         if len(decodes):
             out[decodes] = self._mix(qkv[decodes][:, None], g[decodes][:, None], beta[decodes][:, None],
                                      step, step.decode_slots, recurrent_gated_delta_rule)[:, 0]
-        for rows, slot, fresh in step.prompt_chunks:
-            out[rows] = self._mix(qkv[rows][None], g[rows][None], beta[rows][None], step,
-                                  torch.tensor([slot], device=x.device), chunked_gated_delta_rule, fresh)[0]
+            for slot, checkpoint in step.decode_checkpoints:
+                step.save(self.index, slot, checkpoint)
+        for rows, slot, fresh, checkpoint in step.prompt_chunks:
+            # a checkpoint inside the chunk splits it there: the state at that block boundary is saved
+            cut = rows.start + checkpoint[0] if checkpoint is not None else rows.stop
+            for part in (slice(rows.start, cut), slice(cut, rows.stop)):
+                if part.stop > part.start:
+                    out[part] = self._mix(qkv[part][None], g[part][None], beta[part][None], step,
+                                          torch.tensor([slot], device=x.device), chunked_gated_delta_rule,
+                                          fresh and part.start == rows.start)[0]
+                if checkpoint is not None and part.start == rows.start:
+                    step.save(self.index, slot, checkpoint[1])
         z = z.view(-1, lc.num_value_heads, lc.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1).to(x.dtype))
 

@@ -71,19 +71,22 @@ class MemoryBudget:
 @dataclass(frozen=True)
 class StatePlan:
     """A hybrid model's state slots, carved out of the KV budget before the blocks: one per sequence that may run
-    at once (max_num_seqs), each every linear layer's conv tail and recurrent state in float32."""
+    at once (max_num_seqs), each every linear layer's conv tail and recurrent state in float32, and as many
+    checkpoint slots again with prefix caching (states saved at block boundaries, so that a hit resumes)."""
 
     num_slots: int
     slot_bytes: int
     num_linear_layers: int
+    num_checkpoints: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
+        return (self.num_slots + self.num_checkpoints) * self.slot_bytes
 
     def line(self) -> str:
-        return (f"state cache: {self.num_slots:,} slots × {format_bytes(self.slot_bytes)} (conv tail + recurrent "
-                f"state of {self.num_linear_layers} linear-attention layers, float32) = "
+        checkpoints = f" + {self.num_checkpoints:,} checkpoints" if self.num_checkpoints else ""
+        return (f"state cache: {self.num_slots:,} slots{checkpoints} × {format_bytes(self.slot_bytes)} (conv tail + "
+                f"recurrent state of {self.num_linear_layers} linear-attention layers, float32) = "
                 f"{format_bytes(self.total_bytes)}, one slot per running sequence")
 
 
@@ -151,7 +154,8 @@ class KVCachePlan:
     def error(self) -> str | None:
         """None when one max_model_len request fits, else a refusal in the spirit of vLLM's."""
         if self.state is not None and self.state.total_bytes > self.kv_budget_bytes:
-            return (f"{self.spec.name}: {self.state.num_slots:,} state slots (one per max_num_seqs) of "
+            return (f"{self.spec.name}: {self.state.num_slots + self.state.num_checkpoints:,} state slots (one per "
+                    f"max_num_seqs{', and as many checkpoints' if self.state.num_checkpoints else ''}) of "
                     f"{format_bytes(self.state.slot_bytes)} take {format_bytes(self.state.total_bytes)}, more than the "
                     f"{format_bytes(self.kv_budget_bytes)} KV cache memory; lower max_num_seqs or raise "
                     "kv_cache_memory")
@@ -209,12 +213,13 @@ def plan_kv_cache(
     max_blocks_per_request: int | None = None,
     kv_scales: str = PER_TOKEN_HEAD_SCALES,
     state_slots: int | None = None,
+    state_checkpoints: int = 0,
 ) -> KVCachePlan:
     """Blocks that fit in kv_budget_bytes for this model and dtype; max_model_len defaults to the model's.
     With a KV eviction policy, `max_blocks_per_request` bounds what one request holds at any length;
     `kv_scales` "per-tensor" plans a scaled format with one scale per layer (vLLM's FP8 cache), not the engine's.
     `state_slots` (the engine, for a hybrid model): that many state slots come out of the budget first, the rest
-    is KV blocks."""
+    is KV blocks (and `state_checkpoints` checkpoint slots beside them)."""
     if kv_budget_bytes < 0:
         raise ValueError(f"KV cache budget must not be negative, got {kv_budget_bytes} bytes")
     if block_size < 1:
@@ -228,7 +233,7 @@ def plan_kv_cache(
     block_bytes = block_size * per_token * layers_per_block // spec.num_kv_layers
     state = None
     if state_slots is not None and state_slot_bytes(spec):
-        state = StatePlan(state_slots, state_slot_bytes(spec), spec.num_layers_of(LINEAR))
+        state = StatePlan(state_slots, state_slot_bytes(spec), spec.num_layers_of(LINEAR), state_checkpoints)
     kv_bytes = max(0, int(kv_budget_bytes) - (state.total_bytes if state else 0))
     return KVCachePlan(
         spec=spec,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvserve.kv.kv_cache_manager import KVCacheManager
-from kvserve.kv.state_cache import StateCache, StateShape, StateSlots
+from kvserve.kv.state_cache import StateCache, StateCheckpoints, StateShape, StateSlots
 from kvserve.planner.capacity import plan_kv_cache
 from kvserve.planner.model_spec import ModelSpec
 from tests.kv.sequences import Seq
@@ -89,3 +89,31 @@ def test_planner_slot_bytes_are_the_storage_bytes():
     assert StateCache(SHAPE, 5).nbytes == plan.state.total_bytes
     assert plan.num_blocks == (2**20 - plan.state.total_bytes) // plan.block_bytes
     assert "state cache: 5 slots" in plan.summary_line()
+
+
+def test_checkpoints_reuse_the_least_recently_used_slot():
+    checkpoints = StateCheckpoints(first_slot=4, num_slots=2)
+    assert checkpoints.take(b"a") == 4 and checkpoints.take(b"b") == 5
+    assert checkpoints.lookup(b"a") == 4  # a is now the most recently used
+    assert checkpoints.take(b"c") == 5 and not checkpoints.contains(b"b")
+    checkpoints.release(b"a")
+    assert checkpoints.lookup(b"a") is None and len(checkpoints) == 1
+
+
+def test_a_decoding_sequence_keeps_its_newest_checkpoint_and_a_hit_restores_it():
+    kv = KVCacheManager(num_blocks=16, block_size=16, enable_prefix_caching=True, state_slots=2,
+                        state_checkpoints=2)
+    seq = Seq("a", list(range(70)))
+    assert kv.allocate(seq, 70) is not None
+    first = kv.plan_checkpoint(seq, 32, decoding=True)
+    second = kv.plan_checkpoint(seq, 48, decoding=True)  # gives the one at 32 back
+    assert first == second == 2 and len(kv.checkpoints) == 1
+    assert kv.plan_checkpoint(seq, 48, decoding=True) is None  # saved there already
+    seq.num_computed_tokens = 70
+    kv.cache_full_blocks(seq)
+    kv.free(seq)
+    again = Seq("b", list(range(70)))
+    hit = kv.find_cached_prefix(again)
+    assert hit.num_blocks == 3 and hit.state_checkpoint == 2  # 4 blocks of KV cached, the state only at 48
+    kv.allocate(again, 70 - 48, hit)
+    assert kv.state.take_copies() == [(2, kv.state.slot("b"))] and kv.checkpoints.num_hits == 1

@@ -1,8 +1,8 @@
 """Our Qwen3-Next / Qwen3.5 decoder (hybrid: Gated DeltaNet layers beside full attention) against transformers' on
 the same random weights, float32, max abs diff <= 1e-4: every prompt position and 20 greedy decode steps, with the
 prompt whole, chunked (chunks that do and do not divide the delta rule's 64), batched beside other sequences,
-preempted and recomputed, and forked (n = 2); every block and state slot back afterwards; the settings hybrid
-models do not run with yet refused by name."""
+preempted and recomputed, forked (n = 2), and resumed from a state checkpoint after a prefix hit; every block and
+state slot back afterwards; the settings hybrid models do not run with yet refused by name."""
 import logging
 
 import pytest
@@ -180,13 +180,49 @@ def test_state_slots_come_out_of_the_budget_first(tmp_path, caplog):
         engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=8))
     plan = engine.cache_plan
     assert plan.state.num_slots == 8 == engine.kv.state.num_slots
-    assert engine.runner.state_cache.nbytes == plan.state.total_bytes
+    assert plan.state.num_checkpoints == 8 == engine.kv.checkpoints.num_slots  # prefix caching: as many again
+    assert engine.runner.state_cache.nbytes == plan.state.total_bytes == 16 * plan.state.slot_bytes
     assert plan.num_blocks == (4 * 2**20 - plan.state.total_bytes) // plan.block_bytes
-    assert "state cache: 8 slots" in caplog.text
-    assert "prefix caching: off for hybrid models" in caplog.text
-    assert not engine.kv.pool.enable_prefix_caching
+    assert "state cache: 8 slots + 8 checkpoints" in caplog.text
+    plain = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=8,
+                                   enable_prefix_caching=False))
+    assert plain.cache_plan.state.num_checkpoints == 0 and plain.kv.checkpoints is None
     with pytest.raises(ValueError, match="state slots .* lower max_num_seqs or raise kv_cache_memory"):
         LLMEngine(EngineConfig(model=str(path), kv_cache_memory=plan.state.slot_bytes * 3, max_num_seqs=4))
+
+
+def test_a_returning_conversation_resumes_from_a_state_checkpoint(tmp_path):
+    path = make_hybrid_model(tmp_path, "qwen3_5")
+    llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)
+    sampled = recording(llm)
+    first = random_prompt(40, seed=7)
+    turn1 = llm.generate({"prompt_token_ids": first}, GREEDY)[0]
+    assert turn1.num_cached_tokens == 0
+    # the second turn: the first's prompt and answer, then 10 new tokens. Its KV hit covers the 3 full blocks the
+    # first turn computed (59 tokens: the last sampled token is never computed), and a checkpoint was saved at 48
+    # while decoding: the hit resumes there
+    second = first + turn1.outputs[0].token_ids + random_prompt(10, seed=8)
+    turn2 = llm.generate({"prompt_token_ids": second}, GREEDY)[0]
+    assert turn2.num_cached_tokens == 48
+    assert llm.engine.kv.checkpoints.num_hits == 1
+    logits, generated = reference(path, second)
+    assert_matches(logits, generated, second, turn2.outputs[0].token_ids, sampled[turn2.request_id])
+    # the same prompt again resumes at its last block boundary a hit may use (64: its last token is computed)
+    again = llm.generate({"prompt_token_ids": second}, GREEDY)[0]
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == generated
+    assert_nothing_held(llm.engine)
+
+
+def test_a_checkpoint_without_its_kv_blocks_is_never_used(tmp_path):
+    path = make_hybrid_model(tmp_path, "qwen3_next")
+    llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)
+    prompt = random_prompt(40, seed=9)
+    llm.generate({"prompt_token_ids": prompt}, GREEDY)
+    assert len(llm.engine.kv.checkpoints) > 0
+    assert llm.engine.reset_prefix_cache()  # the KV blocks leave the prefix index; the checkpoints stay
+    output = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert output.num_cached_tokens == 0 and llm.engine.kv.checkpoints.num_hits == 0
+    assert output.outputs[0].token_ids == reference(path, prompt)[1]
 
 
 @pytest.mark.parametrize("setting, name", [

@@ -55,7 +55,8 @@ class KVCacheManager:
         # hybrid models: each sequence's state slot (linear-attention layers), None for attention-only models
         self.state = StateSlots(state_slots) if state_slots is not None else None
         # their checkpoints at block boundaries, in the state cache's slots after the running ones
-        self.checkpoints = StateCheckpoints(state_slots, state_checkpoints) if self.state and state_checkpoints else None
+        self.checkpoints = (StateCheckpoints(state_slots, state_checkpoints) if self.state and state_checkpoints
+                            else None)
         self._decode_checkpoint: dict[str, bytes] = {}  # each sequence's newest checkpoint taken while decoding
 
     @property

@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",  # the released checkpoints: the text model is run
 }
 DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text")  # Gated DeltaNet layers beside full attention
@@ -130,6 +131,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        cfg = _language_model_config(cfg)
         arch = _architecture(cfg)
         if arch in HYBRID_ARCHITECTURES:
             _check_hybrid(cfg)
@@ -235,6 +237,15 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> DeepseekConfig:
         topk_group=cfg.get("topk_group"),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
     )
+
+
+def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's vision-language checkpoint: its text model's config (text_config), with the top level's
+    architecture and embedding tie; other configs (other vision-language models are refused) unchanged."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or "Qwen3_5ForConditionalGeneration" not in (cfg.get("architectures") or []):
+        return cfg
+    return {**text, **{key: cfg[key] for key in ("architectures", "tie_word_embeddings") if key in cfg}}
 
 
 def _check_hybrid(cfg: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ delta rule (model/gated_delta.py), continuing from the sequence's state slot. Qw
 in-projections grouped by key head; they are reordered once at load into Qwen3.5's split layout."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,23 @@ from kvserve.model.gemma3 import Gemma3Norm as ZeroCenteredNorm
 from kvserve.model.linear import Linears, WeightsPolicy, load_linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding
 from kvserve.rotation import apply_rotary
+
+logger = logging.getLogger("kvserve")
+LANGUAGE_MODEL_PREFIX = "model.language_model."  # Qwen3.5's released checkpoints (Qwen3_5ForConditionalGeneration)
+SKIPPED_PREFIXES = {"model.visual.": "the vision tower", "mtp.": "the multi-token prediction layer"}
+
+
+def text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language checkpoint's text model weights under the text model's names; the vision tower and the
+    multi-token prediction layer are skipped, with one log line saying so. Other checkpoints unchanged."""
+    if not any(name.startswith(LANGUAGE_MODEL_PREFIX) for name in weights):
+        return weights
+    skipped = sorted({what for name in weights for prefix, what in SKIPPED_PREFIXES.items()
+                      if name.startswith(prefix)})
+    if skipped:
+        logger.info(f"weights: {' and '.join(skipped)} skipped (kvserve runs the text model)")
+    return {name.replace(LANGUAGE_MODEL_PREFIX, "model.", 1): t for name, t in weights.items()
+            if not any(name.startswith(prefix) for prefix in SKIPPED_PREFIXES)}
 
 
 class GatedNorm:
@@ -221,7 +240,7 @@ class Qwen3NextModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  policy: WeightsPolicy = WeightsPolicy()):
-        w, linears, self.lm_head, self.embed = load_linears(weights, cfg.tie_word_embeddings, policy)
+        w, linears, self.lm_head, self.embed = load_linears(text_weights(weights), cfg.tie_word_embeddings, policy)
         self.cfg = cfg
         self.linears = linears
         self.norm = ZeroCenteredNorm(w["model.norm.weight"], cfg.rms_norm_eps)

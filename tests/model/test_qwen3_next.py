@@ -253,3 +253,28 @@ def test_sparse_moe_logits_match_transformers(tmp_path):
     assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
     assert tokens == generated
     assert_nothing_held(engine)
+
+
+def test_the_released_vision_language_layout_runs_its_text_model(tmp_path, caplog):
+    # Qwen3.5's checkpoints: Qwen3_5ForConditionalGeneration, the text model's config under text_config and its
+    # weights under model.language_model, beside a vision tower
+    text = {**COMMON, **KINDS["qwen3_5"][2]}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    transformers.Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory="4MiB", max_model_len=256,
+                                        max_num_seqs=4))
+    assert "the vision tower skipped" in caplog.text
+    prompt = random_prompt(37, seed=4)
+    ours, tokens = prompt_logits(engine, prompt)
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([prompt + tokens])).logits[0]
+    assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
+    # each greedy token is transformers' argmax after the tokens before it
+    assert tokens == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    assert_nothing_held(engine)

@@ -32,10 +32,11 @@ from kvserve.kv.formats.compiled import decode_kind
 from kvserve.kv.formats.latent import check_latent_settings
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import KVCacheManager
+from kvserve.kv.state_cache import StateCache, StateShape
 from kvserve.kv.tiers.disk import DiskKVCache
 from kvserve.kv.tiers.record import model_fingerprint
 from kvserve.kv.tiers.store import DiskBlockStore
-from kvserve.model.config import ModelConfig
+from kvserve.model.config import LINEAR_ATTENTION, ModelConfig
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.linear import WeightsPolicy
 from kvserve.model.loader import load_weights, resolve_model
@@ -71,6 +72,7 @@ class EngineParts:
     sequence_factory: SequenceFactory
     model: Any  # one of MODEL_CLASSES
     cache: PagedKVCache
+    state_cache: StateCache | None  # hybrid models: the linear layers' state slots
     disk_cache: DiskKVCache | None
     kv: KVCacheManager
     scores: AttentionScores | None
@@ -94,6 +96,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     check_model_windows(setup)
     tiles = RowTiles(TILE_ROWS if config.batch_invariant else None)
     cache = build_cache(config, setup, tiles)
+    state_cache = build_state_cache(config, setup)
     disk_cache = open_disk_cache(config, setup, cache) if config.kv_disk_cache is not None else None
     kv = cache_manager(config, setup, disk_cache)
     scores = attention_scores(config, setup)
@@ -103,9 +106,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         logger.info(startup.speculation_line(config.speculative_config))
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, speculator)
     compiled = compile_decode_steps(config, model, cache, setup.eviction, eager_decode_reason)
-    runner = ModelRunner(model, cache, kv, config.device, scores, tiles, compiled)
-    return EngineParts(setup, validator, sequence_factory, model, cache, disk_cache, kv, scores, speculator, scheduler,
-                       runner)
+    runner = ModelRunner(model, cache, kv, config.device, scores, tiles, compiled, state_cache)
+    return EngineParts(setup, validator, sequence_factory, model, cache, state_cache, disk_cache, kv, scores,
+                       speculator, scheduler, runner)
 
 
 # ---- before anything large is loaded -----------------------------------------------------------------------
@@ -128,6 +131,9 @@ def plan_engine(config: EngineConfig) -> EngineSetup:
         max_model_len,
         config.kv_eviction,
         eviction.max_blocks(config.block_size),
+        state_slots=config.max_num_seqs if model_config.linear is not None else None,
+        # prefix caching keeps as many state checkpoints as running slots (the rule the start-up line states)
+        state_checkpoints=config.max_num_seqs if config.enable_prefix_caching else 0,
     )
     if not cache_plan.fits:
         raise ValueError(cache_plan.error)
@@ -152,7 +158,25 @@ def check_settings(config: EngineConfig, model_config: ModelConfig, layout: KVLa
                          "their sliding layers already bound the cache")
     if model_config.deepseek is not None:
         check_latent_settings(config.kv_cache_format, config.kv_eviction)
+    if model_config.linear is not None:
+        check_hybrid_settings(config, model_config)
     check_fits_in_memory(config)
+
+
+def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> None:
+    """What hybrid models (Gated DeltaNet layers with a state slot per sequence) do not run with yet, by name."""
+    refused = {
+        "kv_eviction": config.kv_eviction != "none",  # drops KV blocks, while the state keeps every token
+        "speculative_config": config.speculative_config is not None,  # needs the state rolled back on rejection
+        "batch_invariant": config.batch_invariant,  # the delta rule's chunks are not cut in fixed tiles
+        "compile_decode": config.compile_decode,  # no compiled step covers the linear layers
+        "kv_disk_cache": config.kv_disk_cache is not None,  # a block on disk without the state at its end
+    }
+    names = [name for name, on in refused.items() if on]
+    if names:
+        raise ValueError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with hybrid models "
+                         f"({model_config.architecture}: linear-attention layers keep a state per sequence); "
+                         "turn it off")
 
 
 def check_fits_in_memory(config: EngineConfig) -> None:
@@ -206,7 +230,8 @@ def load_model(config: EngineConfig, setup: EngineSetup, eager_decode_reason: st
 def check_model_windows(setup: EngineSetup) -> None:
     """The model's sliding-window layers are the ones the planner's KV layout gives a window."""
     mc = setup.model_config
-    model_windows = [mc.sliding_window if t == "sliding_attention" else None for t in mc.layer_types]
+    model_windows = [mc.sliding_window if t == "sliding_attention" else None
+                     for t in mc.layer_types if t != LINEAR_ATTENTION]  # linear layers keep no KV
     if model_windows != [setup.layout.windows[g] for g in setup.layout.group_of]:
         raise ValueError(f"{setup.model_name}: the model's sliding-window layers {model_windows} disagree with "
                          "the KV layout the planner derived from its config")
@@ -240,6 +265,16 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
     return cache
 
 
+def build_state_cache(config: EngineConfig, setup: EngineSetup) -> StateCache | None:
+    """A hybrid model's state slots and checkpoints, as many as the plan carved out of the budget."""
+    lc, plan = setup.model_config.linear, setup.cache_plan.state
+    if lc is None:
+        return None
+    shape = StateShape(plan.num_linear_layers, lc.conv_dim, lc.conv_kernel - 1, lc.num_value_heads,
+                       lc.key_head_dim, lc.value_head_dim)
+    return StateCache(shape, plan.num_slots + plan.num_checkpoints, config.device)
+
+
 def cache_facts(plan: KVCachePlan, cache: PagedKVCache, layout: KVLayout, max_num_seqs: int) -> startup.CacheFacts:
     """The cache as it describes itself now (its decode attention may have fallen back to eager since start)."""
     return startup.CacheFacts(plan, cache.describe(), layout.describe(), cache.extra_nbytes, max_num_seqs)
@@ -259,10 +294,12 @@ def open_disk_cache(config: EngineConfig, setup: EngineSetup, cache: PagedKVCach
 def cache_manager(config: EngineConfig, setup: EngineSetup, disk_cache: DiskKVCache | None) -> KVCacheManager:
     """Block tables, prefix index and eviction over the planned pool, reading prefixes from the disk tier if any."""
     plan, eviction, layout = setup.cache_plan, setup.eviction, setup.layout
+    state = plan.state
     return KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
                           hash_namespace=config.kv_cache_format, eviction=eviction,
-                          windows=layout.windows, tile_windows=config.batch_invariant,
-                          disk=disk_cache)
+                          windows=layout.windows, tile_windows=config.batch_invariant, disk=disk_cache,
+                          state_slots=state.num_slots if state is not None else None,
+                          state_checkpoints=state.num_checkpoints if state is not None else 0)
 
 
 def attention_scores(config: EngineConfig, setup: EngineSetup) -> AttentionScores | None:

@@ -15,6 +15,7 @@ from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
 from kvserve.kv.readers import AttentionGroup
 from kvserve.kv.scored_attention import AttentionScores
+from kvserve.kv.state_cache import StateCache, StateStep
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaModel
 
@@ -61,8 +62,9 @@ def _buckets(chunks: list[_Chunk], group: int) -> list[list[_Chunk]]:
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, device: str = "cpu",
                  scores: AttentionScores | None = None, tiles: RowTiles | None = None,
-                 compiled: CompiledSteps | None = None):
+                 compiled: CompiledSteps | None = None, state_cache: StateCache | None = None):
         self.model = model
+        self.state_cache = state_cache  # hybrid models: the linear layers' state slots (kv.state says whose)
         self.cache = cache
         self.kv = kv
         self.block_size = kv.block_size
@@ -80,6 +82,8 @@ class ModelRunner:
         input_ids, meta, chunks = self.build_batch(out)
         freed = self.kv.pool.take_freed()
         self.cache.begin_step(freed, [(c.src, c.dst) for c in out.block_copies], meta.slot_mappings)
+        if self.state_cache is not None:
+            self.state_cache.copy(self.kv.state.take_copies())  # forked sequences' states, before they run
         if self.scores is not None:
             self.scores.reset(freed)
         hidden = None
@@ -142,8 +146,43 @@ class ModelRunner:
             groups.append([self._group(bucket, g, whole_batch=len(bucket) == len(chunks)) for bucket in buckets])
         meta = AttentionMetadata(positions=self._tensor(positions), slot_mappings=slot_mappings, groups=groups,
                                  layer_group=self.cache.layout.group_of, scores=self.scores, tiles=self.tiles,
-                                 tile_calls=self._tile_calls(chunks) if self.tiles else None)
+                                 tile_calls=self._tile_calls(chunks) if self.tiles else None,
+                                 state=self._state_step(out.seqs, chunks) if self.state_cache is not None else None)
         return self._tensor(tokens), meta, chunks
+
+    def _state_step(self, seqs: list[Sequence], chunks: list[_Chunk]) -> StateStep:
+        """Each sequence's state slot for the linear layers (decodes batched, prompt chunks one by one), and the
+        block boundaries where its state is saved as a checkpoint."""
+        step = StateStep(self.state_cache, self._tensor([]), self._tensor([]))
+        decode_rows, decode_slots = [], []
+        for seq, c in zip(seqs, chunks):
+            slot = self.kv.state.slot(seq.request_id)
+            boundary, decoding = self._checkpoint_boundary(seq, c)
+            checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding) if boundary else None
+            if c.num_tokens == 1 and c.start > 0:
+                decode_rows.append(c.offset)
+                decode_slots.append(slot)
+                if checkpoint is not None:
+                    step.decode_checkpoints.append((slot, checkpoint))
+            else:
+                step.prompt_chunks.append((slice(c.offset, c.offset + c.num_tokens), slot, c.start == 0,
+                                           (boundary - c.start, checkpoint) if checkpoint is not None else None))
+        step.decode_rows, step.decode_slots = self._tensor(decode_rows), self._tensor(decode_slots)
+        return step
+
+    def _checkpoint_boundary(self, seq: Sequence, c: _Chunk) -> tuple[int | None, bool]:
+        """Where this chunk saves a state checkpoint, if anywhere: at the prompt's last block boundary that a hit
+        can use (a later prompt must compute at least its last token), or, decoding, at each block boundary it
+        reaches (the sequence keeps its newest: the end of its last full block when it finishes)."""
+        if self.kv.checkpoints is None:
+            return None, False
+        bs = self.block_size
+        prompt_boundary = (seq.num_prompt_tokens - 1) // bs * bs
+        if c.start < prompt_boundary <= c.context_len:
+            return prompt_boundary, False
+        if c.context_len % bs == 0 and c.context_len > seq.num_prompt_tokens:
+            return c.context_len, True
+        return None, False
 
     def _tile_calls(self, chunks: list[_Chunk]) -> list[list]:
         """Batch-invariant attention: per layer group, the query tiles of every chunk (engine/attention_tiles.py)."""

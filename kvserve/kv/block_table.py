@@ -73,6 +73,7 @@ class CachedPrefix:
     num_blocks: int = 0
     blocks: list[list[Block]] = field(default_factory=list)
     first_logical: list[int] = field(default_factory=list)
+    state_checkpoint: int | None = None  # hybrid models: the state slot saved at the hit's end (state_cache.py)
 
     @property
     def all_blocks(self) -> list[Block]:

@@ -4,7 +4,9 @@ drop what a sliding window or an eviction policy no longer reads, free.
 A request has one block table per layer group of the model's KVLayout, kept by that group's manager
 (group_managers.py: full attention, sliding window, evicting). The coordinator here holds what the groups share:
 the pool, the requests' block hashes and their registration in the prefix index, the counters and the disk tier's
-loads (disk_loads.py), and calls the group managers to find a prefix hit, allocate, drop unneeded blocks and free."""
+loads (disk_loads.py), and calls the group managers to find a prefix hit, allocate, drop unneeded blocks and free.
+A hybrid model's linear layers keep a state slot per sequence instead of blocks (state_cache.py: StateSlots),
+taken with the first blocks, freed and forked with them."""
 from __future__ import annotations
 
 import bisect
@@ -17,6 +19,7 @@ from kvserve.kv.disk_loads import DiskLoads
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy
 from kvserve.kv.group_managers import make_group_managers
 from kvserve.kv.prefix_lookup import PrefixLookup, RequestHashes
+from kvserve.kv.state_cache import StateCheckpoints, StateSlots
 
 if TYPE_CHECKING:
     from kvserve.kv.tiers.base import KVTier
@@ -30,7 +33,11 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_namespace: str = "",
                  eviction: EvictionPolicy | None = None, windows: Sequence[int | None] = (None,),
-                 tile_windows: bool = False, disk: KVTier | None = None):
+                 tile_windows: bool = False, disk: KVTier | None = None, state_slots: int | None = None,
+                 state_checkpoints: int = 0):
+        if state_slots is not None and enable_prefix_caching and not state_checkpoints:
+            raise ValueError("prefix caching with state slots (a hybrid model) needs state checkpoints: a KV hit "
+                             "without the linear layers' state at its end cannot resume")
         self.block_size = block_size
         self.hash_namespace = hash_namespace  # blocks of another storage format can never be hits
         self.eviction = eviction or EvictionPolicy()
@@ -45,6 +52,12 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of each sequence already in the prefix index
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        # hybrid models: each sequence's state slot (linear-attention layers), None for attention-only models
+        self.state = StateSlots(state_slots) if state_slots is not None else None
+        # their checkpoints at block boundaries, in the state cache's slots after the running ones
+        self.checkpoints = (StateCheckpoints(state_slots, state_checkpoints) if self.state and state_checkpoints
+                            else None)
+        self._decode_checkpoint: dict[str, bytes] = {}  # each sequence's newest checkpoint taken while decoding
 
     @property
     def num_groups(self) -> int:
@@ -84,7 +97,32 @@ class KVCacheManager:
         the window before its end; the last token is always left to compute."""
         if not self.pool.enable_prefix_caching:
             return self._no_prefix()
-        return self._prefixes.longest_prefix(self._prefixes.lookup(self._hashes.prompt_hashes(seq)))
+        hashes = self._hashes.prompt_hashes(seq)
+        prefix = self._prefixes.longest_prefix(self._prefixes.lookup(hashes))
+        return self._resumable(hashes, prefix) if self.state is not None else prefix
+
+    def _resumable(self, hashes: list, prefix: CachedPrefix) -> CachedPrefix:
+        """A hybrid model's hit, cut back to the deepest block end inside it with a state checkpoint."""
+        for num_blocks in range(prefix.num_blocks, 0, -1):
+            slot = self.checkpoints.lookup(hashes[num_blocks - 1])
+            if slot is not None:
+                cut = self._prefixes.longest_prefix(self._prefixes.lookup(hashes[:num_blocks]))
+                cut.state_checkpoint = slot
+                return cut
+        return self._no_prefix()
+
+    def plan_checkpoint(self, seq: CachedSequence, num_tokens: int, decoding: bool) -> int | None:
+        """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
+        if one is saved there already. Of the checkpoints taken while decoding, a sequence keeps its newest."""
+        key = self._hashes.block_hashes(seq, num_tokens)[num_tokens // self.block_size - 1]
+        if self.checkpoints.contains(key):
+            return None
+        if decoding:
+            old = self._decode_checkpoint.pop(seq.request_id, None)
+            if old is not None:
+                self.checkpoints.release(old)
+            self._decode_checkpoint[seq.request_id] = key
+        return self.checkpoints.take(key)
 
     def _no_prefix(self) -> CachedPrefix:
         return CachedPrefix(blocks=[[] for _ in self.groups], first_logical=[0] * self.num_groups)
@@ -121,6 +159,13 @@ class KVCacheManager:
         reclaimed = len({b.block_id for b in cached.all_blocks if b.ref_cnt == 0})  # taking these empties free slots
         if sum(growth.num_blocks for growth in growths) > self.pool.num_free_blocks - reclaimed:
             return None
+        if self.state is not None:
+            if not self.state.can_take(seq.request_id):
+                return None
+            if cached.state_checkpoint is not None:
+                self.state.restore(seq.request_id, cached.state_checkpoint)
+                self.checkpoints.num_hits += 1
+            self.state.take(seq.request_id)
         copies = []
         for g, (group, growth) in enumerate(zip(self.groups, growths)):
             copies += group.grow(seq.request_id, growth, cached.blocks[g], cached.first_logical[g])
@@ -163,7 +208,10 @@ class KVCacheManager:
         return min(candidates) if candidates else seq.num_computed_tokens
 
     def fork(self, parent: CachedSequence, child: CachedSequence) -> None:
-        """The child shares every parent block (copy-on-write when either writes into a shared one)."""
+        """The child shares every parent block (copy-on-write when either writes into a shared one) and gets a copy
+        of its state slot (hybrid models)."""
+        if self.state is not None:  # first: it refuses when no slot is free, before any block is shared
+            self.state.fork(parent.request_id, child.request_id)
         for group in self.groups:
             group.fork(parent.request_id, child.request_id)
         self._hashes.fork(parent, child)
@@ -174,5 +222,8 @@ class KVCacheManager:
         self._disk.free(seq.request_id)
         self._hashes.free(seq.request_id)
         self._num_registered.pop(seq.request_id, None)
+        if self.state is not None:
+            self.state.free(seq.request_id)
+            self._decode_checkpoint.pop(seq.request_id, None)  # kept: the end of its last full block
         for group in self.groups:
             group.free(seq.request_id)

@@ -20,6 +20,7 @@ from kvserve.batch_invariant import RowTiles
 from kvserve.kv.kv_cache import LayerRow, PagedKVCache
 from kvserve.kv.readers import AttentionGroup, TileCall
 from kvserve.kv.scored_attention import AttentionScores
+from kvserve.kv.state_cache import StateStep
 
 
 @dataclass
@@ -39,6 +40,7 @@ class AttentionMetadata:
     outside_graph: bool = False
     # with outside_graph: the model's layers, each the nested compile region the graph calls it as (run_layer)
     layer_regions: list[LayerRegion] | None = None
+    state: StateStep | None = None  # hybrid models: where each sequence's linear-layer state lives (state_cache.py)
 
     def calls_of(self, layer: int) -> list[AttentionGroup] | list[TileCall]:
         """The attention calls of `layer`'s group: its tile calls in batch-invariant mode, else its groups."""

@@ -12,10 +12,15 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",  # the released checkpoints: the text model is run
 }
 DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text")  # Gated DeltaNet layers beside full attention
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet: a fixed state per sequence, no KV (kv/state_cache.py)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEEPSEEK_ROPE_TYPES = ("default", "yarn")
 # Gemma 3's defaults when its config leaves them out (transformers' Gemma3TextConfig)
@@ -52,6 +57,47 @@ class DeepseekConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet's sizes (Qwen3-Next, Qwen3.5): key/query heads, value heads and the causal conv's kernel."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    fused_projections: bool  # Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped by key head; Qwen3.5: four linears
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv runs over: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class HybridMoEConfig:
+    """Qwen3-Next's sparse MoE feed-forward: each token's top k of num_experts by softmax router scores, plus one
+    shared expert scaled by a sigmoid gate; layers outside mlp_only_layers whose (index + 1) divides by
+    decoder_sparse_step use it."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     hidden_size: int
@@ -77,11 +123,18 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) when set (Gemma)
     # DeepSeek's MLA and MoE; then num_kv_heads and head_dim describe the cached vector: one latent + rope "head"
     deepseek: DeepseekConfig | None = None
+    # hybrid models: the linear-attention layers' sizes, and the share of head_dim full attention rotates
+    linear: LinearAttentionConfig | None = None
+    hybrid_moe: HybridMoEConfig | None = None
+    partial_rotary_factor: float = 1.0
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        cfg = _language_model_config(cfg)
         arch = _architecture(cfg)
+        if arch in HYBRID_ARCHITECTURES:
+            _check_hybrid(cfg)
         heads = cfg["num_attention_heads"]
         full_rope, sliding_rope = _rope_by_layer_type(cfg, arch)
         deepseek = _deepseek_fields(cfg, arch) if arch in DEEPSEEK_ARCHITECTURES else None
@@ -104,12 +157,13 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "gemma3_text"),
+            qk_norm=arch in ("qwen3", "gemma3_text", *HYBRID_ARCHITECTURES),
             layer_types=_layer_types(cfg, arch, cfg["num_hidden_layers"], sliding_window),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             sliding_window=sliding_window,
             **(_gemma3_fields(cfg, sliding_rope) if arch == "gemma3_text" else {}),
             deepseek=deepseek,
+            **(_hybrid_fields(cfg, arch, full_rope) if arch in HYBRID_ARCHITECTURES else {}),
             hf_config=dict(cfg),
         )
 
@@ -185,8 +239,50 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> DeepseekConfig:
     )
 
 
+def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's vision-language checkpoint: its text model's config (text_config), with the top level's
+    architecture and embedding tie; other configs (other vision-language models are refused) unchanged."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or "Qwen3_5ForConditionalGeneration" not in (cfg.get("architectures") or []):
+        return cfg
+    return {**text, **{key: cfg[key] for key in ("architectures", "tie_word_embeddings") if key in cfg}}
+
+
+def _check_hybrid(cfg: dict[str, Any]) -> None:
+    """What kvserve's Gated DeltaNet models do not run yet, refused by name."""
+    activation = cfg.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"{cfg.get('model_type')} hidden_act {activation!r} is not supported (silu is)")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{cfg.get('model_type')} with attention_bias=true is not supported")
+
+
+def _hybrid_fields(cfg: dict[str, Any], arch: str, full_rope: dict[str, Any]) -> dict[str, Any]:
+    linear = LinearAttentionConfig(
+        num_key_heads=cfg["linear_num_key_heads"],
+        num_value_heads=cfg["linear_num_value_heads"],
+        key_head_dim=cfg["linear_key_head_dim"],
+        value_head_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+        fused_projections=arch == "qwen3_next",
+    )
+    if linear.num_value_heads % linear.num_key_heads:
+        raise ValueError(f"linear_num_value_heads={linear.num_value_heads} must be a multiple of "
+                         f"linear_num_key_heads={linear.num_key_heads}")
+    factor = full_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    moe = None
+    if cfg.get("num_experts"):
+        moe = HybridMoEConfig(num_experts=cfg["num_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                              norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                              decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+                              mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+    return dict(linear=linear, partial_rotary_factor=float(factor), hybrid_moe=moe)
+
+
 def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int, sliding_window: int | None) -> tuple[str, ...]:
     """Each layer's attention: from layer_types, Gemma's interleave pattern, or the window's presence."""
+    if arch in HYBRID_ARCHITECTURES:
+        return _hybrid_layer_types(cfg, num_layers)
     if sliding_window is None:
         return (FULL_ATTENTION,) * num_layers
     if cfg.get("layer_types") is not None:
@@ -202,6 +298,21 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int, sliding_window
     if "max_window_layers" in cfg:  # Qwen2: the bottom max_window_layers layers keep full attention
         return tuple(SLIDING_ATTENTION if i >= cfg["max_window_layers"] else FULL_ATTENTION for i in range(num_layers))
     return (SLIDING_ATTENTION,) * num_layers
+
+
+def _hybrid_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Linear or full attention per layer: layer_types, else every full_attention_interval-th layer is full."""
+    if cfg.get("layer_types") is None:
+        interval = cfg.get("full_attention_interval", 4)
+        return tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers))
+    types = tuple(cfg["layer_types"])
+    unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+    if len(types) != num_layers or unknown:
+        raise ValueError(f"layer_types must give {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r} for each of the "
+                         f"{num_layers} layers; got {len(types)} entries{f', unknown {unknown}' if unknown else ''}")
+    if FULL_ATTENTION not in types:
+        raise ValueError("a hybrid model needs at least one full_attention layer (the paged KV cache holds them)")
+    return types
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

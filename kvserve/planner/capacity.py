@@ -16,8 +16,9 @@ from kvserve.planner.kv_size import (
     request_kv_bytes,
     resolve_kv_dtype,
     round_up_to_blocks,
+    state_slot_bytes,
 )
-from kvserve.planner.model_spec import ModelSpec
+from kvserve.planner.model_spec import LINEAR, ModelSpec
 from kvserve.planner.units import GiB, KiB, format_bytes
 
 DEFAULT_BLOCK_SIZE = 16
@@ -68,6 +69,28 @@ class MemoryBudget:
 
 
 @dataclass(frozen=True)
+class StatePlan:
+    """A hybrid model's state slots, carved out of the KV budget before the blocks: one per sequence that may run
+    at once (max_num_seqs), each every linear layer's conv tail and recurrent state in float32, and as many
+    checkpoint slots again with prefix caching (states saved at block boundaries, so that a hit resumes)."""
+
+    num_slots: int
+    slot_bytes: int
+    num_linear_layers: int
+    num_checkpoints: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.num_slots + self.num_checkpoints) * self.slot_bytes
+
+    def line(self) -> str:
+        checkpoints = f" + {self.num_checkpoints:,} checkpoints" if self.num_checkpoints else ""
+        return (f"state cache: {self.num_slots:,} slots{checkpoints} × {format_bytes(self.slot_bytes)} (conv tail + "
+                f"recurrent state of {self.num_linear_layers} linear-attention layers, float32) = "
+                f"{format_bytes(self.total_bytes)}, one slot per running sequence")
+
+
+@dataclass(frozen=True)
 class KVCachePlan:
     """A block pool carved out of a KV budget: every block holds block_size tokens of every KV layer."""
 
@@ -81,6 +104,7 @@ class KVCachePlan:
     layers_per_block: int  # a block holds block_size tokens of this many layers (one layer group)
     max_blocks_per_request: int | None = None  # a KV eviction policy's bound on one sequence's blocks
     eviction: str = "none"
+    state: StatePlan | None = None  # hybrid models in the engine: state slots taken from the budget first
 
     @property
     def block_bytes(self) -> int:
@@ -100,7 +124,7 @@ class KVCachePlan:
         kv = request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
         if self.max_blocks_per_request is not None:
             kv = min(kv, self.max_blocks_per_request * self.block_bytes)
-        return kv + fixed_state_bytes(self.spec)
+        return kv + (0 if self.state is not None else fixed_state_bytes(self.spec))  # slots hold their state
 
     def concurrency(self, tokens: int) -> float:
         """How many requests of `tokens` tokens the cache holds at once."""
@@ -129,6 +153,12 @@ class KVCachePlan:
     @property
     def error(self) -> str | None:
         """None when one max_model_len request fits, else a refusal in the spirit of vLLM's."""
+        if self.state is not None and self.state.total_bytes > self.kv_budget_bytes:
+            return (f"{self.spec.name}: {self.state.num_slots + self.state.num_checkpoints:,} state slots (one per "
+                    f"max_num_seqs{', and as many checkpoints' if self.state.num_checkpoints else ''}) of "
+                    f"{format_bytes(self.state.slot_bytes)} take {format_bytes(self.state.total_bytes)}, more than the "
+                    f"{format_bytes(self.kv_budget_bytes)} KV cache memory; lower max_num_seqs or raise "
+                    "kv_cache_memory")
         if self.fits:
             return None
         fit = self.max_fitting_len
@@ -136,7 +166,8 @@ class KVCachePlan:
         return (
             f"{self.spec.name}: max_model_len {self.max_model_len:,} (the model's maximum length is "
             f"{self.spec.max_position_embeddings:,}) needs {format_bytes(self.request_bytes(self.max_model_len))} "
-            f"of KV cache for one request, more than the {format_bytes(self.kv_cache_bytes)} KV cache, which "
+            f"of KV cache for one request, more than the {format_bytes(self.kv_cache_bytes)} KV cache"
+            f"{f' (left after the {self.state.num_slots:,} state slots)' if self.state else ''}, which "
             f"holds {self.kv_cache_tokens:,} tokens ({self.num_blocks:,} blocks of {self.block_size}). "
             f"The largest max_model_len that fits is {fit:,}. To start, {lower}give the KV cache more memory: "
             "raise kv_cache_memory / --gpu-memory-utilization, use --kv-cache-dtype fp8, or a GPU with more memory."
@@ -156,7 +187,7 @@ class KVCachePlan:
         return (
             f"KV cache{f' ({kv_format})' if kv_format else ''}: {blocks}, {self.kv_cache_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token / KiB:.1f} KiB/token); maximum concurrency for {per_request}: "
-            f"{self.max_concurrency:.2f}x"
+            f"{self.max_concurrency:.2f}x" + (f"; {self.state.line()}" if self.state is not None else "")
         )
 
 
@@ -181,10 +212,14 @@ def plan_kv_cache(
     eviction: str = "none",
     max_blocks_per_request: int | None = None,
     kv_scales: str = PER_TOKEN_HEAD_SCALES,
+    state_slots: int | None = None,
+    state_checkpoints: int = 0,
 ) -> KVCachePlan:
     """Blocks that fit in kv_budget_bytes for this model and dtype; max_model_len defaults to the model's.
     With a KV eviction policy, `max_blocks_per_request` bounds what one request holds at any length;
-    `kv_scales` "per-tensor" plans a scaled format with one scale per layer (vLLM's FP8 cache), not the engine's."""
+    `kv_scales` "per-tensor" plans a scaled format with one scale per layer (vLLM's FP8 cache), not the engine's.
+    `state_slots` (the engine, for a hybrid model): that many state slots come out of the budget first, the rest
+    is KV blocks (and `state_checkpoints` checkpoint slots beside them)."""
     if kv_budget_bytes < 0:
         raise ValueError(f"KV cache budget must not be negative, got {kv_budget_bytes} bytes")
     if block_size < 1:
@@ -196,6 +231,10 @@ def plan_kv_cache(
         raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")
     layers_per_block = kv_layout(spec).layers_per_block
     block_bytes = block_size * per_token * layers_per_block // spec.num_kv_layers
+    state = None
+    if state_slots is not None and state_slot_bytes(spec):
+        state = StatePlan(state_slots, state_slot_bytes(spec), spec.num_layers_of(LINEAR), state_checkpoints)
+    kv_bytes = max(0, int(kv_budget_bytes) - (state.total_bytes if state else 0))
     return KVCachePlan(
         spec=spec,
         kv_dtype=kv_dtype,
@@ -203,8 +242,9 @@ def plan_kv_cache(
         block_size=block_size,
         max_model_len=max_model_len,
         kv_bytes_per_token=per_token,
-        num_blocks=int(kv_budget_bytes) // block_bytes,
+        num_blocks=kv_bytes // block_bytes,
         layers_per_block=layers_per_block,
         max_blocks_per_request=max_blocks_per_request,
         eviction=eviction,
+        state=state,
     )

@@ -161,6 +161,16 @@ def fixed_state_bytes(spec: ModelSpec) -> int:
     return spec.num_layers_of(LINEAR) * dtype.vector_bytes(spec.linear_state_elements)
 
 
+STATE_SLOT_ELEMENT_BYTES = 4  # the engine keeps linear layers' state in float32 (kvserve/kv/state_cache.py)
+
+
+def state_slot_bytes(spec: ModelSpec) -> int:
+    """One sequence's state slot in the engine: every linear layer's conv tail and recurrent state, float32."""
+    if spec.linear_state_elements is None:
+        return 0
+    return spec.num_layers_of(LINEAR) * spec.linear_state_elements * STATE_SLOT_ELEMENT_BYTES
+
+
 def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,
                         block_size: int) -> int | None:
     """The most blocks one sequence holds under a KV eviction policy (between steps), or None when unbounded:

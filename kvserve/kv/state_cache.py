@@ -1,0 +1,172 @@
+"""The state cache of hybrid models' linear-attention layers (Gated DeltaNet): a pool of fixed slots beside the paged
+KV, one slot per running sequence, each holding every linear layer's conv tail and recurrent state in float32.
+
+Three objects with one job each: StateCache holds the bytes, StateSlots (held by the KV cache coordinator) says
+which sequence owns which slot — taken at admission, freed when the sequence finishes, is aborted or preempted
+(a preempted sequence is recomputed from its first token), copied for a fork (n > 1, beams) — and StateStep tells a
+step's linear layers where each sequence's tokens and slot are."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+STATE_DTYPE = torch.float32
+STATE_DTYPE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """One slot's tensors per linear layer: the conv tail [conv_dim, kernel - 1] and the recurrent state
+    [value_heads, key_head_dim, value_head_dim]."""
+
+    num_layers: int
+    conv_dim: int
+    conv_tail: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds over every linear layer."""
+        per_layer = self.conv_dim * self.conv_tail + self.num_value_heads * self.key_head_dim * self.value_head_dim
+        return self.num_layers * per_layer * STATE_DTYPE_BYTES
+
+
+class StateCache:
+    """The slots' storage: conv[layer][slot] and recurrent[layer][slot], float32, zero at start."""
+
+    def __init__(self, shape: StateShape, num_slots: int, device: str | torch.device = "cpu"):
+        self.shape = shape
+        self.num_slots = num_slots
+        s = shape
+        self.conv = torch.zeros(s.num_layers, num_slots, s.conv_dim, s.conv_tail, dtype=STATE_DTYPE, device=device)
+        self.recurrent = torch.zeros(s.num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim,
+                                     dtype=STATE_DTYPE, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    def copy(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) slot's states, every layer (a forked sequence's)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.conv.device)
+        dst = torch.tensor([d for _, d in copies], device=self.conv.device)
+        self.conv[:, dst] = self.conv[:, src]
+        self.recurrent[:, dst] = self.recurrent[:, src]
+
+
+@dataclass
+class StateStep:
+    """One step's sequences as the linear layers see them: decodes (one token continuing a state) in one batch,
+    prompt chunks one at a time, each with its slot; a chunk that starts its sequence (fresh) starts from zeros."""
+
+    cache: StateCache
+    decode_rows: torch.Tensor  # [D] rows of the flat batch that are decodes
+    decode_slots: torch.Tensor  # [D] their slots
+    # (rows, slot, fresh, checkpoint): checkpoint (n, slot) saves the state after the chunk's first n tokens
+    prompt_chunks: list[tuple[slice, int, bool, tuple[int, int] | None]] = field(default_factory=list)
+    decode_checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (slot, checkpoint slot) after the step
+
+    def save(self, layer: int, slot: int, checkpoint: int) -> None:
+        """Copy one layer's state of `slot` into checkpoint slot `checkpoint`."""
+        self.cache.conv[layer, checkpoint] = self.cache.conv[layer, slot]
+        self.cache.recurrent[layer, checkpoint] = self.cache.recurrent[layer, slot]
+
+
+class StateSlots:
+    """Which sequence holds which of `num_slots` state slots; forks and checkpoint restores queue a copy the runner
+    makes before the next forward pass (take_copies)."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"a state cache needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._slot_of: dict[str, int] = {}
+        self._copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def slot(self, request_id: str) -> int:
+        return self._slot_of[request_id]
+
+    def has_slot(self, request_id: str) -> bool:
+        return request_id in self._slot_of
+
+    def can_take(self, request_id: str) -> bool:
+        """Whether `request_id` holds a slot or one is free for it."""
+        return request_id in self._slot_of or bool(self._free)
+
+    def take(self, request_id: str) -> int:
+        """The request's slot, taking a free one on its first call (can_take must hold)."""
+        if request_id not in self._slot_of:
+            self._slot_of[request_id] = self._free.pop()
+        return self._slot_of[request_id]
+
+    def restore(self, request_id: str, checkpoint_slot: int) -> None:
+        """The request's slot starts from a checkpoint's state (a prefix hit)."""
+        self._copies.append((checkpoint_slot, self.take(request_id)))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child takes a slot and gets a copy of the parent's states before the next step."""
+        if not self._free:
+            raise ValueError(f"no free state slot to fork {parent_id!r} into {child_id!r} (all {self.num_slots} "
+                             "slots are held; each running sequence holds one: raise max_num_seqs' slots)")
+        self._copies.append((self._slot_of[parent_id], self.take(child_id)))
+
+    def free(self, request_id: str) -> None:
+        """Give the request's slot back (nothing if it holds none); a copy still queued into it is dropped."""
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._copies = [(s, d) for s, d in self._copies if d != slot]
+            self._free.append(slot)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
+
+
+class StateCheckpoints:
+    """States saved at block boundaries, so that a prefix hit resumes: `num_slots` slots of the state cache from
+    `first_slot` on, each holding the state after the block whose chained hash is its key; the least recently used
+    is reused when none is free."""
+
+    def __init__(self, first_slot: int, num_slots: int):
+        self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU order: the oldest first
+        self.num_slots = num_slots
+        self.num_hits = 0
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def lookup(self, key: bytes) -> int | None:
+        """The checkpoint slot saved under `key`, marked recently used; None if there is none."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._slot_of.move_to_end(key)
+        return slot
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._slot_of
+
+    def take(self, key: bytes) -> int:
+        """A slot to save the state after `key`'s block in, the least recently used one if none is free."""
+        if not self._free:
+            _, slot = self._slot_of.popitem(last=False)
+            self._free.append(slot)
+        slot = self._free.pop()
+        self._slot_of[key] = slot
+        return slot
+
+    def release(self, key: bytes) -> None:
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)

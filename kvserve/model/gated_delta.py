@@ -1,0 +1,81 @@
+"""Gated DeltaNet's token mixing as plain tensor code, in float32: the causal depthwise conv that continues from a
+conv tail, and the gated delta rule in two forms that continue from a recurrent state — chunked for prompt chunks
+(a few matmuls per 64 tokens) and recurrent for decode (one update per token, many sequences in one call).
+
+The rule, per value head, with state S (key_dim x value_dim), decay g_t <= 0 (log space) and rate beta_t:
+    S' = exp(g_t) S;   u_t = beta_t (v_t - S'^T k_t);   S_t = S' + k_t u_t^T;   o_t = S_t^T q_t
+with q and k L2-normalized and q scaled by key_dim ** -0.5 (qk_norm_and_scale)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_TOKENS = 64  # the chunked form's block of tokens: one triangular solve and a few matmuls each
+
+
+def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [B, C, T] new inputs, tail: [B, C, K-1] the inputs before them (zeros at a sequence's start), weight:
+    [C, K]. Returns silu(conv) [B, C, T] and the new tail [B, C, K-1]."""
+    full = torch.cat([tail.to(x.dtype), x], dim=-1)
+    out = F.conv1d(full, weight.unsqueeze(1).to(x.dtype), groups=weight.shape[0])
+    return F.silu(out), full[..., full.shape[-1] - tail.shape[-1] :]
+
+
+def qk_norm_and_scale(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k L2-normalized over the head dim in float32 (eps 1e-6 inside the root), q scaled by head_dim ** -0.5."""
+    q, k = q.float(), k.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time. q, k: [B, T, H, Dk] (normalized and scaled), v: [B, T, H, Dv], g, beta: [B, T, H],
+    state: [B, H, Dk, Dv]. Returns o [B, T, H, Dv] and the final state, all float32."""
+    state = state.float()
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].float().exp()[..., None, None]
+        predicted = (state * k[:, t, :, :, None]).sum(-2)  # S'^T k: [B, H, Dv]
+        update = (v[:, t].float() - predicted) * beta[:, t, :, None].float()
+        state = state + k[:, t, :, :, None] * update[:, :, None, :]
+        outs.append((state * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, dim=1), state
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule a block of `chunk_tokens` at a time (the last block may be shorter); same shapes as
+    recurrent_gated_delta_rule. Heads go first inside: [B, H, T, D]."""
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    g, beta = (x.float().transpose(1, 2) for x in (g, beta))
+    state = state.float()
+    outs = []
+    for start in range(0, q.shape[2], chunk_tokens):
+        block = slice(start, start + chunk_tokens)
+        out, state = _chunk(q[:, :, block], k[:, :, block], v[:, :, block], g[:, :, block], beta[:, :, block],
+                            state)
+        outs.append(out)
+    return torch.cat(outs, dim=2).transpose(1, 2), state
+
+
+def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of L tokens from `state`. With c the cumulative decay inside the block, decay(t, s) = exp(c_t - c_s)
+    and the new values u of every token solve (I + A) u = beta (v - exp(c) k S0), A[t, s] = beta_t decay(t, s) k_t.k_s
+    for s < t: one unit lower-triangular solve instead of L sequential updates."""
+    length = q.shape[2]
+    c = g.cumsum(-1)  # [B, H, L]
+    earlier = torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-1)
+    # decay between positions, masked before exp so that the upper triangle cannot overflow
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~earlier, float("-inf")).exp()
+    system = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # A, strictly lower
+    rhs = beta[..., None] * (v - (c.exp()[..., None] * k) @ state)
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    within = (q @ k.transpose(-1, -2)) * decay.masked_fill(torch.eye(length, dtype=torch.bool, device=q.device), 1.0)
+    out = (c.exp()[..., None] * q) @ state + within @ u
+    to_end = (c[..., -1:] - c).exp()  # decay from each token to the block's end
+    state = state * c[..., -1].exp()[..., None, None] + (k * to_end[..., None]).transpose(-1, -2) @ u
+    return out, state

@@ -1,0 +1,119 @@
+"""State slots of hybrid models: taken with a sequence's first blocks, refused when none is free, freed on free,
+copied for a fork; the storage's bytes are the planner's."""
+import pytest
+import torch
+
+from kvserve.kv.kv_cache_manager import KVCacheManager
+from kvserve.kv.state_cache import StateCache, StateCheckpoints, StateShape, StateSlots
+from kvserve.planner.capacity import plan_kv_cache
+from kvserve.planner.model_spec import ModelSpec
+from tests.kv.sequences import Seq
+
+SHAPE = StateShape(num_layers=3, conv_dim=96, conv_tail=3, num_value_heads=4, key_head_dim=16, value_head_dim=8)
+
+
+def test_slots_are_taken_freed_and_reused():
+    slots = StateSlots(2)
+    assert slots.take("a") == 0 and slots.take("a") == 0  # a request keeps its slot
+    assert slots.take("b") == 1
+    assert not slots.can_take("c") and slots.can_take("a")
+    slots.free("a")
+    assert slots.can_take("c") and slots.take("c") == 0
+    slots.free("missing")  # nothing held: nothing to do
+    assert slots.num_free_slots == 0
+
+
+def test_fork_queues_a_copy_and_refuses_without_a_free_slot():
+    slots = StateSlots(3)
+    slots.take("parent")
+    slots.fork("parent", "child")
+    assert slots.take_copies() == [(0, 1)] and slots.take_copies() == []
+    slots.fork("parent", "child2")
+    slots.free("child2")  # freed before the copy ran: the copy is dropped
+    assert slots.take_copies() == []
+    slots.take("other")
+    with pytest.raises(ValueError, match="no free state slot to fork 'parent'"):
+        slots.fork("parent", "child3")
+    with pytest.raises(ValueError, match="at least one slot"):
+        StateSlots(0)
+
+
+def test_cache_copies_every_layer_of_a_slot():
+    cache = StateCache(SHAPE, num_slots=3)
+    assert cache.nbytes == 3 * SHAPE.slot_bytes
+    cache.conv[:, 0] = torch.randn(3, 96, 3)
+    cache.recurrent[:, 0] = torch.randn(3, 4, 16, 8)
+    cache.copy([(0, 2)])
+    assert torch.equal(cache.conv[:, 2], cache.conv[:, 0]) and torch.equal(cache.recurrent[:, 2], cache.recurrent[:, 0])
+    assert not cache.conv[:, 1].any()
+
+
+def test_coordinator_takes_a_slot_with_the_first_blocks_and_frees_it():
+    kv = KVCacheManager(num_blocks=8, block_size=16, enable_prefix_caching=False, state_slots=1)
+    a, b = Seq("a", list(range(20))), Seq("b", list(range(20)))
+    assert kv.allocate(a, 20) is not None and kv.state.slot("a") == 0
+    assert kv.allocate(b, 20) is None  # blocks are free, the one slot is not
+    assert kv.pool.num_free_blocks == 6 and not kv.state.has_slot("b")
+    kv.free(a)
+    assert kv.state.num_free_slots == 1 and kv.pool.num_free_blocks == 8
+    assert kv.allocate(b, 20) is not None and kv.state.slot("b") == 0
+
+
+def test_coordinator_fork_shares_blocks_and_copies_the_slot():
+    kv = KVCacheManager(num_blocks=8, block_size=16, enable_prefix_caching=False, state_slots=2)
+    parent, child = Seq("p", list(range(20))), Seq("c", list(range(20)))
+    kv.allocate(parent, 20)
+    kv.fork(parent, child)
+    assert kv.state.take_copies() == [(0, 1)]
+    assert kv.block_ids("c") == kv.block_ids("p")
+    kv.free(parent)
+    kv.free(child)
+    assert kv.pool.num_free_blocks == 8 and kv.state.num_free_slots == 2
+
+
+def test_coordinator_refuses_prefix_caching_with_state_slots():
+    with pytest.raises(ValueError, match="prefix caching with state slots"):
+        KVCacheManager(num_blocks=8, block_size=16, enable_prefix_caching=True, state_slots=2)
+
+
+def test_planner_slot_bytes_are_the_storage_bytes():
+    config = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=64,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                  max_position_embeddings=1024, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, torch_dtype="float32",
+                  layer_types=["linear_attention"] * 3 + ["full_attention"])
+    spec = ModelSpec.from_hf_config(config, name="tiny")
+    plan = plan_kv_cache(spec, 2**20, 16, "fp32", 256, state_slots=5)
+    assert plan.state.num_slots == 5 and plan.state.num_linear_layers == 3
+    assert plan.state.slot_bytes == SHAPE.slot_bytes
+    assert StateCache(SHAPE, 5).nbytes == plan.state.total_bytes
+    assert plan.num_blocks == (2**20 - plan.state.total_bytes) // plan.block_bytes
+    assert "state cache: 5 slots" in plan.summary_line()
+
+
+def test_checkpoints_reuse_the_least_recently_used_slot():
+    checkpoints = StateCheckpoints(first_slot=4, num_slots=2)
+    assert checkpoints.take(b"a") == 4 and checkpoints.take(b"b") == 5
+    assert checkpoints.lookup(b"a") == 4  # a is now the most recently used
+    assert checkpoints.take(b"c") == 5 and not checkpoints.contains(b"b")
+    checkpoints.release(b"a")
+    assert checkpoints.lookup(b"a") is None and len(checkpoints) == 1
+
+
+def test_a_decoding_sequence_keeps_its_newest_checkpoint_and_a_hit_restores_it():
+    kv = KVCacheManager(num_blocks=16, block_size=16, enable_prefix_caching=True, state_slots=2,
+                        state_checkpoints=2)
+    seq = Seq("a", list(range(70)))
+    assert kv.allocate(seq, 70) is not None
+    first = kv.plan_checkpoint(seq, 32, decoding=True)
+    second = kv.plan_checkpoint(seq, 48, decoding=True)  # gives the one at 32 back
+    assert first == second == 2 and len(kv.checkpoints) == 1
+    assert kv.plan_checkpoint(seq, 48, decoding=True) is None  # saved there already
+    seq.num_computed_tokens = 70
+    kv.cache_full_blocks(seq)
+    kv.free(seq)
+    again = Seq("b", list(range(70)))
+    hit = kv.find_cached_prefix(again)
+    assert hit.num_blocks == 3 and hit.state_checkpoint == 2  # 4 blocks of KV cached, the state only at 48
+    kv.allocate(again, 70 - 48, hit)
+    assert kv.state.take_copies() == [(2, kv.state.slot("b"))] and kv.checkpoints.num_hits == 1

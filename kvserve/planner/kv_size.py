@@ -153,22 +153,18 @@ def request_kv_bytes(spec: ModelSpec, dtype: KVDtype, tokens: int, block_size: i
     return (full_blocks + sliding_blocks) * per_layer_block
 
 
-def fixed_state_bytes(spec: ModelSpec) -> int:
-    """Per-request state of the linear-attention layers, kept in the model's dtype; 0 when unknown."""
-    if spec.linear_state_elements is None:
-        return 0
-    dtype = KV_DTYPES.get(spec.torch_dtype, BF16)
-    return spec.num_layers_of(LINEAR) * dtype.vector_bytes(spec.linear_state_elements)
-
-
 STATE_SLOT_ELEMENT_BYTES = 4  # the engine keeps linear layers' state in float32 (kvserve/kv/state_cache.py)
 
 
 def state_slot_bytes(spec: ModelSpec) -> int:
-    """One sequence's state slot in the engine: every linear layer's conv tail and recurrent state, float32."""
+    """One sequence's state slot in the engine: every linear layer's conv tail and recurrent state, float32
+    (the released checkpoints' mamba_ssm_dtype); 0 when the config does not give the state's size."""
     if spec.linear_state_elements is None:
         return 0
     return spec.num_layers_of(LINEAR) * spec.linear_state_elements * STATE_SLOT_ELEMENT_BYTES
+
+
+fixed_state_bytes = state_slot_bytes  # what `kvserve plan` reports per request is what the engine allocates
 
 
 def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,

@@ -11,6 +11,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from kvserve import EngineConfig, LLMEngine
+from kvserve.server.app import build_app
+from kvserve.server.launch import ServerThread
 from tests.conftest import make_tiny_chat_model, scrape_metrics, serve_tiny
 
 ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024)
@@ -174,6 +177,9 @@ def test_tool_result_turns_are_accepted(client):
                                               **SAMPLED)
     assert_valid_calls(response.choices[0].message.tool_calls)
     assert response.usage.prompt_tokens > 100  # the instructions, the earlier call and its result were rendered
+    again = client.chat.completions.create(messages=messages, tools=TOOLS, tool_choice="required", seed=8,
+                                           **SAMPLED)
+    assert again.usage.prompt_tokens_details.cached_tokens >= response.usage.prompt_tokens - 16  # an agent's turns hit
 
 
 def test_constrained_beside_unconstrained_in_one_batch(server):
@@ -191,3 +197,19 @@ def test_constrained_beside_unconstrained_in_one_batch(server):
     plain, constrained = asyncio.run(both())
     assert plain.json()["choices"][0]["message"]["content"] == alone
     jsonschema.validate(json.loads(constrained.json()["choices"][0]["message"]["content"]), SCHEMAS[1])
+
+
+def test_speculating_server_serves_constrained_requests_undrafted(tmp_path):
+    model_dir = make_tiny_chat_model(tmp_path / "tiny-chat")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS,
+                                    speculative_config='{"method": "ngram", "num_speculative_tokens": 3}'))
+    engine.speculator.lookup = lambda seq, limit: [5] * limit  # a random model never repeats itself: always draft
+    with ServerThread(build_app(engine)) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        response = client.chat.completions.create(messages=USER, seed=9, response_format=json_schema_format(
+            SCHEMAS[0]), **SAMPLED)
+        jsonschema.validate(json.loads(response.choices[0].message.content), SCHEMAS[0])
+        assert scrape_metrics(server.url, "tiny-chat")["kvserve:spec_decode_num_draft_tokens_total"] == 0
+        client.completions.create(prompt="a b", max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                                  model="tiny-chat")
+        assert scrape_metrics(server.url, "tiny-chat")["kvserve:spec_decode_num_draft_tokens_total"] > 0

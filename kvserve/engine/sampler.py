@@ -41,11 +41,11 @@ def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return logits
-    logits = logits.clone()
     allowed = allowed_tokens([seqs[i].grammar for i in rows], logits.shape[1])
+    if len(rows) == len(seqs):
+        return logits.masked_fill(~allowed, float("-inf"))
     index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
+    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

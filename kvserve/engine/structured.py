@@ -11,6 +11,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
@@ -18,7 +19,6 @@ from kvserve.sampling_params import StructuredOutputsParams
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept by spec (an agent's tool list repeats every turn)
 # JSON without optional whitespace: a model cannot spend its tokens on blank runs, and the output is compact.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarMatcher:
@@ -110,7 +110,9 @@ def allowed_tokens(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Ten
     bitmask = torch.zeros(len(matchers), num_words, dtype=torch.int32)
     for row, matcher in zip(bitmask, matchers):
         matcher.fill(row)
-    bits = ((bitmask[:, :, None] >> _BITS) & 1).bool().reshape(len(matchers), num_words * 32)
+    # bit j of word w is token 32w + j: the words' bytes little-endian, each byte's bits lowest first
+    bits = np.unpackbits(bitmask.numpy().astype("<i4").view(np.uint8), axis=1, bitorder="little")
+    bits = torch.from_numpy(bits).view(torch.bool)
     if bits.shape[1] >= vocab_size:
         return bits[:, :vocab_size]
     return torch.cat([bits, bits.new_zeros(len(matchers), vocab_size - bits.shape[1])], dim=1)

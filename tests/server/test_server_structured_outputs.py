@@ -153,6 +153,16 @@ def test_constrained_tool_calls_streamed_assemble_in_the_client(client, tool_cho
     assert_valid_calls(choice.message.tool_calls, ["get_weather"] if isinstance(tool_choice, dict) else None)
 
 
+def test_streamed_calls_of_two_choices_stay_apart(client):
+    with client.chat.completions.stream(messages=USER, tools=TOOLS, tool_choice="required", seed=10, n=2,
+                                        parallel_tool_calls=False, **SAMPLED) as stream:
+        final = stream.get_final_completion()
+    assert [c.index for c in final.choices] == [0, 1]
+    for choice in final.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert_valid_calls(choice.message.tool_calls)
+
+
 def test_parallel_calls_only_when_allowed(client):
     for seed in range(4):
         single = client.chat.completions.create(messages=USER, tools=TOOLS, tool_choice="required", seed=seed,

@@ -14,6 +14,40 @@ GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: dividing logits by less overflows fl
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's name and fields): a JSON schema (a dict or its JSON text), any
+    JSON object, a regular expression, one of a list of strings, or a Lark grammar (llguidance's dialect)."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ValueError(f"structured_outputs.{name} must be a string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema: an object or its JSON text")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None) \
+            if not self.json_object else "json_object"
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping rules for one request. temperature=0 (anything below 1e-5) means greedy."""
@@ -34,6 +68,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # top-k per prompt token; -1: the whole vocabulary as one tensor
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +105,9 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         self._check_stops()
 
     def _check_stops(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -15,10 +16,11 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.engine.structured import Grammar, GrammarCompiler
 from kvserve.engine.stats import freed_block_stats, pool_stats, prefix_cache_stats, sliding_window_stats
 from kvserve.engine.validation import checked_params
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("kvserve")
 DISK_LOAD_WAIT_S = 0.05  # an idle step waits at most this long for a prefix read from disk (requests may arrive)
@@ -42,6 +44,8 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = self.num_decode_tokens = 0
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._grammars_lock = threading.Lock()
 
     def capacity_line(self) -> str:
         """The start-up line: the pool the planner sized, its storage format and layer groups (as they are now)."""
@@ -57,12 +61,21 @@ class LLMEngine:
         token_ids = parsed.token_ids if parsed.token_ids is not None else self.encode(parsed.text,
                                                                                       parsed.add_special_tokens)
         max_tokens = self.validator.check_lengths(token_ids, params)
-        request = Request(request_id, parsed.text, list(token_ids), params)
+        grammar = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        request = Request(request_id, parsed.text, list(token_ids), params, grammar=grammar)
         seq = self.sequence_factory.new(request, 0, list(token_ids), max_tokens, parsed.cache_salt)
         request.sequences.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         return request
+
+    def grammar(self, spec: StructuredOutputsParams) -> Grammar:
+        """`spec` compiled (engine/structured.py), from the cache after the first time; a ValueError names what is
+        wrong with it. Thread-safe: the server compiles off the engine thread before queueing the request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
+        return self._grammars.compile(spec)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids. It only reads the tokenizer, so the server calls it off the engine thread.
@@ -304,6 +317,7 @@ class LLMEngine:
         disk = self.disk_cache.stats() if self.disk_cache is not None else {}
         spec = self.speculator.stats.as_dict() if self.speculator is not None else {}
         tokens = {"num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens}
+        tokens["num_grammars_compiled"] = self._grammars.num_compiled if self._grammars is not None else 0
         return {**sliding_window_stats(self.kv, live, windows), **disk, **spec, **pool_stats(self.kv, live, windows),
                 **self.scheduler.stats(), **freed_block_stats(self.kv), **tokens, **prefix_cache_stats(self.kv)}
 

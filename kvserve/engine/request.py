@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ class Request:
     num_disk_cached_tokens: int = 0  # of num_cached_tokens, those the disk tier brought into the pool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
     error: str | None = None  # why it failed inside a step (its sequences finished with "error")
+    grammar: Any = None  # structured outputs: the compiled constraint each sequence gets a matcher of
 
     @property
     def finished(self) -> bool:

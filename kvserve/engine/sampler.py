@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.structured import allowed_tokens
 
 
 @dataclass
@@ -18,7 +19,7 @@ class SampleResult:
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> SampleResult:
     """logits: [N, V] float32, row i belongs to seqs[i]."""
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _apply_penalties(logits, seqs)
+    logits = _apply_penalties(_apply_grammars(logits, seqs), seqs)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if random_rows:
@@ -32,6 +33,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         logprobs=chosen.tolist(),
         top_logprobs=[_top_logprobs(raw_logprobs[i], int(token_ids[i]), s) for i, s in enumerate(seqs)],
     )
+
+
+def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Constrained rows (structured outputs) keep only the tokens their grammar allows next; a batch without one
+    is returned as it is."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return logits
+    allowed = allowed_tokens([seqs[i].grammar for i in rows], logits.shape[1])
+    if len(rows) == len(seqs):
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = torch.tensor(rows)
+    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.structured import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +46,7 @@ class Sequence:
     arrival: int = 0  # when its request reached the scheduler (0, 1, 2, ...); a request's samples share it
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it, and of those, accepted
     num_accepted_tokens: int = 0
+    grammar: GrammarMatcher | None = None  # structured outputs: what the sampler lets this sequence take next
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -83,17 +88,22 @@ class Sequence:
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
         """Add a sampled token and decide whether the sequence is done."""
+        is_eos = token_id in self.eos_token_ids
+        if self.grammar is not None and not is_eos:  # the mask allowed an end token only where the grammar ends
+            self.grammar.accept(token_id)
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if top_logprobs is not None:
             self.logprobs = (self.logprobs or []) + [top_logprobs]
         self.detokenizer.update(self.output_token_ids)
-        if token_id in self.eos_token_ids and not self.params.ignore_eos:
+        if is_eos and (not self.params.ignore_eos or self.grammar is not None):
             self.finish("stop", token_id)
         elif token_id in self.params.stop_token_ids:
             self.finish("stop", token_id)
         elif self.detokenizer.stop_hit is not None:
             self.finish("stop", self.detokenizer.stop_hit)
+        elif self.grammar is not None and self.grammar.is_finished:
+            self.finish("stop")
         elif self.num_output_tokens >= self.max_tokens:
             self.finish("length")
 

@@ -36,6 +36,7 @@ class SequenceFactory:
             detokenizer=Detokenizer(self.tokenizer, list(params.stop), params.skip_special_tokens),
             cache_salt=cache_salt,
             generator=generator,
+            grammar=request.grammar.new_matcher() if request.grammar is not None else None,
         )
 
     def fork(self, parent_request: Request, new_request_id: str, last_token_id: int | None) -> Request:
@@ -43,6 +44,9 @@ class SequenceFactory:
         newest token replaced by `last_token_id` (one of that step's reported logprobs alternatives) if given.
         The copy computed what its parent computed; sharing the parent's blocks is the caller's to do."""
         parent = parent_request.sequences[0]
+        if parent.grammar is not None:
+            raise ValueError(f"request {parent_request.request_id!r} has structured_outputs; forking a constrained "
+                             f"sequence (beam search) is not supported")
         token_ids, cumulative_logprob = list(parent.token_ids), parent.cumulative_logprob
         if last_token_id is not None:
             alternatives = parent.logprobs[-1] if parent.logprobs and parent.num_output_tokens else {}

@@ -189,8 +189,8 @@ class Speculator:
         """Draft tokens to verify after `seq`'s last token this step: at most `max_tokens` (the step's token budget
         left), none while more than max_batch sequences decode, none past max_tokens or a block its format
         finalizes."""
-        if self.paused or num_decoding > self.max_batch:
-            return []
+        if self.paused or num_decoding > self.max_batch or seq.grammar is not None:
+            return []  # a constrained sequence is not drafted: the draft would skip its grammar's mask
         limit = min(self.config.num_speculative_tokens, max_tokens, seq.max_tokens - seq.num_output_tokens - 1)
         room = self.cache.max_draft_tokens(len(seq.token_ids) - 1)
         if room is not None:
@@ -257,6 +257,7 @@ class _DraftedRow:
 
     seq: Sequence
     drafts: list[int]
+    grammar = None  # a constrained sequence is never drafted (propose)
 
     @property
     def params(self) -> SamplingParams:

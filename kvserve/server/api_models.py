@@ -10,7 +10,8 @@ import numpy as np
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.server import tools as tool_format
 from kvserve.server.errors import APIError, bad_request
 
 logger = logging.getLogger("kvserve")
@@ -36,6 +37,29 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always matches the schema: the same with true or false
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise bad_request(f"response_format.json_schema is only allowed with type 'json_schema', not "
+                                  f"{self.type!r}", "response_format.json_schema")
+            return StructuredOutputsParams(json_object=True) if self.type == "json_object" else None
+        if self.json_schema is None:
+            raise bad_request("response_format of type 'json_schema' needs a 'json_schema' object",
+                              "response_format.json_schema")
+        return StructuredOutputsParams(json=self.json_schema.schema_ or {})  # OpenAI: no schema means any JSON
 
 
 class _GenerationRequest(_Strict):
@@ -65,6 +89,8 @@ class _GenerationRequest(_Strict):
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)  # "" would read as "no salt": refused
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: {"json" | "regex" | "choice" | ...: ...}
 
     @property
     def include_usage(self) -> bool:
@@ -74,14 +100,29 @@ class _GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What response_format or structured_outputs asks the output to match (at most one of them)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+        if self.response_format is not None:
+            return self.response_format.structured_outputs()
+        if self.structured_outputs is None:
+            return None
+        try:
+            return StructuredOutputsParams(**self.structured_outputs)
+        except TypeError as exc:
+            raise bad_request(f"structured_outputs takes json, json_object, regex, choice or grammar ({exc})",
+                              "structured_outputs") from exc
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
 
 
@@ -118,7 +159,8 @@ class CompletionRequest(_GenerationRequest):
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         # The engine samples at least one token; for a prompt-only request it is dropped from the answer.
         max_tokens = 1 if self.prompt_only else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        constraint = None if self.prompt_only else self.constraint()
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint)
 
 
 class TextPart(_Strict):
@@ -126,31 +168,83 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # "required" and named calls always match the parameters
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def to_template(self) -> dict[str, str]:
-        """The plain {"role", "content"} a chat template expects; text parts are joined by newlines."""
+        """The plain {"role", "content"} a chat template expects; text parts are joined by newlines. Earlier tool
+        calls and tool results are written in kvserve's tool format (server/tools.py) as assistant and user text."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        content = content or ""
+        if self.role == "tool":
+            return {"role": "user", "content": tool_format.result_text(content)}
+        if self.tool_calls:
+            calls = [tool_format.call_text(c.function.name, c.function.arguments) for c in self.tool_calls]
+            content = "\n".join([content, *calls] if content else calls)
+        message = {"role": self.role, "content": content}
         if self.name:
             message["name"] = self.name
         return message
 
+    def check(self, index: int) -> None:
+        """Refuse fields that do not belong to this message's role, naming the field."""
+        param = f"messages.{index}"
+        if self.role == "tool" and not self.tool_call_id:
+            raise bad_request("a message with role 'tool' needs 'tool_call_id'", f"{param}.tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise bad_request("'tool_call_id' belongs to messages with role 'tool'", f"{param}.tool_call_id")
+        if self.role != "assistant" and self.tool_calls is not None:
+            raise bad_request("'tool_calls' belongs to messages with role 'assistant'", f"{param}.tool_calls")
+
 
 class ChatCompletionRequest(_GenerationRequest):
     UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        **_GenerationRequest.UNSUPPORTED, "tools": [], "tool_choice": "none", "functions": [],
-        "function_call": "none", "response_format": {"type": "text"}, "audio": None, "modalities": ["text"],
-        "prediction": None, "reasoning_effort": None, "web_search_options": None,
+        **_GenerationRequest.UNSUPPORTED, "functions": [], "function_call": "none", "audio": None,
+        "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
     }
-    IGNORED: ClassVar[frozenset[str]] = _GenerationRequest.IGNORED | {"parallel_tool_calls"}  # no tools: no effect
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -163,7 +257,51 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, structured_outputs=self._constraint())
+
+    @property
+    def tool_mode(self) -> str:
+        """How tools take part: "none" (not rendered, output not parsed), "auto", "required" or "named"."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise bad_request("tool_choice needs 'tools'", "tool_choice")
+            return "none"
+        choice = self.tool_choice or "auto"  # OpenAI's default when tools are given
+        return choice if isinstance(choice, str) else "named"
+
+    def functions(self) -> list[dict[str, Any]]:
+        """The tools' functions as {"name", "description", "parameters"}, names checked to be unique."""
+        functions = [f.function.model_dump(exclude_none=True, exclude={"strict"}) for f in self.tools or []]
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            raise bad_request("tools have two functions of the same name", "tools")
+        return functions
+
+    def messages_for_template(self) -> list[dict[str, str]]:
+        """The messages as the chat template gets them: tool turns as text, the tool instructions in the system
+        turn when tools take part."""
+        for index, message in enumerate(self.messages):
+            message.check(index)
+        messages = [m.to_template() for m in self.messages]
+        return tool_format.with_tools(messages, self.functions()) if self.tool_mode != "none" else messages
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        mode = self.tool_mode
+        if mode in ("none", "auto"):
+            if mode == "auto" and self.constraint() is not None:
+                raise bad_request("response_format (or structured_outputs) with tools needs tool_choice 'none'",
+                                  "response_format")
+            return self.constraint()
+        if self.constraint() is not None:
+            raise bad_request(f"response_format (or structured_outputs) cannot be combined with tool_choice "
+                              f"{mode!r}", "response_format")
+        functions = self.functions()
+        if mode == "named":
+            functions = [f for f in functions if f["name"] == self.tool_choice.function.name]
+            if not functions:
+                raise bad_request(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                  f"in tools", "tool_choice.function.name")
+        return tool_format.call_grammar(functions, self.parallel_tool_calls and mode == "required")
 
     def as_sent(self, error: APIError) -> APIError:
         """`error` naming the field the client sent: the engine's max_tokens is max_completion_tokens when that was

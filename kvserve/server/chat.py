@@ -11,11 +11,12 @@ from kvserve.engine import chat_prompt
 from kvserve.engine.chat_prompt import ChatTemplateError, needs_segments, rendered_segments, segment_token_ids
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import is_text
+from kvserve.server import tools
 from kvserve.server.api_models import ChatCompletionRequest
 from kvserve.server.async_engine import updates
 from kvserve.server.errors import APIError, bad_request, bad_value
 from kvserve.server.generation import (CLIENT_CLOSED_REQUEST, ChoiceProgress, EventStreamResponse, Generation,
-                                       ServingContext, final_outputs, header, new_id, start,
+                                       ServingContext, compile_constraint, final_outputs, header, new_id, start,
                                        token_text, usage)
 
 FIELDS = set(ChatCompletionRequest.model_fields)
@@ -26,13 +27,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     req.check_stream_options()
     if ctx.tokenizer is None or not getattr(ctx.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-    messages = [m.to_template() for m in req.messages]
+    try:
+        messages = req.messages_for_template()
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
     try:
         params = req.sampling_params()
         # The rendered prompt holds every message, so this bounds it before the template runs.
         ctx.engine.engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
     except ValueError as exc:
         raise req.as_sent(bad_value(exc, FIELDS, "messages")) from exc
+    await compile_constraint(ctx, params, _constraint_param(req))
     prompt = await ctx.engine.run_in_tokenizer_thread(chat_token_ids, ctx, messages)
     try:
         generation = await start(ctx, new_id("chatcmpl"), [prompt], req.cache_salt, params, FIELDS, "messages")
@@ -44,13 +49,29 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     outputs = await final_outputs(ctx, generation, request)
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    choices = [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text},
-         "logprobs": _logprobs(ctx, req, c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-         "stop_reason": c.stop_reason}
-        for c in outputs[0].outputs
-    ]
+    choices = [_choice(ctx, req, c) for c in outputs[0].outputs]
     return JSONResponse({**header(ctx, generation, "chat.completion"), "choices": choices, "usage": usage(outputs)})
+
+
+def _constraint_param(req: ChatCompletionRequest) -> str:
+    """The field a constraint that does not compile came from."""
+    if req.tool_mode in ("required", "named"):
+        return "tools"
+    return "response_format" if req.response_format is not None else "structured_outputs"
+
+
+def _choice(ctx: ServingContext, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
+    """One choice of a whole answer; with tools, the tool calls parsed out of its text."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish_reason = c.finish_reason
+    if req.tool_mode != "none":
+        content, calls = tools.parse(c.text)
+        if calls:
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": [call.as_openai() for call in calls]}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"index": c.index, "message": message, "logprobs": _logprobs(ctx, req, c.token_ids, c.logprobs),
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
 def chat_token_ids(ctx: ServingContext, messages: list[dict[str, str]]) -> list[int]:
@@ -105,6 +126,7 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest,
     for index in range(req.n):
         yield {**head, "choices": [_delta(index, {"role": "assistant", "content": ""}, None, None)], **extra}
     progress = [ChoiceProgress() for _ in range(req.n)]
+    parsers = [tools.StreamParser() if req.tool_mode != "none" else None for _ in range(req.n)]
     last: RequestOutput | None = None
     async for batch in updates(generation.outputs, generation.request_ids):
         for last in batch:
@@ -113,9 +135,31 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest,
                 if new is not None:
                     text, token_ids, top_logprobs = new
                     logprobs = _logprobs(ctx, req, token_ids, top_logprobs)
-                    yield {**head, "choices": [_delta(c.index, {"content": text}, logprobs, c)], **extra}
+                    if parsers[c.index] is None:
+                        yield {**head, "choices": [_delta(c.index, {"content": text}, logprobs, c)], **extra}
+                        continue
+                    for choice in _tool_deltas(parsers[c.index], c, text, logprobs):
+                        yield {**head, "choices": [choice], **extra}
     if req.include_usage:
         yield {**head, "choices": [], "usage": usage([last])}
+
+
+def _tool_deltas(parser: tools.StreamParser, c: CompletionOutput, text: str,
+                 logprobs: dict | None) -> list[dict[str, Any]]:
+    """The chunks of one streamed update of a choice with tools: its content, each tool call completed by it (one
+    delta per call, as OpenAI's clients assemble them), and the finish reason, "tool_calls" after a call."""
+    content, calls = parser.feed(text)
+    if c.finished:
+        content += parser.flush()
+    deltas = [_delta(c.index, {"content": content}, logprobs, None)] if content or logprobs else []
+    first = parser.num_calls - len(calls)
+    deltas += [_delta(c.index, {"tool_calls": [call.as_openai(first + i)]}, None, None)
+               for i, call in enumerate(calls)]
+    if c.finished:
+        finish_reason = "tool_calls" if parser.num_calls and c.finish_reason == "stop" else c.finish_reason
+        deltas.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                       "stop_reason": c.stop_reason})
+    return deltas
 
 
 def _delta(index: int, delta: dict[str, str], logprobs: dict | None, c: CompletionOutput | None) -> dict[str, Any]:

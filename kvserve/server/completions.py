@@ -13,7 +13,7 @@ from kvserve.server.api_models import CompletionRequest
 from kvserve.server.async_engine import updates
 from kvserve.server.errors import bad_value
 from kvserve.server.generation import (CLIENT_CLOSED_REQUEST, ChoiceProgress, EventStreamResponse, Generation,
-                                       ServingContext, final_outputs, header, new_id, start,
+                                       ServingContext, compile_constraint, final_outputs, header, new_id, start,
                                        token_text, usage)
 
 FIELDS = set(CompletionRequest.model_fields)
@@ -27,6 +27,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         params = req.sampling_params()
     except ValueError as exc:
         raise bad_value(exc, FIELDS) from exc
+    await compile_constraint(ctx, params, "response_format" if req.response_format is not None
+                             else "structured_outputs")
     generation = await start(ctx, new_id("cmpl"), prompts, req.cache_salt, params, FIELDS, "prompt")
     echoes = [_prompt_text(ctx, p) if req.echo else "" for p in prompts]
     if req.stream:

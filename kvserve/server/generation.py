@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -89,6 +90,18 @@ async def start(ctx: ServingContext, id_: str, prompts: list[str | list[int]], c
             raise
         raise error from exc
     return generation
+
+
+async def compile_constraint(ctx: ServingContext, params: SamplingParams, param: str) -> None:
+    """Compile the request's structured_outputs grammar off the engine thread (the engine then finds it cached);
+    a schema or grammar that does not compile is a 400 naming `param`."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await ctx.engine.run_in_tokenizer_thread(ctx.engine.engine.grammar, params.structured_outputs)
+    except ValueError as exc:
+        message = str(exc) if param == "structured_outputs" else re.sub(r"^structured_outputs(\.\w+)?", param, str(exc))
+        raise bad_request(message, param) from exc
 
 
 def _engine_prompt(token_ids: list[int], cache_salt: str | None) -> PromptType:

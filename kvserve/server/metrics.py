@@ -45,6 +45,8 @@ COUNTERS = [
     ("kvserve:kv_evicted_blocks", "num_evicted_blocks", "KV blocks dropped by the eviction policy (--kv-eviction)."),
     ("kvserve:kv_window_blocks_freed", "num_window_blocks_freed",
      "KV blocks freed by sliding-window layers once their window passed."),
+    ("kvserve:grammars_compiled", "num_grammars_compiled",
+     "Structured-output grammars compiled (a spec seen again comes from the cache)."),
 ]
 
 # the disk tier's (--kv-disk-cache), when the engine has one

@@ -210,6 +210,7 @@ class _Row:
         self.params, self.generator, self.request_id = params, None, "row"
         self.token_ids, self.output_token_ids = [0], [0]
         self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.grammar = None
 
 
 def test_sampling_drafts_keeps_the_target_distribution():

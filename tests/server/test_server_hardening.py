@@ -233,11 +233,10 @@ def test_fields_common_clients_send_are_accepted_and_ignored_with_a_warning(serv
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         completion = httpx.post(server.url + "/v1/completions", json={"prompt": "Still serving?", **GREEDY, **ignored})
         chat = httpx.post(server.url + "/v1/chat/completions",
-                          json={"messages": CHAT, "max_tokens": 2, "parallel_tool_calls": True, **ignored})
+                          json={"messages": CHAT, "max_tokens": 2, **ignored})
     expected = offline.generate("Still serving?", SamplingParams(**GREEDY))[0].outputs[0].text
     assert completion.json()["choices"][0]["text"] == expected and chat.status_code == 200
     assert "ignoring request parameters kvserve does not use: metadata, service_tier, store" in caplog.text
-    assert "parallel_tool_calls" in caplog.text
 
 
 def test_api_key_scheme_is_case_insensitive_and_guards_the_docs(model_dir):

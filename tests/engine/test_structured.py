@@ -1,0 +1,149 @@
+"""Structured outputs in the engine (kvserve/engine/structured.py, the sampler's mask, the sequence's matcher): on a
+tiny random model with SmolLM2's tokenizer, so the text is gibberish but every constrained output must parse and
+validate, whatever the model prefers."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.structured import allowed_tokens
+from kvserve.sampling_params import StructuredOutputsParams
+from tests.conftest import make_tiny_chat_model
+
+ENGINE_OPTIONS = dict(kv_cache_memory="64MiB", max_model_len=1024)
+SCHEMAS = {
+    "nested object": {"type": "object", "required": ["user"], "additionalProperties": False, "properties": {
+        "user": {"type": "object", "required": ["name", "age"], "additionalProperties": False, "properties": {
+            "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}}}},
+    "array of enums": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
+    "pattern and bounds": {"type": "object", "required": ["code", "level"], "additionalProperties": False,
+                           "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+                                          "level": {"type": "integer", "minimum": 3, "maximum": 7}}},
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(str(make_tiny_chat_model(tmp_path_factory.mktemp("structured") / "tiny-chat")), **ENGINE_OPTIONS)
+
+
+def constrained(seed: int, max_tokens: int = 120, **spec) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**spec))
+
+
+def assert_pool_empty(llm):
+    stats = llm.engine.stats()
+    assert stats["num_used_blocks"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_json_schema_outputs_validate(llm, name):
+    schema = SCHEMAS[name]
+    outputs = llm.generate(["Give me JSON:"] * 3, [constrained(seed, json=schema) for seed in range(3)])
+    for output in outputs:
+        choice = output.outputs[0]
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), schema)
+    assert_pool_empty(llm)
+
+
+def test_regex_choice_and_schema_text(llm):
+    params = [constrained(1, regex=r"[0-9]{3}-[a-z]{2}"), constrained(2, choice=["yes", "no", "maybe so"]),
+              constrained(3, json=json.dumps(SCHEMAS["array of enums"]))]
+    texts = [o.outputs[0].text for o in llm.generate(["Answer:"] * 3, params)]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[0])
+    assert texts[1] in ("yes", "no", "maybe so")
+    jsonschema.validate(json.loads(texts[2]), SCHEMAS["array of enums"])
+
+
+def test_json_object_masks_follow_the_grammar_token_by_token(llm):
+    """Any JSON object has unbounded strings, which a random model rarely closes: the mask is checked along a
+    known document instead, and the model's output only for its opening."""
+    tokenizer, eos = llm.engine.tokenizer, min(llm.engine.eos_token_ids)
+    matcher = llm.engine.grammar(StructuredOutputsParams(json_object=True)).new_matcher()
+    vocab = llm.engine.model_config.vocab_size
+    for token_id in tokenizer('{"a": [1, {"b": null}], "c": "d"}', add_special_tokens=False).input_ids:
+        allowed = allowed_tokens([matcher], vocab)[0]
+        assert allowed[token_id] and not allowed[eos] and allowed.sum() < vocab
+        matcher.accept(token_id)
+    assert matcher.is_finished and allowed_tokens([matcher], vocab)[0].nonzero().flatten().tolist() == [eos]
+    rejected = allowed_tokens([llm.engine.grammar(StructuredOutputsParams(json_object=True)).new_matcher()], vocab)
+    assert not rejected[0, tokenizer("hello", add_special_tokens=False).input_ids[0]]
+    output = llm.generate("x", constrained(0, max_tokens=4, json_object=True))[0].outputs[0]
+    assert output.text.startswith("{") and output.finish_reason in ("stop", "length")
+
+
+def test_constrained_request_leaves_its_batch_unchanged(llm):
+    """Unconstrained rows sample exactly what they sample alone; the constrained one still validates."""
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time", "JSON please:"]
+    alone = llm.generate(prompts[:2], greedy)
+    mixed = llm.generate(prompts, [greedy, greedy, constrained(0, json=SCHEMAS["nested object"])])
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    jsonschema.validate(json.loads(mixed[2].outputs[0].text), SCHEMAS["nested object"])
+
+
+def test_n_samples_and_logprobs(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=120, logprobs=2,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMAS["pattern and bounds"]))
+    output = llm.generate("Codes:", params)[0]
+    assert len(output.outputs) == 3
+    for choice in output.outputs:
+        jsonschema.validate(json.loads(choice.text), SCHEMAS["pattern and bounds"])
+        assert len(choice.logprobs) == len(choice.token_ids)
+        assert all(token in top for token, top in zip(choice.token_ids, choice.logprobs))
+    assert_pool_empty(llm)
+
+
+def test_max_tokens_cuts_the_output_with_finish_reason_length(llm):
+    whole = llm.generate("x", constrained(7, json=SCHEMAS["nested object"]))[0].outputs[0]
+    cut = llm.generate("x", constrained(7, max_tokens=3, json=SCHEMAS["nested object"]))[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+    assert whole.token_ids[:3] == cut.token_ids  # what was generated so far, the same draws
+
+
+def test_grammars_are_cached_by_spec(llm):
+    before = llm.engine.stats()
+    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}
+    llm.generate(["a", "b"], [constrained(0, json=schema), constrained(1, json=json.dumps(schema))])
+    after = llm.engine.stats()
+    assert after["num_grammars_compiled"] == before["num_grammars_compiled"] + 1  # the second found it cached
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "structured_outputs.json"),
+    (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
+    (dict(regex="(unclosed"), "structured_outputs.regex"),
+    (dict(grammar="start: undefined_rule"), "structured_outputs.grammar"),
+])
+def test_invalid_specs_are_refused_by_name(llm, spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate("x", constrained(0, **spec))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_structured_outputs_params_take_one_constraint():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+def test_speculative_engine_skips_drafts_for_constrained_sequences(tmp_path):
+    model = make_tiny_chat_model(tmp_path / "tiny-chat")
+    llm = LLM(str(model), **ENGINE_OPTIONS, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    llm.engine.speculator.lookup = lambda seq, limit: [5] * limit  # a random model never repeats itself: always draft
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(["a b", "c d"], [plain, constrained(0, json=SCHEMAS["array of enums"])])
+    assert outputs[0].num_draft_tokens > 0
+    jsonschema.validate(json.loads(outputs[1].outputs[0].text), SCHEMAS["array of enums"])
+    assert outputs[1].num_draft_tokens == 0
+    assert_pool_empty(llm)

@@ -17,6 +17,8 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
+    # LLM.chat(..., tools=...): the calls parsed out of `text`, {"id", "name", "arguments" (JSON text)} each
+    tool_calls: list[dict[str, str]] | None = None
 
     @property
     def finished(self) -> bool:

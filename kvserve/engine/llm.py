@@ -1,6 +1,7 @@
 """The offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages)`, run to completion."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import sys
@@ -12,6 +13,7 @@ from kvserve.engine.beam_search import BeamSearchOutput, beam_search
 from kvserve.engine.chat_prompt import needs_segments, render_chat, rendered_segments, segment_token_ids
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prompts import PromptType, is_single_prompt
+from kvserve.engine.tools import ToolRequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -62,16 +64,48 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | None = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> RequestOutput | list[RequestOutput]:
-        """Apply the model's chat template and generate the assistant's reply (one conversation or a list)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Apply the model's chat template and generate the assistant's reply (one conversation or a list). With
+        `tools` (OpenAI's shapes, in kvserve's default format: kvserve/engine/tools.py) each sample's parsed calls
+        are in its `tool_calls`; "required" or a named `tool_choice` constrains the reply to valid calls."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        tool_request = None
+        if tools is not None or tool_choice is not None:
+            tool_request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+            conversations = [tool_request.messages(c) for c in conversations]
+            sampling_params = self._with_tool_grammar(sampling_params, tool_request)
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
         prompts = [{**self._chat_prompt(c), **salt} for c in conversations]
         outputs = self.generate(prompts, sampling_params)
-        return outputs[0] if conversations is not messages else outputs
+        if tool_request is not None:
+            for completion in (c for output in outputs for c in output.outputs):
+                completion.tool_calls = tool_request.calls(completion.text)
+        return outputs[0] if single else outputs
+
+    def _with_tool_grammar(self, params: SamplingParams | Seq[SamplingParams] | None,
+                           tool_request: ToolRequest) -> SamplingParams | list[SamplingParams]:
+        """`params` constrained to the tool calls a "required" or named tool_choice allows, the grammar compiled
+        first so a parameters schema it cannot enforce is refused before anything runs."""
+        many = params is not None and not isinstance(params, SamplingParams)
+        params_list = list(params) if many else [params or SamplingParams()]
+        if tool_request.mode != "none" and any(p.structured_outputs is not None for p in params_list):
+            raise ValueError("structured_outputs with tools needs tool_choice 'none'")
+        constraint = tool_request.constraint()
+        if constraint is None:
+            return params_list if many else params_list[0]
+        try:
+            self.engine.grammar(constraint)
+        except ValueError as exc:
+            raise ValueError(f"tools: {exc}") from exc
+        constrained = [dataclasses.replace(p, structured_outputs=constraint) for p in params_list]
+        return constrained if many else constrained[0]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return render_chat(self.engine.tokenizer, messages)

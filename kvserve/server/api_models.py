@@ -10,8 +10,8 @@ import numpy as np
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from kvserve.engine import tools as tool_format
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server import tools as tool_format
 from kvserve.server.errors import APIError, bad_request
 
 logger = logging.getLogger("kvserve")
@@ -209,7 +209,7 @@ class ChatMessage(_Strict):
 
     def to_template(self) -> dict[str, str]:
         """The plain {"role", "content"} a chat template expects; text parts are joined by newlines. Earlier tool
-        calls and tool results are written in kvserve's tool format (server/tools.py) as assistant and user text."""
+        calls and tool results are written in kvserve's tool format (engine/tools.py) as assistant and user text."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)

@@ -7,11 +7,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvserve.engine import chat_prompt
+from kvserve.engine import chat_prompt, tools
 from kvserve.engine.chat_prompt import ChatTemplateError, needs_segments, rendered_segments, segment_token_ids
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import is_text
-from kvserve.server import tools
 from kvserve.server.api_models import ChatCompletionRequest
 from kvserve.server.async_engine import updates
 from kvserve.server.errors import APIError, bad_request, bad_value
@@ -68,7 +67,7 @@ def _choice(ctx: ServingContext, req: ChatCompletionRequest, c: CompletionOutput
         content, calls = tools.parse(c.text)
         if calls:
             message = {"role": "assistant", "content": content or None,
-                       "tool_calls": [call.as_openai() for call in calls]}
+                       "tool_calls": [_openai_call(call) for call in calls]}
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"index": c.index, "message": message, "logprobs": _logprobs(ctx, req, c.token_ids, c.logprobs),
             "finish_reason": finish_reason, "stop_reason": c.stop_reason}
@@ -153,13 +152,19 @@ def _tool_deltas(parser: tools.StreamParser, c: CompletionOutput, text: str,
         content += parser.flush()
     deltas = [_delta(c.index, {"content": content}, logprobs, None)] if content or logprobs else []
     first = parser.num_calls - len(calls)
-    deltas += [_delta(c.index, {"tool_calls": [call.as_openai(first + i)]}, None, None)
+    deltas += [_delta(c.index, {"tool_calls": [_openai_call(call, first + i)]}, None, None)
                for i, call in enumerate(calls)]
     if c.finished:
         finish_reason = "tool_calls" if parser.num_calls and c.finish_reason == "stop" else c.finish_reason
         deltas.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
                        "stop_reason": c.stop_reason})
     return deltas
+
+
+def _openai_call(call: tools.ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A parsed call in OpenAI's shape; a streamed delta also carries the call's index in its choice."""
+    shaped = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": index, **shaped} if index is not None else shaped
 
 
 def _delta(index: int, delta: dict[str, str], logprobs: dict | None, c: CompletionOutput | None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.planner.capacity import DEFAULT_MAX_NUM_SEQS
 from kvserve.planner.kv_size import KV_DTYPE_CHOICES
 
 if TYPE_CHECKING:
@@ -268,7 +269,7 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE  # cache
     kv_cache_memory: int | str | None = None  # cache
     max_model_len: int | None = None  # scheduler
-    max_num_seqs: int = 64  # scheduler
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # scheduler
     max_num_batched_tokens: int = 2048  # scheduler
     enable_prefix_caching: bool = True  # cache
     kv_eviction: str = "none"  # eviction: "none", "streaming" (StreamingLLM) or "h2o"

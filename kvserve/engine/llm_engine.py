@@ -17,7 +17,13 @@ from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.engine.structured import Grammar, GrammarCompiler
-from kvserve.engine.stats import freed_block_stats, pool_stats, prefix_cache_stats, sliding_window_stats
+from kvserve.engine.stats import (
+    freed_block_stats,
+    pool_stats,
+    prefix_cache_stats,
+    sliding_window_stats,
+    state_stats,
+)
 from kvserve.engine.validation import checked_params
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -311,15 +317,16 @@ class LLMEngine:
         return self.kv.pool.reset_prefix_cache()
 
     def stats(self) -> dict[str, float | int]:
-        """Counts from each part: the KV cache manager's (engine/stats.py), the disk tier's, the speculator's, the
-        scheduler's and the engine's own tokens."""
+        """Counts from each part: the KV cache manager's (engine/stats.py; a hybrid model's state slots too), the
+        disk tier's, the speculator's, the scheduler's and the engine's own tokens."""
         live, windows = self.scheduler.running, self.layout.windows
         disk = self.disk_cache.stats() if self.disk_cache is not None else {}
         spec = self.speculator.stats.as_dict() if self.speculator is not None else {}
         tokens = {"num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens}
         tokens["num_grammars_compiled"] = self._grammars.num_compiled if self._grammars is not None else 0
         return {**sliding_window_stats(self.kv, live, windows), **disk, **spec, **pool_stats(self.kv, live, windows),
-                **self.scheduler.stats(), **freed_block_stats(self.kv), **tokens, **prefix_cache_stats(self.kv)}
+                **self.scheduler.stats(), **freed_block_stats(self.kv), **tokens, **prefix_cache_stats(self.kv),
+                **state_stats(self.kv)}
 
 
 def _request_id(seq: Sequence) -> str:

@@ -43,3 +43,18 @@ def prefix_cache_stats(kv: KVCacheManager) -> dict[str, float | int]:
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
+
+
+def state_stats(kv: KVCacheManager) -> dict[str, int]:
+    """A hybrid model's state slots (one per running sequence) and checkpoints (states saved at block boundaries)
+    with the admissions that resumed from one; empty for a model without a state cache."""
+    if kv.state is None:
+        return {}
+    checkpoints = kv.checkpoints
+    return {
+        "num_state_slots": kv.state.num_slots,
+        "num_free_state_slots": kv.state.num_free_slots,
+        "num_state_checkpoint_slots": checkpoints.num_slots if checkpoints is not None else 0,
+        "num_state_checkpoints": len(checkpoints) if checkpoints is not None else 0,
+        "state_checkpoint_hits": checkpoints.num_hits if checkpoints is not None else 0,
+    }

@@ -22,6 +22,7 @@ from kvserve.planner.model_spec import LINEAR, ModelSpec
 from kvserve.planner.units import GiB, KiB, format_bytes
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64  # the engine's max_num_seqs: a hybrid model's state slots, one per sequence
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Memory that is neither weights nor KV cache: CUDA context and cuBLAS/NCCL workspaces (~0.5-1 GiB),
 # the activation peak of a prefill chunk, CUDA graphs, allocator fragmentation. 1.5 GiB is an estimate,
@@ -127,8 +128,10 @@ class KVCachePlan:
         return kv + (0 if self.state is not None else fixed_state_bytes(self.spec))  # slots hold their state
 
     def concurrency(self, tokens: int) -> float:
-        """How many requests of `tokens` tokens the cache holds at once."""
-        return self.kv_cache_bytes / self.request_bytes(tokens)
+        """How many requests of `tokens` tokens the cache holds at once; with state slots (a hybrid model in the
+        engine) each request also holds a slot, so never more than there are slots."""
+        by_kv = self.kv_cache_bytes / self.request_bytes(tokens)
+        return by_kv if self.state is None else min(by_kv, self.state.num_slots)
 
     @property
     def max_concurrency(self) -> float:
@@ -203,6 +206,17 @@ def resolve_max_model_len(spec: ModelSpec, max_model_len: int | None) -> int:
     return max_model_len
 
 
+def plan_state(spec: ModelSpec, state_slots: int | None, state_checkpoints: int = 0) -> StatePlan | None:
+    """A hybrid model's state slots and checkpoints as the engine allocates them; None for a model without linear
+    layers (or whose config does not give their state's size), or when no slots are asked for."""
+    if state_slots is None or not state_slot_bytes(spec):
+        return None
+    if state_slots < 1 or state_checkpoints < 0:
+        raise ValueError(f"a hybrid model needs at least one state slot (max_num_seqs), got {state_slots}, and "
+                         f"no negative number of checkpoints, got {state_checkpoints}")
+    return StatePlan(state_slots, state_slot_bytes(spec), spec.num_layers_of(LINEAR), state_checkpoints)
+
+
 def plan_kv_cache(
     spec: ModelSpec,
     kv_budget_bytes: int,
@@ -231,9 +245,7 @@ def plan_kv_cache(
         raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")
     layers_per_block = kv_layout(spec).layers_per_block
     block_bytes = block_size * per_token * layers_per_block // spec.num_kv_layers
-    state = None
-    if state_slots is not None and state_slot_bytes(spec):
-        state = StatePlan(state_slots, state_slot_bytes(spec), spec.num_layers_of(LINEAR), state_checkpoints)
+    state = plan_state(spec, state_slots, state_checkpoints)
     kv_bytes = max(0, int(kv_budget_bytes) - (state.total_bytes if state else 0))
     return KVCachePlan(
         spec=spec,

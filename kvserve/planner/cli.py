@@ -10,9 +10,12 @@ from rich.console import Console
 from kvserve.planner.capacity import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_OVERHEAD_BYTES,
     MemoryBudget,
+    StatePlan,
     plan_kv_cache,
+    plan_state,
     resolve_max_model_len,
 )
 from kvserve.planner.conversation import plan_conversation
@@ -88,6 +91,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="recent window kept (%(default)s)")
     evict.add_argument("--kv-budget-tokens", type=int, default=2048, metavar="N",
                        help="h2o: tokens kept in all (%(default)s)")
+    hybrid = parser.add_argument_group("hybrid models (linear-attention layers keep a state slot per sequence)")
+    hybrid.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                        help="sequences at once: the engine takes a state slot for each out of the KV budget before "
+                             "its blocks (default %(default)s, the engine's)")
+    hybrid.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="plan without the state checkpoints prefix caching keeps (as many as --max-num-seqs)")
     parser.add_argument("--kv-disk-cache-size", metavar="SIZE",
                         help="also show what a disk tier of this size holds (--kv-disk-cache), e.g. 100GiB")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
@@ -149,7 +158,7 @@ def _write_plot(report: PlanReport, path: str, kv_scales: str):
     for dtype in dtypes:
         scales = kv_scales if takes_kv_scales(KV_DTYPES[dtype]) else PER_TOKEN_HEAD_SCALES
         plan = plan_kv_cache(spec, budget.kv_budget_bytes, report.block_size, dtype, report.max_model_len,
-                             kv_scales=scales)
+                             kv_scales=scales, **_state_args(report.state))
         if plan.kv_dtype.name not in drawn:  # the planned dtype is one of PLOT_KV_DTYPES, or an alias of one
             drawn.add(plan.kv_dtype.name)
             name = plan.kv_dtype.name + (f" {scales}" if scales != PER_TOKEN_HEAD_SCALES else "")
@@ -178,6 +187,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         raise ValueError("--kv-sink-tokens, --kv-recent-tokens and --kv-budget-tokens must not be negative")
     max_blocks = eviction_max_blocks(args.kv_eviction, args.kv_sink_tokens, args.kv_recent_tokens,
                                      args.kv_budget_tokens, args.block_size)
+    state = _state(spec, args)
     gpu_bytes = _gpu_memory_bytes(args)
     weights, weights_source = _weights(spec, args, needed=gpu_bytes is not None)
     budget = kv_plan = None
@@ -186,7 +196,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
             raise ValueError(f"--overhead-gib must not be negative, got {args.overhead_gib}")
         budget = MemoryBudget(gpu_bytes, args.gpu_memory_utilization, weights, round(args.overhead_gib * GiB))
         kv_plan = plan_kv_cache(spec, budget.kv_budget_bytes, args.block_size, kv_dtype.name, max_model_len,
-                                args.kv_eviction, max_blocks, args.kv_scales)
+                                args.kv_eviction, max_blocks, args.kv_scales, **_state_args(state))
     conversation = None
     if args.conversation:
         conversation = plan_conversation(spec, kv_dtype, args.first, args.question, args.answer,
@@ -195,9 +205,24 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         spec=spec, kv_dtype=kv_dtype, block_size=args.block_size, max_model_len=max_model_len,
         contexts=_contexts(spec, args.context), weights_bytes=weights, weights_source=weights_source,
         gpu_name=args.gpu or args.gpu_memory, budget=budget, kv_plan=kv_plan, conversation=conversation,
-        max_blocks_per_request=max_blocks,
+        max_blocks_per_request=max_blocks, state=state,
         disk_cache_bytes=parse_memory_size(args.kv_disk_cache_size) if args.kv_disk_cache_size else None,
     )
+
+
+def _state(spec: ModelSpec, args: argparse.Namespace) -> StatePlan | None:
+    """The state slots the engine would take for this model (None unless it has linear layers of known size)."""
+    if args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
+    checkpoints = args.max_num_seqs if args.enable_prefix_caching else 0
+    return plan_state(spec, args.max_num_seqs, checkpoints)
+
+
+def _state_args(state: StatePlan | None) -> dict:
+    """plan_kv_cache's keyword arguments for these state slots (none for a model without them)."""
+    if state is None:
+        return {}
+    return {"state_slots": state.num_slots, "state_checkpoints": state.num_checkpoints}
 
 
 def _gpu_memory_bytes(args: argparse.Namespace) -> int | None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.planner.capacity import KVCachePlan, MemoryBudget
+from kvserve.planner.capacity import KVCachePlan, MemoryBudget, StatePlan
 from kvserve.planner.conversation import ConversationPlan
 from kvserve.planner.kv_size import (
     PER_CHANNEL,
@@ -44,6 +44,7 @@ class PlanReport:
     conversation: ConversationPlan | None = None
     max_blocks_per_request: int | None = None  # a KV eviction policy's bound on one request's blocks
     disk_cache_bytes: int | None = None  # --kv-disk-cache-size: the disk tier's cap
+    state: StatePlan | None = None  # a hybrid model's state slots and checkpoints, as the engine takes them
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -157,6 +158,21 @@ def kv_notes(spec: ModelSpec, dtype: KVDtype, block_size: int) -> list[str]:
     return notes
 
 
+def state_lines(state: StatePlan) -> list[str]:
+    """What a hybrid model's state costs in the engine: per request, per checkpoint, and the slots it reserves."""
+    slot = format_bytes(state.slot_bytes)
+    checkpoints = (f" + {state.num_checkpoints:,} checkpoints (prefix caching)" if state.num_checkpoints
+                   else " (no checkpoints: prefix caching off)")
+    return [
+        f"State per request: {slot} (conv tail + recurrent state of {state.num_linear_layers} linear-attention "
+        "layers, float32 as the engine keeps it); a checkpoint, the state at a block boundary that a prefix hit "
+        f"resumes from, is one more {slot}.",
+        f"The engine takes {state.num_slots:,} slots (--max-num-seqs){checkpoints} = "
+        f"{state.num_slots + state.num_checkpoints:,} × {slot} = {format_bytes(state.total_bytes)} out of the KV "
+        "budget before its blocks; no more requests than slots run at once.",
+    ]
+
+
 def kv_format_label(dtype: KVDtype) -> str | None:
     """What the capacity line names: a scaled format and where its scales are; None for plain elements and int4."""
     if dtype.scale_scope in (PER_VECTOR, PER_TENSOR) and dtype.key_scale_scope is None:
@@ -178,6 +194,7 @@ def report_to_json(report: PlanReport) -> dict:
         "kv_bytes_per_token": report.kv_bytes_per_token,
         "kv_bytes_per_token_formula": kv_formula(spec, report.kv_dtype, report.block_size),
         "fixed_state_bytes_per_request": fixed_state_bytes(spec),
+        **_state_json(report.state),
         "num_parameters": spec.num_parameters,
         "weights_bytes": report.weights_bytes,
         "gpu": report.gpu_name,
@@ -204,6 +221,16 @@ def report_to_json(report: PlanReport) -> dict:
     return data
 
 
+def _state_json(state: StatePlan | None) -> dict:
+    """The state slots the engine takes (null for a model without them); a checkpoint is one slot's bytes."""
+    return {
+        "num_state_slots": state.num_slots if state else None,
+        "num_state_checkpoints": state.num_checkpoints if state else None,
+        "state_checkpoint_bytes": state.slot_bytes if state else None,
+        "state_cache_bytes": state.total_bytes if state else None,
+    }
+
+
 def _conversation_json(conversation: ConversationPlan) -> dict:
     return {
         "turns": [vars(turn) for turn in conversation.turns],
@@ -227,6 +254,8 @@ def render_report(report: PlanReport, console: Console) -> None:
     console.print(kv_formula(spec, report.kv_dtype, report.block_size), highlight=False, soft_wrap=True)
     for note in kv_notes(spec, report.kv_dtype, report.block_size):
         console.print(f"  • {note}", highlight=False, soft_wrap=True)
+    for line in state_lines(report.state) if report.state is not None else []:
+        console.print(line, highlight=False, soft_wrap=True)
     weights = format_bytes(report.weights_bytes) if report.weights_bytes is not None else "unknown"
     console.print(f"Weights: {report.weights_source} = {weights}", highlight=False)
     if report.conversation is not None:
@@ -249,10 +278,14 @@ def _per_request_table(report: PlanReport) -> Table:
     table = Table(title=f"KV cache per request (blocks of {report.block_size} tokens)")
     table.add_column("tokens", justify="right")
     table.add_column("KV cache", justify="right")
+    if report.state is not None:
+        table.add_column("state", justify="right")
     if report.kv_plan is not None:
         table.add_column("requests at once", justify="right")
     for tokens in report.contexts:
         row = [f"{tokens:,}", format_bytes(report.request_bytes(tokens))]
+        if report.state is not None:
+            row.append(format_bytes(report.state.slot_bytes))
         if report.kv_plan is not None:
             row.append(f"{report.kv_plan.concurrency(tokens):.2f}")
         table.add_row(*row)
@@ -270,11 +303,17 @@ def _budget_table(report: PlanReport) -> Table:
     table.add_row("− overhead (runtime, activations)", format_bytes(budget.overhead_bytes))
     table.add_row("= KV cache budget", format_bytes(budget.kv_budget_bytes))
     if plan is not None and budget.error is None:
+        if plan.state is not None:
+            state = plan.state
+            table.add_row(f"− state: {state.num_slots:,} slots + {state.num_checkpoints:,} checkpoints × "
+                          f"{format_bytes(state.slot_bytes)}", format_bytes(state.total_bytes))
         block = f"blocks of {plan.block_size} tokens ({format_bytes(plan.block_bytes)} each)"
         table.add_row(block, f"{plan.num_blocks:,}")
         counting = " (counting every layer)" if report.spec.num_layers_of(SLIDING) else ""
         table.add_row(f"tokens that fit{counting}", f"{plan.kv_cache_tokens:,}")
-        table.add_row(f"requests of max_model_len {plan.max_model_len:,} at once", f"{plan.max_concurrency:.2f}")
+        slots = " (KV and a state slot each)" if plan.state is not None else ""
+        table.add_row(f"requests of max_model_len {plan.max_model_len:,} at once{slots}",
+                      f"{plan.max_concurrency:.2f}")
     return table
 
 

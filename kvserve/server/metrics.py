@@ -76,6 +76,19 @@ DISK_COUNTERS = [
 ]
 DISK_ERROR_PREFIX = "disk_cache_errors_"
 
+# a hybrid model's state cache (linear-attention layers), when the engine has one
+STATE_GAUGES = [
+    ("kvserve:num_state_slots", "num_state_slots", "State slots for running sequences (one each, max_num_seqs)."),
+    ("kvserve:num_free_state_slots", "num_free_state_slots", "State slots no running sequence holds."),
+    ("kvserve:num_state_checkpoint_slots", "num_state_checkpoint_slots",
+     "Slots for state checkpoints at block boundaries (prefix caching)."),
+    ("kvserve:num_state_checkpoints", "num_state_checkpoints", "State checkpoints held, each a prefix hit may resume."),
+]
+STATE_COUNTERS = [
+    ("kvserve:state_checkpoint_hits", "state_checkpoint_hits",
+     "Admissions whose prefix hit resumed from a state checkpoint."),
+]
+
 # speculative decoding's (--speculative-config), vLLM's names
 SPEC_COUNTERS = [
     ("kvserve:spec_decode_num_drafts", "spec_decode_num_drafts", "Drafts verified (one per drafted sequence and step)."),
@@ -97,24 +110,24 @@ class _EngineStatsCollector:
         info.add_metric([self._model_name], self._kv_info)
         yield info
         stats = self._stats()
-        for name, key, help_text in GAUGES:
-            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model_name], stats[key])
-            yield family
-        for name, key, help_text in COUNTERS:
-            family = CounterMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model_name], stats[key])
-            yield family
+        yield from self._families(stats, GAUGES, COUNTERS)
         if "disk_cache_bytes" in stats:
             yield from self._disk_metrics(stats)
         if "spec_decode_num_drafts" in stats:
             yield from self._spec_metrics(stats)
+        if "num_state_slots" in stats:
+            yield from self._families(stats, STATE_GAUGES, STATE_COUNTERS)
+
+    def _families(self, stats: dict[str, Any], gauges: list, counters: list):
+        """One gauge or counter family per (metric name, stats key, help)."""
+        for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, key, help_text in table:
+                family = kind(name, help_text, labels=["model_name"])
+                family.add_metric([self._model_name], stats[key])
+                yield family
 
     def _spec_metrics(self, stats: dict[str, Any]):
-        for name, key, help_text in SPEC_COUNTERS:
-            family = CounterMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model_name], stats[key])
-            yield family
+        yield from self._families(stats, [], SPEC_COUNTERS)
         by_position = CounterMetricFamily("kvserve:spec_decode_num_accepted_tokens_per_pos",
                                           "Draft tokens accepted, by their position in the draft (0 first).",
                                           labels=["model_name", "position"])
@@ -123,14 +136,7 @@ class _EngineStatsCollector:
         yield by_position
 
     def _disk_metrics(self, stats: dict[str, Any]):
-        for name, key, help_text in DISK_GAUGES:
-            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model_name], stats[key])
-            yield family
-        for name, key, help_text in DISK_COUNTERS:
-            family = CounterMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model_name], stats[key])
-            yield family
+        yield from self._families(stats, DISK_GAUGES, DISK_COUNTERS)
         errors = CounterMetricFamily("kvserve:kv_disk_cache_errors", "Disk tier records rejected (read as misses) "
                                      "or I/O errors, by kind: corrupt, mismatch, foreign, read, write, not_regular, "
                                      "oversized, unremovable, fd_limit, timeout, unexpected.",

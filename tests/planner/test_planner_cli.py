@@ -138,6 +138,7 @@ def test_hybrid_json_reports_its_fixed_state(capsys):
         (["llama-3.1-8b", "--max-model-len", "200000"], "maximum length 131,072"),
         (["llama-3.1-8b", "--gpu", "h100", "--weights-gib", "-1"], "--weights-gib must not be negative"),
         (["llama-3.1-8b", "--block-size", "0"], "--block-size must be at least 1"),
+        (["qwen3-next-80b-a3b", "--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
         (["llama-3.1-8b", "--conversation", "--turns", "0"], "--turns must be at least 1"),
         (["llama-3.1-8b", "--kv-scales", "per-tensor"], "--kv-scales per-tensor applies to fp8, fp8_e5m2 and int8; "
                                                         "bf16 keeps no scales"),

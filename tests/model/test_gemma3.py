@@ -9,6 +9,7 @@ from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.model.gemma3 import Gemma3Model
 from tests.conftest import TINY_KINDS, make_tiny_model
 from tests.model.test_llama_matches_transformers import NUM_DECODE_STEPS, engine_logits
+from tests.model.test_qwen3_next import recording
 
 GEMMA3_KINDS = sorted(kind for kind in TINY_KINDS if kind.startswith("gemma3"))
 GREEDY = SamplingParams(max_tokens=NUM_DECODE_STEPS, temperature=0, ignore_eos=True)
@@ -49,16 +50,7 @@ def test_batched_chunked_logits_match_transformers(tmp_path, kind):
     # 16 tokens a step: the 45-token prompt takes three chunks while the others prefill and decode beside it
     llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_batched_tokens=16)
     prompts = [random_prompt(n, seed=n) for n in (45, 9, 23)]
-    sampled: dict[str, list[torch.Tensor]] = {}
-    run = llm.engine.runner.run
-
-    def recording_run(out):
-        step = run(out)
-        for row, seq in zip(step.logits, step.seqs):
-            sampled.setdefault(seq.request_id, []).append(row)
-        return step
-
-    llm.engine.runner.run = recording_run
+    sampled = recording(llm)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
 
     for prompt, output in zip(prompts, outputs):

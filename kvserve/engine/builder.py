@@ -97,7 +97,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     tiles = RowTiles(TILE_ROWS if config.batch_invariant else None)
     cache = build_cache(config, setup, tiles)
     state_cache = build_state_cache(config, setup)
-    disk_cache = open_disk_cache(config, setup, cache) if config.kv_disk_cache is not None else None
+    disk_cache = open_disk_cache(config, setup, cache, state_cache) if config.kv_disk_cache is not None else None
     kv = cache_manager(config, setup, disk_cache)
     scores = attention_scores(config, setup)
     speculator = (Speculator(config.speculative_config, cache)
@@ -170,7 +170,6 @@ def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> No
         "speculative_config": config.speculative_config is not None,  # needs the state rolled back on rejection
         "batch_invariant": config.batch_invariant,  # the delta rule's chunks are not cut in fixed tiles
         "compile_decode": config.compile_decode,  # no compiled step covers the linear layers
-        "kv_disk_cache": config.kv_disk_cache is not None,  # a block on disk without the state at its end
     }
     names = [name for name, on in refused.items() if on]
     if names:
@@ -280,15 +279,17 @@ def cache_facts(plan: KVCachePlan, cache: PagedKVCache, layout: KVLayout, max_nu
     return startup.CacheFacts(plan, cache.describe(), layout.describe(), cache.extra_nbytes, max_num_seqs)
 
 
-def open_disk_cache(config: EngineConfig, setup: EngineSetup, cache: PagedKVCache) -> DiskKVCache:
-    """The disk tier, its records named for everything that decides a block's bytes (kv/tiers/)."""
+def open_disk_cache(config: EngineConfig, setup: EngineSetup, cache: PagedKVCache,
+                    state_cache: StateCache | None = None) -> DiskKVCache:
+    """The disk tier, its records named for everything that decides a block's bytes (kv/tiers/); a hybrid model's
+    state checkpoints are kept there too."""
     fingerprint = model_fingerprint(
         setup.model_path, kv_cache_format=config.kv_cache_format, block_specs=cache.block_specs(),
         block_size=config.block_size, dtype=config.dtype, quantization=config.quantization,
         layout=setup.layout, batch_invariant=config.batch_invariant, device=torch.device(config.device).type)
     store = DiskBlockStore(config.kv_disk_cache, config.kv_disk_cache_size_bytes, fingerprint)
     logger.info(store.start_line(config.block_size, setup.layout.num_groups))
-    return DiskKVCache(store, cache)
+    return DiskKVCache(store, cache, state_cache)
 
 
 def cache_manager(config: EngineConfig, setup: EngineSetup, disk_cache: DiskKVCache | None) -> KVCacheManager:

@@ -1,8 +1,10 @@
 """The KV cache manager's side of the disk tier: registered blocks are handed to it, and a prompt whose prefix the
 disk holds more of than the pool waits while reader threads read it into pool blocks, which then join the prefix
-index for the admission's lookup to find."""
+index for the admission's lookup to find. Where a hit may resume is the manager's policy (resume.py): a hybrid
+model's read ends with the deepest state checkpoint usable with the blocks read, and reads no block past it."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,6 +12,7 @@ from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.block_table import CachedSequence
 from kvserve.kv.prefix_lookup import PrefixLookup, RequestHashes
+from kvserve.kv.resume import BlockEnds
 from kvserve.kv.tiers.base import BlockLoad
 
 if TYPE_CHECKING:
@@ -24,7 +27,7 @@ class _DiskLoad:
     blocks: list[Block]
     held: list[Block]
     hashes: list[BlockHash]
-    num_cached: int  # the pool's own hit, in blocks
+    num_cached: int  # the pool's own hit, in blocks (where a hit may resume)
 
 
 class DiskLoads:
@@ -32,7 +35,7 @@ class DiskLoads:
     tier nothing loads and nothing is saved."""
 
     def __init__(self, pool: BlockPool, block_size: int, disk: KVTier | None, prefixes: PrefixLookup,
-                 hashes: RequestHashes):
+                 hashes: RequestHashes, resume: BlockEnds):
         self.pool = pool
         self.block_size = block_size
         self.disk = disk  # a lower tier: registered blocks are written there, and lookups continue there
@@ -40,6 +43,7 @@ class DiskLoads:
             disk.attach_pool(lambda key: block.block_id if (block := self.pool.lookup(key)) is not None else None)
         self.prefixes = prefixes
         self.hashes = hashes
+        self.resume = resume  # where a hit may resume: after any block, or after a state checkpoint (hybrids)
         self._loads: dict[str, _DiskLoad] = {}  # by request: prefixes being read from the disk tier
         # requests waiting for admission whose prefix was read already: the pool's hit before the read and the
         # prefix the pool held after it, in blocks (what admission's hit owes to the disk tier)
@@ -58,9 +62,10 @@ class DiskLoads:
             return False
         hashes = self.hashes.prompt_hashes(seq)
         found = self.prefixes.lookup(hashes)
-        num_cached = self.prefixes.longest_prefix(found).num_blocks
+        prefix = self.prefixes.longest_prefix(found)
+        num_cached = self.resume.cut(hashes, prefix).num_blocks
         if num_cached < len(hashes):
-            load = self._start_disk_load(seq, hashes, found, num_cached)
+            load = self._start_disk_load(seq, hashes, found, prefix.num_blocks, num_cached)
             if load is not None:
                 self._loads[seq.request_id] = load
                 return True
@@ -99,25 +104,31 @@ class DiskLoads:
             self.pool.free(reversed(load.held + load.blocks))
 
     def _start_disk_load(self, seq: CachedSequence, hashes: list[BlockHash], found: list[list[Block | None]],
-                         num_cached: int) -> _DiskLoad | None:
-        """Start reading what the longest prefix the pool and the disk hold together needs past the pool's hit of
-        `num_cached` blocks, into pool blocks taken now; None if the disk holds no more than the pool."""
-        num_blocks = self._disk_prefix_length(hashes, found, num_cached)
+                         num_pool: int, num_cached: int) -> _DiskLoad | None:
+        """Start reading what the deepest block end a hit may resume after, in the prefix the pool (`num_pool`
+        blocks) and the disk hold together, needs past the pool's resumable hit of `num_cached` blocks, into pool
+        blocks taken now; None if the disk adds nothing the pool has room for."""
+        ends = self.resume.ends(hashes, num_cached, self._disk_prefix_length(hashes, found, num_pool))
+        num_blocks = ends[0] if ends else 0
         firsts = self.prefixes.first_needed(num_blocks)
         wanted = sorted((i, g) for g, first in enumerate(firsts) for i in range(first, num_blocks)
                         if found[g][i] is None)
         # the pool's own hits are held while the read runs, so taking blocks cannot evict them
         held = [b for g, first in enumerate(firsts) for b in found[g][first:num_blocks] if b is not None]
         self.pool.touch(held)
+        # the ends there is room to read the blocks before (wanted is sorted: those before n come first)
+        ends = [n for n in ends if bisect.bisect_left(wanted, (n, 0)) <= self.pool.num_free_blocks]
         wanted = wanted[: self.pool.num_free_blocks]
-        num_gained = max(i for i, _ in wanted) + 1 - num_cached if wanted else 0
-        if not wanted or not self.disk.worth_reading(len(wanted), num_gained * self.block_size):
+        states = self.resume.state_loads(seq, hashes, ends, wanted)
+        num_states = sum(not state.held for state in states[:1])
+        if not ends or not self.disk.worth_reading(len(wanted), (ends[0] - num_cached) * self.block_size,
+                                                     num_states):
             self.pool.free(reversed(held))
             return None
         blocks = self.pool.allocate(len(wanted))
         loads = [BlockLoad(block.block_id, self.prefixes.key(hashes[i], g), hashes[i - 1] if i else None,
                            self._block_tokens(seq, i)) for block, (i, g) in zip(blocks, wanted)]
-        return _DiskLoad(self.disk.start_reading(loads), blocks, held, hashes, num_cached)
+        return _DiskLoad(self.disk.start_reading(loads, states), blocks, held, hashes, num_cached)
 
     def _finish_disk_load(self, load: _DiskLoad) -> int:
         """Blocks read up to the first miss join the prefix index; all go back to the pool (the unread uncached).
@@ -125,8 +136,10 @@ class DiskLoads:
         num_loaded = load.read.finish()
         for block, block_load in zip(load.blocks[:num_loaded], load.read.loads):
             self.pool.register(block, block_load.key)
+        self.resume.finish(load.read, load.hashes)
         self.pool.free(reversed(load.held + load.blocks))  # tail first, as a finished request frees
-        longer = self.prefixes.longest_prefix(self.prefixes.lookup(load.hashes)).num_blocks
+        prefix = self.prefixes.longest_prefix(self.prefixes.lookup(load.hashes))
+        longer = self.resume.cut(load.hashes, prefix).num_blocks
         self.disk.count_hit_tokens(max(0, longer - load.num_cached) * self.block_size)
         return longer
 

@@ -6,7 +6,8 @@ A request has one block table per layer group of the model's KVLayout, kept by t
 the pool, the requests' block hashes and their registration in the prefix index, the counters and the disk tier's
 loads (disk_loads.py), and calls the group managers to find a prefix hit, allocate, drop unneeded blocks and free.
 A hybrid model's linear layers keep a state slot per sequence instead of blocks (state_cache.py: StateSlots),
-taken with the first blocks, freed and forked with them."""
+taken with the first blocks, freed and forked with them; its hits resume only after a state checkpoint (resume.py:
+CheckpointEnds, the policy chosen here once)."""
 from __future__ import annotations
 
 import bisect
@@ -19,6 +20,7 @@ from kvserve.kv.disk_loads import DiskLoads
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy
 from kvserve.kv.group_managers import make_group_managers
 from kvserve.kv.prefix_lookup import PrefixLookup, RequestHashes
+from kvserve.kv.resume import BlockEnds, CheckpointEnds
 from kvserve.kv.state_cache import StateCheckpoints, StateSlots
 
 if TYPE_CHECKING:
@@ -47,17 +49,18 @@ class KVCacheManager:
         self.groups = make_group_managers(self.pool, block_size, self.windows, self.eviction, tile_windows)
         self._hashes = RequestHashes(block_size, hash_namespace)
         self._prefixes = PrefixLookup(self.pool, self.groups)
-        self._disk = DiskLoads(self.pool, block_size, disk, self._prefixes, self._hashes)
+        # hybrid models: each sequence's state slot (linear-attention layers), None for attention-only models
+        self.state = StateSlots(state_slots) if state_slots is not None else None
+        # their checkpoints at block boundaries, in the state cache's slots after the running ones
+        self.checkpoints = (StateCheckpoints(state_slots, state_checkpoints, self._holds_block)
+                            if self.state and state_checkpoints else None)
+        self._resume = (CheckpointEnds(self.checkpoints, self._prefixes, self._hashes, disk)
+                        if self.checkpoints is not None else BlockEnds())
+        self._disk = DiskLoads(self.pool, block_size, disk, self._prefixes, self._hashes, self._resume)
         self._empty_prefix = self._no_prefix()  # what allocate takes without a hit (read only)
         self._num_registered: dict[str, int] = {}  # leading blocks of each sequence already in the prefix index
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found cached
-        # hybrid models: each sequence's state slot (linear-attention layers), None for attention-only models
-        self.state = StateSlots(state_slots) if state_slots is not None else None
-        # their checkpoints at block boundaries, in the state cache's slots after the running ones
-        self.checkpoints = (StateCheckpoints(state_slots, state_checkpoints) if self.state and state_checkpoints
-                            else None)
-        self._decode_checkpoint: dict[str, bytes] = {}  # each sequence's newest checkpoint taken while decoding
 
     @property
     def num_groups(self) -> int:
@@ -98,31 +101,17 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return self._no_prefix()
         hashes = self._hashes.prompt_hashes(seq)
-        prefix = self._prefixes.longest_prefix(self._prefixes.lookup(hashes))
-        return self._resumable(hashes, prefix) if self.state is not None else prefix
-
-    def _resumable(self, hashes: list, prefix: CachedPrefix) -> CachedPrefix:
-        """A hybrid model's hit, cut back to the deepest block end inside it with a state checkpoint."""
-        for num_blocks in range(prefix.num_blocks, 0, -1):
-            slot = self.checkpoints.lookup(hashes[num_blocks - 1])
-            if slot is not None:
-                cut = self._prefixes.longest_prefix(self._prefixes.lookup(hashes[:num_blocks]))
-                cut.state_checkpoint = slot
-                return cut
-        return self._no_prefix()
+        return self._resume.cut(hashes, self._prefixes.longest_prefix(self._prefixes.lookup(hashes)))
 
     def plan_checkpoint(self, seq: CachedSequence, num_tokens: int, decoding: bool) -> int | None:
         """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
-        if one is saved there already. Of the checkpoints taken while decoding, a sequence keeps its newest."""
-        key = self._hashes.block_hashes(seq, num_tokens)[num_tokens // self.block_size - 1]
-        if self.checkpoints.contains(key):
-            return None
-        if decoding:
-            old = self._decode_checkpoint.pop(seq.request_id, None)
-            if old is not None:
-                self.checkpoints.release(old)
-            self._decode_checkpoint[seq.request_id] = key
-        return self.checkpoints.take(key)
+        if there is none to save (resume.py: CheckpointEnds.plan). Of the checkpoints taken while decoding, a
+        sequence keeps its newest."""
+        return self._resume.plan(seq, num_tokens, decoding)
+
+    def _holds_block(self, block_hash: bytes) -> bool:
+        """Whether the pool holds the block of `block_hash` in every layer group (a checkpoint after it is usable)."""
+        return all(self.pool.lookup(self._prefixes.key(block_hash, g)) is not None for g in range(self.num_groups))
 
     def _no_prefix(self) -> CachedPrefix:
         return CachedPrefix(blocks=[[] for _ in self.groups], first_logical=[0] * self.num_groups)
@@ -164,7 +153,7 @@ class KVCacheManager:
                 return None
             if cached.state_checkpoint is not None:
                 self.state.restore(seq.request_id, cached.state_checkpoint)
-                self.checkpoints.num_hits += 1
+                self.checkpoints.hit(cached.state_checkpoint)
             self.state.take(seq.request_id)
         copies = []
         for g, (group, growth) in enumerate(zip(self.groups, growths)):
@@ -177,6 +166,7 @@ class KVCacheManager:
         keep = blocks_needed(seq.num_computed_tokens, self.block_size)
         for group in self.groups:
             group.trim(seq.request_id, keep)
+        self._resume.trimmed(seq)
 
     def cache_full_blocks(self, seq: CachedSequence) -> None:
         """Register the blocks that became full since the last call, so later requests can reuse them."""
@@ -194,6 +184,7 @@ class KVCacheManager:
                 key = self._prefixes.key(hashes[table.logical[i]], g)
                 if self.pool.register(table.blocks[i], key):
                     self._disk.save(seq, table.blocks[i], key, table.logical[i], hashes)
+        self._resume.registered(seq, hashes, done, num_full)
         self._num_registered[seq.request_id] = num_full
 
     def drop_unneeded(self, seq: CachedSequence, scores: AttentionScores | None = None) -> None:
@@ -220,10 +211,10 @@ class KVCacheManager:
     def free(self, seq: CachedSequence) -> None:
         """Return the request's blocks, tail first, so its head stays cached longest."""
         self._disk.free(seq.request_id)
+        self._resume.freed(seq)  # before its hashes go: a hybrid's newest decode checkpoint is kept
         self._hashes.free(seq.request_id)
         self._num_registered.pop(seq.request_id, None)
         if self.state is not None:
             self.state.free(seq.request_id)
-            self._decode_checkpoint.pop(seq.request_id, None)  # kept: the end of its last full block
         for group in self.groups:
             group.free(seq.request_id)

@@ -7,7 +7,7 @@ which sequence owns which slot — taken at admission, freed when the sequence f
 step's linear layers where each sequence's tokens and slot are."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +49,20 @@ class StateCache:
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
+
+    def slot_specs(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Dtype and shape of a slot's tensors, every layer: its conv tails, then its recurrent states."""
+        return [(self.conv.dtype, (self.conv.shape[0], *self.conv.shape[2:])),
+                (self.recurrent.dtype, (self.recurrent.shape[0], *self.recurrent.shape[2:]))]
+
+    def export_slot(self, slot: int) -> list[torch.Tensor]:
+        """A copy of one slot's tensors on the CPU (slot_specs' order), e.g. for the disk tier."""
+        return [self.conv[:, slot].to("cpu", copy=True), self.recurrent[:, slot].to("cpu", copy=True)]
+
+    def import_slot(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Fill one slot from export_slot's tensors."""
+        self.conv[:, slot] = tensors[0].to(self.conv.device)
+        self.recurrent[:, slot] = tensors[1].to(self.recurrent.device)
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) slot's states, every layer (a forked sequence's)."""
@@ -133,40 +147,79 @@ class StateSlots:
         return copies
 
 
+@dataclass
+class _Checkpoint:
+    slot: int
+    num_blocks: int  # its depth: the blocks a hit on it skips
+    value: float
+    hits: int = 0
+    filled: bool = False  # its block is registered, so the step that saves its state has run
+
+
 class StateCheckpoints:
     """States saved at block boundaries, so that a prefix hit resumes: `num_slots` slots of the state cache from
-    `first_slot` on, each holding the state after the block whose chained hash is its key; the least recently used
-    is reused when none is free."""
+    `first_slot` on, each holding the state after the block whose chained hash is its key.
 
-    def __init__(self, first_slot: int, num_slots: int):
+    Evicted by value, not by age alone (GreedyDual-Size-Frequency): a checkpoint's value is the clock plus
+    (hits + 1) × its depth in blocks, the prefill a hit on it saves, set when it is saved and again at each hit; when
+    no slot is free the lowest value goes and the clock rises to it, so one not hit for a while falls behind newer
+    ones. First of all goes any whose block the pool no longer holds (`held` false): no hit can use it (a hit needs
+    its whole KV prefix). A checkpoint whose block is not registered yet (its step has not run) is never taken."""
+
+    def __init__(self, first_slot: int, num_slots: int, held: Callable[[bytes], bool] = lambda key: True):
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
-        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU order: the oldest first
+        self._saved: dict[bytes, _Checkpoint] = {}
+        self._key_of: dict[int, bytes] = {}  # slot -> key
+        self._held = held  # whether the pool still holds the block a checkpoint ends
+        self._clock = 0.0
         self.num_slots = num_slots
         self.num_hits = 0
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._saved)
 
     def lookup(self, key: bytes) -> int | None:
-        """The checkpoint slot saved under `key`, marked recently used; None if there is none."""
-        slot = self._slot_of.get(key)
-        if slot is not None:
-            self._slot_of.move_to_end(key)
-        return slot
+        """The checkpoint slot saved under `key`; None if there is none."""
+        checkpoint = self._saved.get(key)
+        return checkpoint.slot if checkpoint is not None else None
 
     def contains(self, key: bytes) -> bool:
-        return key in self._slot_of
+        return key in self._saved
 
-    def take(self, key: bytes) -> int:
-        """A slot to save the state after `key`'s block in, the least recently used one if none is free."""
+    def take(self, key: bytes, num_blocks: int) -> int | None:
+        """A slot to save the state after `key`'s block (the `num_blocks`-th) in, the least valuable one's if none
+        is free; None if every slot waits for its step."""
         if not self._free:
-            _, slot = self._slot_of.popitem(last=False)
-            self._free.append(slot)
+            victim = self.victim()
+            if victim is None:
+                return None
+            self._clock = max(self._clock, self._saved[victim].value)
+            self.release(victim)
         slot = self._free.pop()
-        self._slot_of[key] = slot
+        self._saved[key] = _Checkpoint(slot, num_blocks, self._clock + num_blocks)
+        self._key_of[slot] = key
         return slot
 
+    def victim(self) -> bytes | None:
+        """The checkpoint `take` gives up next: one whose block the pool lost, else the lowest value."""
+        candidates = [(self._held(key), c.value, age, key) for age, (key, c) in enumerate(self._saved.items())
+                      if c.filled]  # equal values: the oldest saved goes
+        return min(candidates)[3] if candidates else None
+
+    def filled(self, key: bytes) -> None:
+        """`key`'s block is registered: its state is saved, and the checkpoint may be evicted from now on."""
+        if key in self._saved:
+            self._saved[key].filled = True
+
+    def hit(self, slot: int) -> None:
+        """An admission resumes from the checkpoint in `slot`."""
+        checkpoint = self._saved[self._key_of[slot]]
+        checkpoint.hits += 1
+        checkpoint.value = self._clock + (checkpoint.hits + 1) * checkpoint.num_blocks
+        self.num_hits += 1
+
     def release(self, key: bytes) -> None:
-        slot = self._slot_of.pop(key, None)
-        if slot is not None:
-            self._free.append(slot)
+        checkpoint = self._saved.pop(key, None)
+        if checkpoint is not None:
+            del self._key_of[checkpoint.slot]
+            self._free.append(checkpoint.slot)

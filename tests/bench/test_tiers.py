@@ -16,7 +16,7 @@ TIERS = ["bench", "multiturn", "--tiers", "--conversations", "2", "--turns", "3"
 def test_the_disk_tier_rows_compute_the_new_input_and_survive_the_restart(tmp_path, capsys, monkeypatch):
     # A tiny model prefills faster than it reads its tiny records, so the engine may rightly choose to recompute
     # (tests/engine/test_disk_tier.py tests that choice); here every prefix the disk holds is read.
-    monkeypatch.setattr(DiskKVCache, "worth_reading", lambda self, num_records, num_tokens: True)
+    monkeypatch.setattr(DiskKVCache, "worth_reading", lambda self, *records_and_tokens: True)
     model = make_tiny_model(tmp_path / "model", max_position_embeddings=2048)
     workload = TierWorkload(conversations=4, turns=4, first_tokens=300, question_tokens=50, answer_tokens=8,
                             restart_after=2, pool_share=0.3)

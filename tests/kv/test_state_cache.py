@@ -91,13 +91,34 @@ def test_planner_slot_bytes_are_the_storage_bytes():
     assert "state cache: 5 slots" in plan.summary_line()
 
 
-def test_checkpoints_reuse_the_least_recently_used_slot():
-    checkpoints = StateCheckpoints(first_slot=4, num_slots=2)
-    assert checkpoints.take(b"a") == 4 and checkpoints.take(b"b") == 5
-    assert checkpoints.lookup(b"a") == 4  # a is now the most recently used
-    assert checkpoints.take(b"c") == 5 and not checkpoints.contains(b"b")
+def test_checkpoints_are_evicted_by_value_deeper_and_hit_ones_kept_longer():
+    held = {b"a", b"b", b"c", b"d", b"e"}
+    checkpoints = StateCheckpoints(first_slot=4, num_slots=3, held=lambda key: key in held)
+    slots = {key: checkpoints.take(key, depth) for key, depth in ((b"a", 2), (b"b", 4), (b"c", 1))}
+    assert sorted(slots.values()) == [4, 5, 6]
+    for key in slots:
+        checkpoints.filled(key)
+    # values: clock 0 + (hits + 1) x depth: a 2, b 4, c 1: the shallowest, never hit, goes
+    assert checkpoints.take(b"d", 1) == slots[b"c"] and not checkpoints.contains(b"c")
+    checkpoints.filled(b"d")  # the clock rose to 1: d is worth 1 + 1 = 2, a tie with a, older: a goes first
+    assert checkpoints.victim() == b"a"
+    checkpoints.hit(slots[b"a"])
+    checkpoints.hit(slots[b"a"])  # a: 1 + 3 x 2 = 7, above b's 4
+    assert checkpoints.num_hits == 2 and checkpoints.victim() == b"d"
+    assert checkpoints.take(b"e", 3) == checkpoints.lookup(b"e") and not checkpoints.contains(b"d")
+    assert checkpoints.victim() == b"b"  # e is not filled yet (its step has not run): never a victim
+    held.discard(b"a")  # the pool lost a's block: worthless, it goes before any other
+    assert checkpoints.victim() == b"a"
     checkpoints.release(b"a")
-    assert checkpoints.lookup(b"a") is None and len(checkpoints) == 1
+    assert checkpoints.lookup(b"a") is None and len(checkpoints) == 2
+
+
+def test_no_checkpoint_is_taken_while_every_slot_waits_for_its_step():
+    checkpoints = StateCheckpoints(first_slot=0, num_slots=1)
+    assert checkpoints.take(b"a", 1) == 0
+    assert checkpoints.take(b"b", 5) is None and checkpoints.contains(b"a")
+    checkpoints.filled(b"a")
+    assert checkpoints.take(b"b", 5) == 0 and not checkpoints.contains(b"a")
 
 
 def test_a_decoding_sequence_keeps_its_newest_checkpoint_and_a_hit_restores_it():

@@ -230,12 +230,9 @@ def test_a_checkpoint_without_its_kv_blocks_is_never_used(tmp_path):
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     (dict(batch_invariant=True), "batch_invariant"),
     (dict(compile_decode=True), "compile_decode"),
-    (dict(kv_disk_cache="DISK"), "kv_disk_cache"),
 ])
 def test_settings_not_built_yet_are_refused_by_name(tmp_path, setting, name):
     path = make_hybrid_model(tmp_path / "model", "qwen3_5")
-    if "kv_disk_cache" in setting:
-        setting = dict(kv_disk_cache=str(tmp_path / "disk"))
     with pytest.raises(ValueError, match=f"{name} is not supported with hybrid models"):
         LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4, **setting))
 

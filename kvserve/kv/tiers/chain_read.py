@@ -18,7 +18,7 @@ import torch
 
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.tiers.files import open_record, read_ahead
-from kvserve.kv.tiers.record import BlockRecord, Checksum, RecordRejected
+from kvserve.kv.tiers.record import BLOCK, BlockRecord, Checksum, RecordKind, RecordRejected
 
 READ_AHEAD = 32  # records of a prefix opened (and, once one comes from the disk, hinted) ahead of the one being read
 CHECK_BATCH = 8  # records whose checksums the checker thread takes at once (a task per record costs more than it saves)
@@ -66,12 +66,13 @@ def _close(fd: int | OSError | None) -> None:
 class RecordSource(Protocol):
     """What a chain read asks of the store, one record at a time."""
 
-    def record_file(self, key: BlockHash) -> str: ...
+    def record_file(self, key: BlockHash, kind: RecordKind) -> str: ...
 
-    def queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> BlockRecord | None: ...
+    def queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
+               kind: RecordKind) -> BlockRecord | None: ...
 
     def read_record(self, fd: int, path: str, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
-                    specs: Specs) -> tuple[tuple[list[torch.Tensor], Checksum, int] | None, bool]: ...
+                    specs: Specs, kind: RecordKind) -> tuple[tuple[list[torch.Tensor], Checksum, int] | None, bool]: ...
 
     def reject(self, path: str, rejected: RecordRejected) -> None: ...
 
@@ -81,15 +82,18 @@ class RecordSource(Protocol):
 
 
 class ChainRead:
-    """The records of `links` (a prefix's blocks, in order), verified, up to the first miss, and how many of them
-    came from the writer's queue rather than from disk (`run`)."""
+    """The records of `links` (a prefix's blocks, in order; or of `kind` STATE, the state checkpoints after them),
+    verified, up to the first miss, and how many of them came from the writer's queue rather than from disk
+    (`run`)."""
 
-    def __init__(self, source: RecordSource, checker: ThreadPoolExecutor, links: Sequence[ChainLink], specs: Specs):
+    def __init__(self, source: RecordSource, checker: ThreadPoolExecutor, links: Sequence[ChainLink], specs: Specs,
+                 kind: RecordKind = BLOCK):
         self.source = source
         self.checker = checker
         self.links = links
         self.specs = specs
-        self.paths = [source.record_file(key) for key, _, _ in links]
+        self.kind = kind
+        self.paths = [source.record_file(key, kind) for key, _, _ in links]
         # open files of the records after the one being read (None: missing; an OSError: could not be opened)
         self.ahead: deque[int | OSError | None] = deque()
         self.reading: str | None = None  # the record being read (a read abandoned as too slow skips it from then on)
@@ -126,7 +130,7 @@ class ChainRead:
         self.reading = path
         self._open_ahead()
         fd = self.ahead.popleft()
-        queued = self.source.queued(key, parent, token_ids)
+        queued = self.source.queued(key, parent, token_ids, self.kind)
         if queued is not None:  # still on its way to disk: this process's own copy, nothing to check
             _close(fd)
             self._add(queued.tensors, _QUEUED, 0, True)
@@ -140,7 +144,7 @@ class ChainRead:
             self.source.reject(path, unopened(fd))
             return False
         try:
-            read, cached = self.source.read_record(fd, path, key, parent, token_ids, self.specs)
+            read, cached = self.source.read_record(fd, path, key, parent, token_ids, self.specs, self.kind)
         finally:
             os.close(fd)
         if not cached and not self.cold:

@@ -10,20 +10,19 @@ logger = logging.getLogger("kvserve")
 class ReadCost:
     """The disk tier's measured read and prefill rates, and the choice between reading and recomputing."""
 
-    def __init__(self, record_bytes: int):
-        self.record_bytes = record_bytes
+    def __init__(self):
         self.num_recomputed_tokens = 0  # tokens on disk the engine chose to prefill instead: faster than reading
         # measured rates (None until measured: reading is tried first), exponentially averaged
         self.read_bytes_per_s: float | None = None
         self.prefill_tokens_per_s: float | None = None
         self._logged_recompute = False
 
-    def worth_reading(self, num_records: int, num_tokens: int) -> bool:
-        """Whether reading `num_records` records is faster than prefilling the `num_tokens` they save, at the rates
+    def worth_reading(self, num_bytes: int, num_tokens: int) -> bool:
+        """Whether reading `num_bytes` of records is faster than prefilling the `num_tokens` they save, at the rates
         measured so far; when it is not, the tokens are counted and the first time logged."""
         if self.read_bytes_per_s is None or self.prefill_tokens_per_s is None:
             return True
-        read_s = num_records * self.record_bytes / self.read_bytes_per_s
+        read_s = num_bytes / self.read_bytes_per_s
         prefill_s = num_tokens / self.prefill_tokens_per_s
         if read_s <= prefill_s:
             return True
@@ -39,10 +38,10 @@ class ReadCost:
         """A step that prefilled `num_tokens` took `seconds` (the engine reports it: the rate loading competes with)."""
         self.prefill_tokens_per_s = _averaged(self.prefill_tokens_per_s, num_tokens / seconds)
 
-    def note_read(self, num_records: int, seconds: float) -> None:
-        """`num_records` records came from disk in `seconds` (none taken from the writer's queue: a memory copy says
+    def note_read(self, num_bytes: int, seconds: float) -> None:
+        """`num_bytes` of records came from disk in `seconds` (none taken from the writer's queue: a memory copy says
         nothing of how fast the disk reads)."""
-        self.read_bytes_per_s = _averaged(self.read_bytes_per_s, num_records * self.record_bytes / max(seconds, 1e-6))
+        self.read_bytes_per_s = _averaged(self.read_bytes_per_s, num_bytes / max(seconds, 1e-6))
 
 
 def _averaged(average: float | None, value: float) -> float:

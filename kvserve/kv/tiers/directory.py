@@ -8,8 +8,9 @@ import stat
 from pathlib import Path
 
 from kvserve.kv.tiers.files import process_alive, write_new_file
+from kvserve.kv.tiers.record import BLOCK, STATE
 
-RECORD_SUFFIX = ".kvblock"
+RECORD_SUFFIXES = (BLOCK.suffix, STATE.suffix)
 TEMP_PREFIX = ".tmp-"
 
 
@@ -63,7 +64,7 @@ def scan_records(root: Path) -> list[tuple[int, str, int]]:
     found = []
     for directory in _subdirectories(root):
         for entry in _entries(directory):
-            if entry.name.endswith(RECORD_SUFFIX):
+            if entry.name.endswith(RECORD_SUFFIXES):
                 try:
                     info = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:

@@ -7,9 +7,12 @@ chains through the whole prefix, with the storage format and cache_salt in its r
 is found only by the same model, format and tenant. Writes go through the store's writer thread (store.py); a block
 the writer has no room for is handed again later, from the pool, and at a clean exit. Reads start on admission and
 run on reader threads while the steps go on (chain_read.py); the request waits, and its blocks join the pool's prefix
-index once read. Whether to read at all is the cost model's call (cost.py). Whatever goes wrong on a read is a miss
-at this boundary, counted by kind, never an exception in the engine's step; a read that takes longer than
-READ_TIMEOUT_S is abandoned as a miss, and its reader thread (a daemon) left to end when it can."""
+index once read. A hybrid model's state checkpoint (kv/state_cache.py) is kept beside the block it ends, a record
+of its own kind under the same key (`save_state`); a prefix read then ends with the deepest checkpoint usable with
+the blocks read, read and checked like them. Whether to read at all is the cost model's call (cost.py). Whatever
+goes wrong on a read is a miss at this boundary, counted by kind, never an exception in the engine's step; a read
+that takes longer than READ_TIMEOUT_S is abandoned as a miss, and its reader thread (a daemon) left to end when it
+can."""
 from __future__ import annotations
 
 import atexit
@@ -20,16 +23,18 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.kv.tiers.base import BlockLoad
+from kvserve.kv.state_cache import StateCache
+from kvserve.kv.tiers.base import BlockLoad, StateLoad
 from kvserve.kv.tiers.chain_read import ChainRead
 from kvserve.kv.tiers.cost import ReadCost
 from kvserve.kv.tiers.readers import ReaderThreads, ReadJob
-from kvserve.kv.tiers.record import BlockRecord, RecordRejected
+from kvserve.kv.tiers.record import STATE, BlockRecord, RecordRejected
 from kvserve.kv.tiers.store import EXIT_FLUSH_S, DiskBlockStore
 
 logger = logging.getLogger("kvserve")
@@ -45,9 +50,10 @@ class DiskKVCache:
     """The disk tier as the KV cache manager sees it (base.py:KVTier): pool blocks in and out by key, the store's
     files below."""
 
-    def __init__(self, store: DiskBlockStore, cache: PagedKVCache):
+    def __init__(self, store: DiskBlockStore, cache: PagedKVCache, state_cache: StateCache | None = None):
         self.store = store
         self.cache = cache
+        self.state_cache = state_cache  # hybrid models: the state slots whose checkpoints are kept too
         # Blocks skipped while the writer was behind: handed again once it has room, if the pool still holds them
         # (`_pool_block` says which pool block holds a key now: the KV cache manager attaches it), and at a clean exit.
         self._skipped: OrderedDict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = OrderedDict()
@@ -55,7 +61,9 @@ class DiskKVCache:
         self.specs = cache.block_specs()
         self.num_hit_tokens = 0  # prompt tokens whose blocks came from disk (the KV manager counts them)
         self.record_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.specs)
-        self.cost = ReadCost(self.record_bytes)
+        self.state_specs = state_cache.slot_specs() if state_cache is not None else []
+        self.state_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.state_specs)
+        self.cost = ReadCost()
         # One thread reads one prefix's records in order, after asking the kernel to read all its files ahead
         # (posix_fadvise WILLNEED: the disk sees them all at once). Several threads per prefix were slower: most
         # of a record's time out of the page cache is Python holding the GIL, and threads only contend for it.
@@ -85,6 +93,16 @@ class DiskKVCache:
                 and len(self._skipped) < MAX_SKIPPED:
             self._skipped[key] = (parent, tuple(token_ids))
 
+    def save_state(self, slot: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
+        """Copy the state checkpoint in state slot `slot` out for the writer: the state after the block of `key`.
+        Unlike a block, one the writer has no room for is not handed again (the slot may be reused by then)."""
+        if self.store.writing_stopped or self.state_cache is None or self.store.contains(key, STATE):
+            return
+        self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.state_cache.export_slot(slot), STATE))
+
+    def contains_state(self, key: BlockHash) -> bool:
+        return self.state_cache is not None and self.store.contains(key, STATE)
+
     def save_skipped(self, timeout_s: float = 0.0) -> None:
         """Hand the writer the skipped blocks the pool still holds, oldest first, while it has room (waiting up to
         `timeout_s` for room). A block the pool no longer holds cannot be written: it is forgotten."""
@@ -111,45 +129,82 @@ class DiskKVCache:
         self.save_skipped(timeout_s)
         return self.store.flush(max(0.0, deadline - time.monotonic())) and not self._skipped
 
-    def worth_reading(self, num_records: int, num_tokens: int) -> bool:
-        """Whether reading `num_records` records is faster than prefilling the `num_tokens` they save (cost.py)."""
-        return self.cost.worth_reading(num_records, num_tokens)
+    def worth_reading(self, num_records: int, num_tokens: int, num_states: int = 0) -> bool:
+        """Whether reading `num_records` blocks and `num_states` state checkpoints is faster than prefilling the
+        `num_tokens` they save (cost.py)."""
+        return self.cost.worth_reading(num_records * self.record_bytes + num_states * self.state_bytes, num_tokens)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step that prefilled `num_tokens` took `seconds` (the engine reports it: the rate loading competes with)."""
         self.cost.note_prefill(num_tokens, seconds)
 
-    def start_reading(self, loads: Sequence[BlockLoad]) -> PrefixRead:
-        """Read and check the records of `loads` on the reader threads; PrefixRead.finish puts them in the pool."""
+    def start_reading(self, loads: Sequence[BlockLoad], states: Sequence[StateLoad] = ()) -> PrefixRead:
+        """Read and check the records of `loads` on the reader threads, then the deepest of `states` usable with
+        the blocks read; PrefixRead.finish puts the blocks in the pool, put_state the state in a slot."""
         started = time.perf_counter()  # before the first read starts: a read may end before PrefixRead exists
-        chain = self.store.chain_read([(load.key, load.parent, load.token_ids) for load in loads], self.specs)
-        return PrefixRead(self, list(loads), chain, self._readers.submit(self._read, chain), started)
+        chains = [self.store.chain_read([(load.key, load.parent, load.token_ids) for load in loads], self.specs)]
+        return PrefixRead(self, list(loads), chains, self._readers.submit(self._read, chains, states), started)
 
-    def _read(self, chain: ChainRead) -> tuple[list[list[torch.Tensor]], float, int]:
-        """The records of `chain` up to the first miss (the blocks after it would not be used), when the reads
-        ended, and how many came from the writer's queue (no disk read: not in the measured read rate). An error
-        nothing below foresaw is a miss of the whole prefix, counted and logged once: it must not reach the step."""
+    def _read(self, chains: list[ChainRead], states: Sequence[StateLoad]) -> _ReadResult:
+        """The records of the prefix's chain up to the first miss (the blocks after it would not be used), then the
+        first state checkpoint of `states` usable with them (its read appended to `chains`). An error nothing below
+        foresaw is a miss of the whole prefix, counted and logged once: it must not reach the step."""
         try:
-            found, num_queued = chain.run()
+            found, num_queued = chains[0].run()
+            state = self._read_state(chains, states, len(found))
         except Exception as exc:
-            self.store.reject(chain.reading or str(self.store.directory),
+            self.store.reject(chains[-1].reading or str(self.store.directory),
                               RecordRejected("unexpected", f"{type(exc).__name__}: {exc}"))
-            return [], time.perf_counter(), 0
-        return found, time.perf_counter(), num_queued
+            return _ReadResult([], time.perf_counter(), 0, 0)
+        num_bytes = sum(sum(chain.sizes[: len(chain.found)]) for chain in chains)
+        return _ReadResult(found, time.perf_counter(), num_queued, num_bytes, *state)
+
+    def _read_state(self, chains: list[ChainRead], states: Sequence[StateLoad],
+                    num_found: int) -> tuple[StateLoad, list[torch.Tensor]] | tuple[()]:
+        """The deepest of `states` usable with the `num_found` blocks read whose record reads and checks, with its
+        tensors; none if one the manager holds comes first (or none is usable)."""
+        for state in states:
+            if state.num_loads > num_found:
+                continue
+            if state.held:
+                return ()
+            chains.append(self.store.chain_read([(state.key, state.parent, state.token_ids)], self.state_specs,
+                                                STATE))
+            found, _ = chains[-1].run()
+            if found:
+                return state, found[0]
+        return ()
 
     def stats(self) -> dict[str, float | int]:
         return {**self.store.stats(), "disk_cache_hit_tokens": self.num_hit_tokens,
                 "disk_cache_recomputed_tokens": self.cost.num_recomputed_tokens}
 
 
+@dataclass(frozen=True)
+class _ReadResult:
+    """What a prefix read found: the blocks' tensors up to the first miss, when the reads ended, how many blocks
+    came from the writer's queue, the bytes read from disk (the measured read rate's), and the state checkpoint
+    read with its tensors, if any."""
+
+    found: list[list[torch.Tensor]]
+    ended_s: float
+    num_queued: int
+    num_bytes: int
+    state: StateLoad | None = None
+    state_tensors: list[torch.Tensor] | None = None
+
+
 class PrefixRead:
     """A prefix's records being read on the reader threads, while the engine's steps go on (base.py:TierRead). Done
     when the read is, or READ_TIMEOUT_S after it started: then `finish` abandons it as a miss."""
 
-    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], chain: ChainRead, job: ReadJob, started_s: float):
+    def __init__(self, tier: DiskKVCache, loads: list[BlockLoad], chains: list[ChainRead], job: ReadJob,
+                 started_s: float):
         self.tier = tier
         self.loads = loads
-        self._chain = chain
+        self.state: StateLoad | None = None  # after finish: the state checkpoint read, for put_state
+        self._state_tensors: list[torch.Tensor] | None = None
+        self._chains = chains  # the blocks' read, then any state checkpoint's (the reader thread appends)
         self._job = job
         self._started = started_s  # perf_counter() when the read was submitted
         self._deadline = started_s + READ_TIMEOUT_S
@@ -166,20 +221,25 @@ class PrefixRead:
         if not self._job.future.done():
             self._abandon()
             return 0
-        found, ended, num_queued = self._job.future.result()
-        for load, tensors in zip(self.loads, found):
+        result: _ReadResult = self._job.future.result()
+        for load, tensors in zip(self.loads, result.found):
             self.tier.cache.import_block(load.block_id, tensors)
-        num_loaded = len(found)
-        read_s = ended - self._started
+        self.state, self._state_tensors = result.state, result.state_tensors
+        read_s = result.ended_s - self._started
         self.tier.store.counters.read_s += read_s
-        if num_loaded > num_queued:  # the rate of reading from disk: a block taken from the queue cost no read
-            self.tier.cost.note_read(num_loaded - num_queued, read_s)
-        return num_loaded
+        if result.num_bytes:  # the rate of reading from disk: a record taken from the queue cost no read
+            self.tier.cost.note_read(result.num_bytes, read_s)
+        return len(result.found)
+
+    def put_state(self, slot: int) -> None:
+        """Put the state checkpoint read into state slot `slot` (once finished, if `state` is not None)."""
+        self.tier.state_cache.import_slot(slot, self._state_tensors)
 
     def _abandon(self) -> None:
         """Stop waiting: the next read may start, and the record it was stuck on is skipped from now on."""
         self._job.abandon()
-        path = self._chain.reading or str(self.tier.store.directory)  # None: it never started (the readers were stuck)
+        # the record it was on (None: it never started, the readers were stuck)
+        path = self._chains[-1].reading or str(self.tier.store.directory)
         self.tier.store.reject(path, RecordRejected("timeout", f"not read within {READ_TIMEOUT_S:g} s"))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvserve.kv.tiers.directory import scan_records
 from kvserve.kv.tiers.files import remove
+from kvserve.kv.tiers.record import STATE
 
 RESCAN_S = 10.0  # when evicting, see other processes' records at most this often
 
@@ -22,13 +23,14 @@ class RecordIndex:
         self.directory = directory
         self.files: OrderedDict[str, int] = OrderedDict()  # every record's path under root, least recently used first
         self.nbytes = 0
-        self.num_own_records = 0  # of those, this fingerprint's
+        self.num_own_records = 0  # of those, this fingerprint's blocks
+        self.num_own_states = 0  # ... and its state checkpoints (hybrid models)
         self.scanned_at = 0.0
 
     def scan(self) -> None:
         """Every record under root, ordered by last use (mtime)."""
         self.files.clear()
-        self.nbytes = self.num_own_records = 0
+        self.nbytes = self.num_own_records = self.num_own_states = 0
         for _, path, size in sorted(scan_records(self.root), key=lambda found: found[0]):
             self.remember(path, size)
         self.scanned_at = time.monotonic()
@@ -37,13 +39,20 @@ class RecordIndex:
         if path not in self.files:
             self.files[path] = size
             self.nbytes += size
-            self.num_own_records += os.path.dirname(path) == self.directory
+            self._count_own(path, 1)
 
     def forget(self, path: str) -> None:
         size = self.files.pop(path, None)
         if size is not None:
             self.nbytes -= size
-            self.num_own_records -= os.path.dirname(path) == self.directory
+            self._count_own(path, -1)
+
+    def _count_own(self, path: str, change: int) -> None:
+        if os.path.dirname(path) == self.directory:
+            if path.endswith(STATE.suffix):
+                self.num_own_states += change
+            else:
+                self.num_own_records += change
 
     def touch(self, path: str) -> None:
         """`path` was used: last to be evicted."""

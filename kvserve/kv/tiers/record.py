@@ -1,8 +1,10 @@
 """The disk tier's record format: one block of one layer group as a safetensors file, its tensors exactly as the
 pool holds them, with metadata naming the model fingerprint, the block's key, its parent key, its token ids and a
-CRC-32 of its tensors. A reader checks all of them against what the request expects, so a damaged, truncated,
-foreign or mismatched file is rejected (RecordRejected, by kind), never a wrong answer. The fingerprint names what
-the bytes mean (weights, tokenizer, config, layer layout, block size, KV format)."""
+CRC-32 of its tensors. A hybrid model's state checkpoint is a record of its own kind (STATE): the state after a
+block (every linear layer's conv tail and recurrent state, float32), under that block's key, parent and tokens.
+A reader checks all of them against what the request expects, so a damaged, truncated, foreign or mismatched file
+is rejected (RecordRejected, by kind), never a wrong answer. The fingerprint names what the bytes mean (weights,
+tokenizer, config, layer layout, block size, KV format)."""
 from __future__ import annotations
 
 import hashlib
@@ -63,13 +65,34 @@ def _file_sha256(path: Path) -> str:
 
 
 @dataclass(frozen=True)
+class RecordKind:
+    """What a record holds: its metadata's format and its file's suffix (a record of one kind is never read as
+    the other: the format is checked)."""
+
+    name: str
+    format: str
+    suffix: str
+
+
+BLOCK = RecordKind("block", RECORD_FORMAT, ".kvblock")
+STATE = RecordKind("state", "kvserve-state-checkpoint", ".kvstate")
+
+
+@dataclass(frozen=True)
 class BlockRecord:
-    """One block's contents on their way to disk, with what a reader checks them against."""
+    """One block's contents (or, of kind STATE, the state checkpoint after it) on their way to disk, with what a
+    reader checks them against."""
 
     key: BlockHash
     parent: BlockHash | None
     token_ids: tuple[int, ...]
     tensors: list[torch.Tensor]
+    kind: RecordKind = BLOCK
+
+    @property
+    def name(self) -> tuple[str, BlockHash]:
+        """The record among those queued: a block and the state after it share a key."""
+        return self.kind.name, self.key
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +115,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def encode_record(fingerprint: str, record: BlockRecord) -> bytes:
     """A safetensors file: the block's tensors t0..tn, and metadata naming the model, the key chain and tokens."""
-    metadata = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "fingerprint": fingerprint,
+    metadata = {"format": record.kind.format, "version": RECORD_VERSION, "fingerprint": fingerprint,
                 "key": record.key.hex(), "parent": record.parent.hex() if record.parent else "",
                 "token_ids": json.dumps(list(record.token_ids)), "crc32": tensors_crc32(record.tensors)}
     return safetensors.torch.save({f"t{i}": t.contiguous() for i, t in enumerate(record.tensors)}, metadata)
@@ -133,11 +156,12 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 
 
 def decode_record(data: bytearray, fingerprint: str, key: BlockHash, parent: BlockHash | None,
-                  token_ids: Sequence[int], specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+                  token_ids: Sequence[int], specs: Sequence[tuple[torch.dtype, tuple[int, ...]]],
+                  kind: RecordKind = BLOCK) -> list[torch.Tensor]:
     """The tensors of a record if it is exactly the block asked for; raises RecordRejected otherwise. The tensors are
     views of `data` (no copy): each entry of the safetensors header must be the dtype and shape the pool expects,
     and lie within the file, and their bytes must match the record's checksum."""
-    tensors, checksum = parse_record(data, fingerprint, key, parent, token_ids, specs)
+    tensors, checksum = parse_record(data, fingerprint, key, parent, token_ids, specs, kind)
     if not checksum.matches():
         raise RecordRejected("corrupt", "checksum mismatch")
     return tensors
@@ -156,16 +180,16 @@ class Checksum:
 
 
 def parse_record(data: bytearray, fingerprint: str, key: BlockHash, parent: BlockHash | None,
-                 token_ids: Sequence[int], specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
-                 ) -> tuple[list[torch.Tensor], Checksum]:
+                 token_ids: Sequence[int], specs: Sequence[tuple[torch.dtype, tuple[int, ...]]],
+                 kind: RecordKind = BLOCK) -> tuple[list[torch.Tensor], Checksum]:
     """decode_record but for the checksum, which it returns to be checked."""
     try:
         header = _header(data)
         metadata = header.pop("__metadata__")
     except Exception as exc:
         raise RecordRejected("foreign", f"not a safetensors file ({type(exc).__name__})") from exc
-    if not isinstance(metadata, dict) or metadata.get("format") != RECORD_FORMAT:
-        raise RecordRejected("foreign", "not a kvserve KV block record")
+    if not isinstance(metadata, dict) or metadata.get("format") != kind.format:
+        raise RecordRejected("foreign", f"not a kvserve {kind.name} record")
     if metadata.get("version") != RECORD_VERSION or metadata.get("fingerprint") != fingerprint:
         raise RecordRejected("foreign", "written for another model, format or kvserve record version")
     expected = {"key": key.hex(), "parent": parent.hex() if parent else "", "token_ids": json.dumps(list(token_ids))}
@@ -174,13 +198,13 @@ def parse_record(data: bytearray, fingerprint: str, key: BlockHash, parent: Bloc
         raise RecordRejected("mismatch", f"its {', '.join(wrong)} differ from the request's")
     start = 8 + struct.unpack("<Q", data[:8])[0]
     if len(header) != len(specs):
-        raise RecordRejected("mismatch", "its tensors' dtypes or shapes differ from the pool's")
+        raise RecordRejected("mismatch", f"its tensors' dtypes or shapes differ from the {kind.name}'s")
     views, tensors = [], []
     for i, (dtype, shape) in enumerate(specs):
         entry = header.get(f"t{i}")
         if not isinstance(entry, dict) or entry.get("dtype") != _SAFETENSORS_DTYPES.get(dtype) \
                 or tuple(entry.get("shape", ())) != shape:
-            raise RecordRejected("mismatch", "its tensors' dtypes or shapes differ from the pool's")
+            raise RecordRejected("mismatch", f"its tensors' dtypes or shapes differ from the {kind.name}'s")
         try:
             begin, end = (start + int(offset) for offset in entry["data_offsets"])
         except Exception as exc:

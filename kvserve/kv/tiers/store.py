@@ -23,11 +23,11 @@ import torch
 
 from kvserve.kv.block_hash import BlockHash
 from kvserve.kv.tiers.chain_read import ChainLink, ChainRead, Specs
-from kvserve.kv.tiers.directory import RECORD_SUFFIX, TEMP_PREFIX, open_directory, remove_dead_writers_temps
+from kvserve.kv.tiers.directory import TEMP_PREFIX, open_directory, remove_dead_writers_temps
 from kvserve.kv.tiers.files import checked_size, read_fd, write_new_file
 from kvserve.kv.tiers.index import RecordIndex
-from kvserve.kv.tiers.record import (ERROR_KINDS, BlockRecord, Checksum, RecordRejected, encode_record,
-                                     max_record_bytes, parse_record)
+from kvserve.kv.tiers.record import (BLOCK, ERROR_KINDS, BlockRecord, Checksum, RecordKind, RecordRejected,
+                                     encode_record, max_record_bytes, parse_record)
 from kvserve.kv.tiers.rejections import LEFT_IN_PLACE, Rejections
 from kvserve.kv.tiers.writer import RecordWriter
 from kvserve.planner.units import format_bytes
@@ -76,26 +76,28 @@ class DiskBlockStore:
         with self._cond:
             self.index.scan()
         self.num_records_at_start = self.index.num_own_records
+        self.num_states_at_start = self.index.num_own_states
         atexit.register(_flush_at_exit, weakref.ref(self))
 
     def start_line(self, block_size: int, num_groups: int) -> str:
         """e.g. "KV disk cache: /data/kv, 20.00 GiB cap, 12,345 blocks (197,520 tokens) from earlier runs"."""
         tokens = self.num_records_at_start // num_groups * block_size
         blocks = f"{self.num_records_at_start:,} block{'' if self.num_records_at_start == 1 else 's'}"
-        line = (f"KV disk cache: {self.root}, {format_bytes(self.capacity_bytes)} cap, {blocks} ({tokens:,} tokens) "
-                "from earlier runs")
-        others = len(self.index.files) - self.index.num_own_records
+        states = f" and {self.num_states_at_start:,} state checkpoints" if self.num_states_at_start else ""
+        line = (f"KV disk cache: {self.root}, {format_bytes(self.capacity_bytes)} cap, {blocks} ({tokens:,} tokens)"
+                f"{states} from earlier runs")
+        others = len(self.index.files) - self.index.num_own_records - self.index.num_own_states
         if others:
             line += f"; {others:,} records of other models or formats share the cap"
         return line
 
     # ---- reads: lookups on the step thread, records read on the reader threads ---------------------------
-    def contains(self, key: BlockHash) -> bool:
-        """Whether a record for `key` is on disk now (any process's; it is verified only when read; one skipped as
-        unremovable or too slow is not) or queued for the writer here (read from memory)."""
-        if key in self.writer.pending:
+    def contains(self, key: BlockHash, kind: RecordKind = BLOCK) -> bool:
+        """Whether a record of `kind` for `key` is on disk now (any process's; it is verified only when read; one
+        skipped as unremovable or too slow is not) or queued for the writer here (read from memory)."""
+        if (kind.name, key) in self.writer.pending:
             return True
-        path = self.record_file(key)
+        path = self.record_file(key, kind)
         return not self.rejections.skips(path) and os.path.exists(path)
 
     def read(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
@@ -114,9 +116,10 @@ class DiskBlockStore:
         first miss, and how many of them came from the writer's queue rather than from disk (chain_read.py)."""
         return self.chain_read(records, specs).run()
 
-    def chain_read(self, records: Sequence[ChainLink], specs: Specs) -> ChainRead:
-        """A read of `records` to `run` (on a reader thread); it says which record it is reading (`reading`)."""
-        return ChainRead(self, self._checker, records, specs)
+    def chain_read(self, records: Sequence[ChainLink], specs: Specs, kind: RecordKind = BLOCK) -> ChainRead:
+        """A read of `records` of `kind` to `run` (on a reader thread); it says which record it is reading
+        (`reading`)."""
+        return ChainRead(self, self._checker, records, specs, kind)
 
     def count_reads(self, num_reads: int, num_queued_reads: int, num_bytes: int) -> None:
         with self._cond:  # reads run on several threads
@@ -124,12 +127,14 @@ class DiskBlockStore:
             self.counters.num_queued_reads += num_queued_reads
             self.counters.bytes_read += num_bytes
 
-    def queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> BlockRecord | None:
-        """The record queued (or being written) for `key`, if it is the one the request's chain asks for."""
-        return self.writer.queued(key, parent, token_ids)
+    def queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
+               kind: RecordKind = BLOCK) -> BlockRecord | None:
+        """The record of `kind` queued (or being written) for `key`, if it is the one the request's chain asks for."""
+        return self.writer.queued(key, parent, token_ids, kind)
 
     def read_record(self, fd: int, path: str, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
-                    specs: Specs) -> tuple[tuple[list[torch.Tensor], Checksum, int] | None, bool]:
+                    specs: Specs, kind: RecordKind = BLOCK
+                    ) -> tuple[tuple[list[torch.Tensor], Checksum, int] | None, bool]:
         """The record's tensors, its checksum to check and its size in bytes (None: rejected), and whether it was
         all in the page cache. Only a regular file no larger than a record of `specs` can be is read."""
         try:
@@ -141,7 +146,7 @@ class DiskBlockStore:
             self.reject(path, RecordRejected("read", f"{type(exc).__name__}: {exc}"))
             return None, True
         try:
-            tensors, checksum = parse_record(data, self.fingerprint, key, parent, token_ids, specs)
+            tensors, checksum = parse_record(data, self.fingerprint, key, parent, token_ids, specs, kind)
         except RecordRejected as rejected:
             self.reject(path, rejected)
             return None, cached
@@ -153,12 +158,13 @@ class DiskBlockStore:
             self.index.touch(path)
         return (tensors, checksum, len(data)), cached
 
-    def path(self, key: BlockHash) -> Path:
-        """Where `key`'s record is (or would be)."""
-        return Path(self.record_file(key))
+    def path(self, key: BlockHash, kind: RecordKind = BLOCK) -> Path:
+        """Where `key`'s record of `kind` is (or would be)."""
+        return Path(self.record_file(key, kind))
 
-    def record_file(self, key: BlockHash) -> str:
-        return os.path.join(self._directory, hashlib.sha256(self._salt + key).hexdigest() + RECORD_SUFFIX)
+    def record_file(self, key: BlockHash, kind: RecordKind = BLOCK) -> str:
+        """A block's record and the state checkpoint after it share a name, not a suffix."""
+        return os.path.join(self._directory, hashlib.sha256(self._salt + key).hexdigest() + kind.suffix)
 
     def skips(self, path: str) -> bool:
         return self.rejections.skips(path)
@@ -186,7 +192,7 @@ class DiskBlockStore:
         self.writer.stop(timeout_s)
 
     def _write(self, record: BlockRecord) -> None:
-        path = self.record_file(record.key)
+        path = self.record_file(record.key, record.kind)
         if self.writing_stopped or os.path.exists(path):  # another process (or an earlier run) wrote it
             return
         data = encode_record(self.fingerprint, record)
@@ -221,8 +227,8 @@ class DiskBlockStore:
         c = self.counters
         with self._cond:
             self.index.forget_if_gone()  # a directory removed under us holds no records: no stale gauges
-            blocks, nbytes = self.index.num_own_records, self.index.nbytes
-        return {"disk_cache_blocks": blocks, "disk_cache_bytes": nbytes,
+            blocks, states, nbytes = self.index.num_own_records, self.index.num_own_states, self.index.nbytes
+        return {"disk_cache_blocks": blocks, "disk_cache_state_checkpoints": states, "disk_cache_bytes": nbytes,
                 "disk_cache_capacity_bytes": self.capacity_bytes,
                 "disk_cache_reads": c.num_reads, "disk_cache_queued_reads": c.num_queued_reads,
                 "disk_cache_bytes_read": c.bytes_read,

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvserve.kv.block_hash import BlockHash
-from kvserve.kv.tiers.record import BlockRecord
+from kvserve.kv.tiers.record import BLOCK, BlockRecord, RecordKind
 
 MAX_PENDING_BYTES = 256 * 2**20  # blocks copied for the writer and not yet written; more are skipped, not waited for
 WRITER_IDLE_S = 1.0  # the writer thread ends after this long without work (a later block starts a new one)
@@ -24,7 +24,7 @@ class RecordWriter:
         self._on_skip = on_skip
         self.cond = threading.Condition()  # guards everything below
         self.queue: deque[BlockRecord] = deque()
-        self.pending: dict[BlockHash, BlockRecord] = {}  # queued or being written
+        self.pending: dict[tuple[str, BlockHash], BlockRecord] = {}  # queued or being written, by kind and key
         self.pending_bytes = 0
         self.thread: threading.Thread | None = None
         self.closing = False  # the interpreter is exiting: the thread ends after its record (stop)
@@ -33,13 +33,13 @@ class RecordWriter:
         """Queue a block for writing; never waits. False if it was skipped because the writer is MAX_PENDING_BYTES
         behind; True if queued, queued already, or the writer is closing."""
         with self.cond:
-            if self.closing or record.key in self.pending:
+            if self.closing or record.name in self.pending:
                 return True
             if self.pending_bytes + record.nbytes > MAX_PENDING_BYTES:
                 self._on_skip()
                 return False
             self.queue.append(record)
-            self.pending[record.key] = record
+            self.pending[record.name] = record
             self.pending_bytes += record.nbytes
             if self.thread is None:
                 thread = threading.Thread(target=self._write_queued, name="kvserve-disk-writer", daemon=True)
@@ -51,10 +51,11 @@ class RecordWriter:
             self.cond.notify_all()
             return True
 
-    def queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> BlockRecord | None:
-        """The record queued (or being written) for `key`, if it is the one the request's chain asks for."""
+    def queued(self, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int],
+               kind: RecordKind = BLOCK) -> BlockRecord | None:
+        """The record of `kind` queued (or being written) for `key`, if it is the one the request's chain asks for."""
         with self.cond:
-            record = self.pending.get(key)
+            record = self.pending.get((kind.name, key))
         if record is None or record.parent != parent or record.token_ids != tuple(token_ids):
             return None
         return record
@@ -107,7 +108,7 @@ class RecordWriter:
             self._write(record)
         finally:
             with self.cond:
-                del self.pending[record.key]
+                del self.pending[record.name]
                 self.pending_bytes -= record.nbytes
                 self.cond.notify_all()
         return True

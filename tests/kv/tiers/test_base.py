@@ -39,10 +39,10 @@ class StandInTier:
     def contains(self, key: bytes) -> bool:
         return True
 
-    def worth_reading(self, num_records: int, num_tokens: int) -> bool:
+    def worth_reading(self, num_records: int, num_tokens: int, num_states: int = 0) -> bool:
         return True
 
-    def start_reading(self, loads):
+    def start_reading(self, loads, states=()):
         self.reads.append([load.block_id for load in loads])
         return StandInRead(loads, self.bad_key)
 
@@ -114,7 +114,8 @@ def methods(protocol) -> set[str]:
 
 
 def test_the_disk_tier_offers_every_call_of_the_interface():
-    assert methods(KVTier) == {"attach_pool", "contains", "worth_reading", "start_reading", "save",
-                               "count_hit_tokens", "stats"}
+    assert methods(KVTier) == {"attach_pool", "contains", "worth_reading", "start_reading", "save", "save_state",
+                               "contains_state", "count_hit_tokens", "stats"}
     assert all(callable(getattr(DiskKVCache, name, None)) for name in methods(KVTier))
-    assert all(callable(getattr(PrefixRead, name, None)) for name in methods(TierRead) | {"done", "wait", "finish"})
+    assert methods(TierRead) == {"done", "wait", "finish", "put_state"}
+    assert all(callable(getattr(PrefixRead, name, None)) for name in methods(TierRead))

@@ -178,6 +178,11 @@ class StateCheckpoints:
     def __len__(self) -> int:
         return len(self._saved)
 
+    @property
+    def num_waiting(self) -> int:
+        """Checkpoints whose block is not registered yet (their step has not run)."""
+        return sum(not c.filled for c in self._saved.values())
+
     def lookup(self, key: bytes) -> int | None:
         """The checkpoint slot saved under `key`; None if there is none."""
         checkpoint = self._saved.get(key)

@@ -83,7 +83,8 @@ class DiskBlockStore:
         """e.g. "KV disk cache: /data/kv, 20.00 GiB cap, 12,345 blocks (197,520 tokens) from earlier runs"."""
         tokens = self.num_records_at_start // num_groups * block_size
         blocks = f"{self.num_records_at_start:,} block{'' if self.num_records_at_start == 1 else 's'}"
-        states = f" and {self.num_states_at_start:,} state checkpoints" if self.num_states_at_start else ""
+        n = self.num_states_at_start
+        states = f" and {n:,} state checkpoint{'' if n == 1 else 's'}" if n else ""
         line = (f"KV disk cache: {self.root}, {format_bytes(self.capacity_bytes)} cap, {blocks} ({tokens:,} tokens)"
                 f"{states} from earlier runs")
         others = len(self.index.files) - self.index.num_own_records - self.index.num_own_states

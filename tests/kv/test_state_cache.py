@@ -138,3 +138,30 @@ def test_a_decoding_sequence_keeps_its_newest_checkpoint_and_a_hit_restores_it()
     assert hit.num_blocks == 3 and hit.state_checkpoint == 2  # 4 blocks of KV cached, the state only at 48
     kv.allocate(again, 70 - 48, hit)
     assert kv.state.take_copies() == [(2, kv.state.slot("b"))] and kv.checkpoints.num_hits == 1
+
+
+def test_a_checkpoint_whose_step_never_registered_its_block_is_given_back():
+    kv = KVCacheManager(num_blocks=16, block_size=16, enable_prefix_caching=True, state_slots=2,
+                        state_checkpoints=2)
+    seq = Seq("a", list(range(40)))
+    assert kv.allocate(seq, 40) is not None
+    assert kv.plan_checkpoint(seq, 32, decoding=False) == 2 and kv.checkpoints.num_waiting == 1
+    assert kv.plan_checkpoint(seq, 48, decoding=True) is None  # past its tokens (a draft's): not known to stay
+    kv.free(seq)  # freed before cache_full_blocks registered the block (its step never ran)
+    assert len(kv.checkpoints) == 0 and kv.checkpoints.num_waiting == 0
+
+
+def test_trimmed_tokens_give_their_checkpoints_back_and_registered_ones_stay():
+    kv = KVCacheManager(num_blocks=16, block_size=16, enable_prefix_caching=True, state_slots=2,
+                        state_checkpoints=2)
+    seq = Seq("a", list(range(50)))
+    assert kv.allocate(seq, 50) is not None
+    kv.plan_checkpoint(seq, 16, decoding=False)
+    seq.num_computed_tokens = 20
+    kv.cache_full_blocks(seq)  # block 1 registered: its checkpoint is saved and may be evicted from now on
+    kv.plan_checkpoint(seq, 32, decoding=True)
+    assert kv.checkpoints.num_waiting == 1
+    kv.trim(seq)  # the tokens up to 32 were rejected drafts: 20 computed
+    assert len(kv.checkpoints) == 1 and kv.checkpoints.num_waiting == 0
+    kv.free(seq)
+    assert len(kv.checkpoints) == 1  # the prompt's stays for a later hit

@@ -52,7 +52,7 @@ class KVCacheManager:
         # hybrid models: each sequence's state slot (linear-attention layers), None for attention-only models
         self.state = StateSlots(state_slots) if state_slots is not None else None
         # their checkpoints at block boundaries, in the state cache's slots after the running ones
-        self.checkpoints = (StateCheckpoints(state_slots, state_checkpoints, self._holds_block)
+        self.checkpoints = (StateCheckpoints(state_slots, state_checkpoints, self._holds_block, self.state.copies_from)
                             if self.state and state_checkpoints else None)
         self._resume = (CheckpointEnds(self.checkpoints, self._prefixes, self._hashes, disk)
                         if self.checkpoints is not None else BlockEnds())

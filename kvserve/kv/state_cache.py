@@ -142,6 +142,10 @@ class StateSlots:
             self._copies = [(s, d) for s, d in self._copies if d != slot]
             self._free.append(slot)
 
+    def copies_from(self, slot: int) -> bool:
+        """Whether a queued copy still reads `slot` (a checkpoint being restored: it must not be overwritten)."""
+        return any(src == slot for src, _ in self._copies)
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
         return copies
@@ -164,13 +168,16 @@ class StateCheckpoints:
     (hits + 1) × its depth in blocks, the prefill a hit on it saves, set when it is saved and again at each hit; when
     no slot is free the lowest value goes and the clock rises to it, so one not hit for a while falls behind newer
     ones. First of all goes any whose block the pool no longer holds (`held` false): no hit can use it (a hit needs
-    its whole KV prefix). A checkpoint whose block is not registered yet (its step has not run) is never taken."""
+    its whole KV prefix). A checkpoint whose block is not registered yet (its step has not run), or that a queued copy
+still reads (`copied`: an admission restores it), is never taken."""
 
-    def __init__(self, first_slot: int, num_slots: int, held: Callable[[bytes], bool] = lambda key: True):
+    def __init__(self, first_slot: int, num_slots: int, held: Callable[[bytes], bool] = lambda key: True,
+                 copied: Callable[[int], bool] = lambda slot: False):
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self._saved: dict[bytes, _Checkpoint] = {}
         self._key_of: dict[int, bytes] = {}  # slot -> key
         self._held = held  # whether the pool still holds the block a checkpoint ends
+        self._copied = copied  # whether a queued copy still reads a slot
         self._clock = 0.0
         self.num_slots = num_slots
         self.num_hits = 0
@@ -208,7 +215,7 @@ class StateCheckpoints:
     def victim(self) -> bytes | None:
         """The checkpoint `take` gives up next: one whose block the pool lost, else the lowest value."""
         candidates = [(self._held(key), c.value, age, key) for age, (key, c) in enumerate(self._saved.items())
-                      if c.filled]  # equal values: the oldest saved goes
+                      if c.filled and not self._copied(c.slot)]  # equal values: the oldest saved goes
         return min(candidates)[3] if candidates else None
 
     def filled(self, key: bytes) -> None:

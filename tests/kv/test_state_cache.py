@@ -165,3 +165,21 @@ def test_trimmed_tokens_give_their_checkpoints_back_and_registered_ones_stay():
     assert len(kv.checkpoints) == 1 and kv.checkpoints.num_waiting == 0
     kv.free(seq)
     assert len(kv.checkpoints) == 1  # the prompt's stays for a later hit
+
+
+def test_a_checkpoint_an_admission_restores_is_not_overwritten_before_its_copy():
+    kv = KVCacheManager(num_blocks=16, block_size=16, enable_prefix_caching=True, state_slots=2,
+                        state_checkpoints=1)
+    seq = Seq("a", list(range(40)))
+    kv.allocate(seq, 40)
+    slot = kv.plan_checkpoint(seq, 32, decoding=False)
+    seq.num_computed_tokens = 40
+    kv.cache_full_blocks(seq)
+    kv.free(seq)
+    again = Seq("b", list(range(40)))
+    hit = kv.find_cached_prefix(again)
+    kv.allocate(again, 40 - 32, hit)  # queues the copy from the checkpoint's slot
+    assert hit.state_checkpoint == slot and kv.checkpoints.victim() is None
+    assert kv.plan_checkpoint(Seq("c", list(range(100, 140))), 32, decoding=False) is None  # no slot to take
+    assert kv.state.take_copies() == [(slot, kv.state.slot("b"))]
+    assert kv.checkpoints.victim() is not None  # copied: it may go now

@@ -2,10 +2,12 @@
 (same name, another suffix), found after a restart and read back bitwise; read with other shapes (a model whose
 linear layers differ), as a block, or larger than a state can be, it is a miss, counted by kind and removed."""
 import shutil
+import threading
 
 import torch
 
 from kvserve.kv.tiers.record import BLOCK, STATE, BlockRecord
+from kvserve.kv.tiers.store import DiskBlockStore
 from tests.kv.tiers.disk_records import BS, SPECS, as_bytes, chain, record, store, written
 
 STATE_SPECS = [(torch.float32, (3, 96, 3)), (torch.float32, (3, 4, 16, 8))]
@@ -39,11 +41,16 @@ def test_a_state_record_sits_beside_its_block_and_is_found_after_a_restart(tmp_p
 def test_a_queued_state_is_read_from_memory_apart_from_its_block(tmp_path, monkeypatch):
     keys, tokens = chain(1)
     s = store(tmp_path)
-    monkeypatch.setattr(type(s), "_write", lambda self, r: None)  # nothing reaches the disk: read from the queue
+    held = threading.Event()  # the writer waits: both records stay queued
+    write = DiskBlockStore._write
+    monkeypatch.setattr(DiskBlockStore, "_write", lambda self, r: held.wait(10) and write(self, r))
     s.submit(record(0, keys, tokens))
     s.submit(state_record(0, keys, tokens))
-    assert len(s.writer.pending) == 2
+    assert len(s.writer.pending) == 2 and s.contains(keys[0], STATE)
     assert as_bytes(read_state(s, 0, keys, tokens)) == as_bytes(state_record(0, keys, tokens).tensors)
+    assert s.counters.num_queued_reads == 1 and not s.path(keys[0], STATE).exists()
+    held.set()
+    assert s.flush(10) and s.path(keys[0], STATE).exists() and s.path(keys[0]).exists()
 
 
 def test_a_state_of_other_shapes_is_a_mismatch_and_removed(tmp_path):

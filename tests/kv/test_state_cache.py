@@ -1,5 +1,7 @@
 """State slots of hybrid models: taken with a sequence's first blocks, refused when none is free, freed on free,
-copied for a fork; the storage's bytes are the planner's."""
+copied for a fork; the storage's bytes are the planner's. Checkpoints: evicted by value (hits and depth), one whose
+block the pool lost first, never one waiting for its step or one an admission still copies; given back when their
+block never came (freed first, trimmed)."""
 import pytest
 import torch
 

@@ -1,6 +1,7 @@
 """The interface between the KV cache manager and a tier below the pool (kv/tiers/base.py): the manager, with a
 stand-in tier holding every record, reads what the pool lacks into pool blocks, as many as it has free, up to the
-first bad record, and counts the tokens the tier supplied; the disk tier offers every call the manager makes."""
+first bad record, and counts the tokens the tier supplied; a hybrid model's manager reads no block past the deepest
+state checkpoint and resumes there; the disk tier offers every call the manager makes."""
 from dataclasses import dataclass
 
 from kvserve.kv.block_hash import hash_full_blocks
@@ -119,3 +120,48 @@ def test_the_disk_tier_offers_every_call_of_the_interface():
     assert all(callable(getattr(DiskKVCache, name, None)) for name in methods(KVTier))
     assert methods(TierRead) == {"done", "wait", "finish", "put_state"}
     assert all(callable(getattr(PrefixRead, name, None)) for name in methods(TierRead))
+
+
+class StandInStateRead(StandInRead):
+    def __init__(self, loads, states):
+        super().__init__(loads, None)
+        self.states = states
+        self.state = None
+        self.put_into = None
+
+    def finish(self) -> int:
+        self.state = next((s for s in self.states if s.num_loads <= len(self.loads) and not s.held), None)
+        return len(self.loads)
+
+    def put_state(self, slot: int) -> None:
+        self.put_into = slot
+
+
+class StandInStateTier(StandInTier):
+    """Holds every block, and the state checkpoints after the blocks of `state_keys`."""
+
+    def __init__(self, state_keys):
+        super().__init__()
+        self.state_keys = set(state_keys)
+        self.read = None
+
+    def contains_state(self, key: bytes) -> bool:
+        return key in self.state_keys
+
+    def start_reading(self, loads, states=()):
+        self.reads.append([load.block_id for load in loads])
+        self.read = StandInStateRead(loads, states)
+        return self.read
+
+
+def test_a_hybrid_reads_up_to_its_deepest_checkpoint_and_resumes_there():
+    keys = hash_full_blocks(list(range(97)), BS)
+    tier = StandInStateTier([keys[1], keys[3]])  # 6 blocks on the tier, states after blocks 2 and 4
+    kv = KVCacheManager(16, BS, disk=tier, state_slots=2, state_checkpoints=2)
+    seq = Seq("r", list(range(97)))
+    assert kv.prefix_loading(seq) and len(tier.reads[0]) == 4  # no block past the deepest checkpoint
+    assert [(s.key, s.num_loads, s.held) for s in tier.read.states] == [(keys[3], 4, False), (keys[1], 2, False)]
+    kv.collect_loads()
+    hit = kv.find_cached_prefix(seq)
+    assert hit.num_blocks == 4 and hit.state_checkpoint == tier.read.put_into == kv.checkpoints.lookup(keys[3])
+    assert tier.num_hit_tokens == 4 * BS and kv.disk_hit_tokens(seq, 4 * BS) == 4 * BS

@@ -167,7 +167,6 @@ def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> No
     """What hybrid models (Gated DeltaNet layers with a state slot per sequence) do not run with yet, by name."""
     refused = {
         "kv_eviction": config.kv_eviction != "none",  # drops KV blocks, while the state keeps every token
-        "speculative_config": config.speculative_config is not None,  # needs the state rolled back on rejection
         "batch_invariant": config.batch_invariant,  # the delta rule's chunks are not cut in fixed tiles
         "compile_decode": config.compile_decode,  # no compiled step covers the linear layers
         "kv_disk_cache": config.kv_disk_cache is not None,  # a block on disk without the state at its end

@@ -19,7 +19,7 @@ from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import LINEAR_ATTENTION, HybridMoEConfig, LinearAttentionConfig, ModelConfig
 from kvserve.model.deepseek import MLP
 from kvserve.model.gated_delta import (causal_conv, chunked_gated_delta_rule, qk_norm_and_scale,
-                                       recurrent_gated_delta_rule)
+                                       recurrent_gated_delta_rule, recurrent_gated_delta_rule_states)
 from kvserve.model.gemma3 import Gemma3Norm as ZeroCenteredNorm
 from kvserve.model.linear import Linears, WeightsPolicy, load_linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding
@@ -100,6 +100,8 @@ class GatedDeltaNetLayer:
                                      step, step.decode_slots, recurrent_gated_delta_rule)[:, 0]
             for slot, checkpoint in step.decode_checkpoints:
                 step.save(self.index, slot, checkpoint)
+        for rows, slot in step.drafts.rows if step.drafts is not None else ():
+            out[rows] = self._mix_drafted(qkv[rows], g[rows], beta[rows], step, slot)
         for rows, slot, fresh, checkpoint in step.prompt_chunks:
             # a checkpoint inside the chunk splits it there: the state at that block boundary is saved
             cut = rows.start + checkpoint[0] if checkpoint is not None else rows.stop
@@ -112,6 +114,19 @@ class GatedDeltaNetLayer:
                     step.save(self.index, slot, checkpoint[1])
         z = z.view(-1, lc.num_value_heads, lc.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1).to(x.dtype))
+
+    def _mix_drafted(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep,
+                     slot: int) -> torch.Tensor:
+        """A drafted sequence's last token and draft ([T, C]) one token at a time, the state after each kept for
+        the rollback (kv/draft_states.py). Returns [T, Hv, Dv] float32."""
+        conv_input = torch.cat([step.cache.conv[self.index, slot], qkv.float().T], dim=-1)
+
+        def rule(*args):
+            out, states = recurrent_gated_delta_rule_states(*args)
+            step.drafts.record(self.index, slot, conv_input, [s[0] for s in states])
+            return out, states[-1]
+
+        return self._mix(qkv[None], g[None], beta[None], step, torch.tensor([slot], device=qkv.device), rule)[0]
 
     def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep, slots: torch.Tensor,
              rule, fresh: bool = False) -> torch.Tensor:

@@ -33,25 +33,15 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token at a time. q, k: [B, T, H, Dk] (normalized and scaled), v: [B, T, H, Dv], g, beta: [B, T, H],
     state: [B, H, Dk, Dv]. Returns o [B, T, H, Dv] and the final state, all float32."""
-    out, states = recurrent_gated_delta_rule_states(q, k, v, g, beta, state)
-    return out, states[-1]
-
-
-def recurrent_gated_delta_rule_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                      beta: torch.Tensor, state: torch.Tensor
-                                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """recurrent_gated_delta_rule, returning the state after each of the T tokens ([B, H, Dk, Dv] each): the
-    update makes each one anyway, so a verification step keeps them to roll back to (speculative decoding)."""
     state = state.float()
-    outs, states = [], []
+    outs = []
     for t in range(q.shape[1]):
         state = state * g[:, t].float().exp()[..., None, None]
         predicted = (state * k[:, t, :, :, None]).sum(-2)  # S'^T k: [B, H, Dv]
         update = (v[:, t].float() - predicted) * beta[:, t, :, None].float()
         state = state + k[:, t, :, :, None] * update[:, :, None, :]
         outs.append((state * q[:, t, :, :, None]).sum(-2))
-        states.append(state)
-    return torch.stack(outs, dim=1), states
+    return torch.stack(outs, dim=1), state
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

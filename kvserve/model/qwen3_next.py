@@ -19,7 +19,7 @@ from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import LINEAR_ATTENTION, HybridMoEConfig, LinearAttentionConfig, ModelConfig
 from kvserve.model.deepseek import MLP
 from kvserve.model.gated_delta import (causal_conv, chunked_gated_delta_rule, qk_norm_and_scale,
-                                       recurrent_gated_delta_rule, recurrent_gated_delta_rule_states)
+                                       recurrent_gated_delta_rule)
 from kvserve.model.gemma3 import Gemma3Norm as ZeroCenteredNorm
 from kvserve.model.linear import Linears, WeightsPolicy, load_linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding
@@ -117,14 +117,16 @@ class GatedDeltaNetLayer:
 
     def _mix_drafted(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep,
                      slot: int) -> torch.Tensor:
-        """A drafted sequence's last token and draft ([T, C]) one token at a time, the state after each kept for
-        the rollback (kv/draft_states.py). Returns [T, Hv, Dv] float32."""
+        """A drafted sequence's last token and draft ([T, C]) as a chunk, leaving with the rollback
+        (kv/draft_states.py) the conv inputs and how to recompute the state after any of its first tokens."""
         conv_input = torch.cat([step.cache.conv[self.index, slot], qkv.float().T], dim=-1)
 
-        def rule(*args):
-            out, states = recurrent_gated_delta_rule_states(*args)
-            step.drafts.record(self.index, slot, conv_input, [s[0] for s in states])
-            return out, states[-1]
+        def rule(q, k, v, g, beta, state):  # state: the slot's before the step, a copy
+            def resume(n: int) -> torch.Tensor:
+                return chunked_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state)[1][0]
+
+            step.drafts.record(self.index, slot, conv_input, resume)
+            return chunked_gated_delta_rule(q, k, v, g, beta, state)
 
         return self._mix(qkv[None], g[None], beta[None], step, torch.tensor([slot], device=qkv.device), rule)[0]
 

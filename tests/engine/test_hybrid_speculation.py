@@ -1,7 +1,8 @@
 """Speculative decoding on hybrid models (Gated DeltaNet layers beside full attention): the linear layers' state
-rolls back to the last accepted token (kv/draft_states.py), so greedy output with ngram speculation is the output
-without it, for the Qwen3-Next and Qwen3.5 layouts, with n = 2, under preemption, and after a prefix hit on a
-checkpoint saved in a verification step; aborts mid-speculation leave no block or state slot held.
+rolls back to the last accepted token (kv/draft_states.py), so greedy output with speculation (ngram and suffix)
+is the output without it, for the Qwen3-Next and Qwen3.5 layouts, with n = 2 and under preemption; checkpoints
+saved in verification steps hold the state at their block boundary, and the next turn resumes from them; aborts
+mid-speculation leave no block or state slot held.
 
 The tiny models here have a 32-token vocabulary and small weights: their greedy text falls into loops that vary
 now and then, so prompt lookup drafts both tokens the model goes on to produce and tokens it does not."""
@@ -15,6 +16,7 @@ from tests.model.test_qwen3_next import assert_nothing_held, make_hybrid_model
 
 VOCAB = 32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
 TOLERANCE = 1e-5  # a verification step's matmuls have more rows than a prefill chunk's: last-bit differences
 OPTIONS = dict(kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)
@@ -35,10 +37,10 @@ def token_ids(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
-def run_both(path, requests, params=GREEDY, **options) -> tuple[list, list, LLM]:
-    """Outputs without speculation, then with ngram speculation; and the speculating LLM."""
+def run_both(path, requests, params=GREEDY, speculation=NGRAM, **options) -> tuple[list, list, LLM]:
+    """Outputs without speculation, then with it; and the speculating LLM."""
     expected = LLM(str(path), **{**OPTIONS, **options}).generate(requests, params)
-    spec = LLM(str(path), **{**OPTIONS, **options}, speculative_config=NGRAM)
+    spec = LLM(str(path), **{**OPTIONS, **options}, speculative_config=speculation)
     return expected, spec.generate(requests, params), spec
 
 
@@ -48,8 +50,9 @@ def assert_drafts_accepted_and_rejected(llm: LLM) -> None:
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
-def test_greedy_output_is_the_same_with_speculation(looping_model):
-    expected, got, spec = run_both(looping_model, prompts(4))
+@pytest.mark.parametrize("speculation", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_output_is_the_same_with_speculation(looping_model, speculation):
+    expected, got, spec = run_both(looping_model, prompts(4), speculation=speculation)
     assert token_ids(got) == token_ids(expected)
     assert_drafts_accepted_and_rejected(spec)
     assert_nothing_held(spec.engine)

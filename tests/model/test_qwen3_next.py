@@ -228,7 +228,6 @@ def test_a_checkpoint_without_its_kv_blocks_is_never_used(tmp_path):
 @pytest.mark.parametrize("setting, name", [
     (dict(kv_eviction="streaming"), "kv_eviction"),
     (dict(batch_invariant=True), "batch_invariant"),
-    (dict(compile_decode=True), "compile_decode"),
     (dict(kv_disk_cache="DISK"), "kv_disk_cache"),
 ])
 def test_settings_not_built_yet_are_refused_by_name(tmp_path, setting, name):

@@ -190,6 +190,7 @@ class ModelRunner:
             checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding=True)
             if checkpoint is not None:
                 self.drafted_states.keep(seq.request_id, boundary - start, into=checkpoint)
+        self.drafted_states.drop(seq.request_id)
 
     def _checkpoint_boundary(self, seq: Sequence, c: _Chunk) -> tuple[int | None, bool]:
         """Where this chunk saves a state checkpoint, if anywhere: at the prompt's last block boundary that a hit

@@ -67,3 +67,9 @@ class DraftStates:
         for layer, resume in drafted.resumes.items():
             self.conv[layer, slot] = drafted.conv_inputs[layer][:, num_tokens : num_tokens + tail]
             self.recurrent[layer, slot] = self.recurrent[layer, drafted.slot] if whole else resume(num_tokens)
+
+    def drop(self, request_id: str) -> None:
+        """Let go of what was kept for `request_id` (its draft is verified)."""
+        drafted = self._drafted.pop(request_id, None)
+        if drafted is not None:
+            del self._by_slot[drafted.slot]

@@ -157,7 +157,8 @@ class ModelRunner:
         one by one), and the block boundaries where its state is saved as a checkpoint (a drafted sequence's once
         its draft is verified: keep_drafted_state)."""
         cache = self.state_cache
-        step = StateStep(cache, self._tensor([]), self._tensor([]), drafts=DraftStates(cache.conv, cache.recurrent))
+        drafts = DraftStates(cache.conv, cache.recurrent) if out.drafts else None
+        step = StateStep(cache, self._tensor([]), self._tensor([]), drafts=drafts)
         self.drafted_states = step.drafts
         decode_rows, decode_slots = [], []
         for seq, c in zip(out.seqs, chunks):

@@ -1,6 +1,7 @@
 """Speculative decoding on hybrid models (Gated DeltaNet layers beside full attention): the linear layers' state
 rolls back to the last accepted token (kv/draft_states.py), so greedy output with speculation (ngram and suffix)
-is the output without it, for the Qwen3-Next and Qwen3.5 layouts, with n = 2 and under preemption; checkpoints
+is the output without it, for the Qwen3-Next and Qwen3.5 layouts, with n = 2, under preemption and without
+prefix caching; checkpoints
 saved in verification steps hold the state at their block boundary, and the next turn resumes from them; aborts
 mid-speculation leave no block or state slot held.
 
@@ -18,7 +19,9 @@ VOCAB = 32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-TOLERANCE = 1e-5  # a verification step's matmuls have more rows than a prefill chunk's: last-bit differences
+# a checkpoint saved while verifying against one a plain prefill saves: the same math through other kernels (decode
+# steps' recurrent form and few-row matmuls against one long chunk), so they differ in the last bits
+TOLERANCE = 1e-5
 OPTIONS = dict(kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)
 
 
@@ -63,6 +66,14 @@ def test_two_samples_each_speculate_from_their_own_state(looping_model):
     expected, got, spec = run_both(looping_model, prompts(2), params)
     assert token_ids(got) == token_ids(expected)
     assert all(len(o.outputs) == 2 for o in got)
+    assert_drafts_accepted_and_rejected(spec)
+    assert_nothing_held(spec.engine)
+
+
+def test_without_prefix_caching_only_the_slot_rolls_back(looping_model):
+    expected, got, spec = run_both(looping_model, prompts(2), enable_prefix_caching=False)
+    assert spec.engine.kv.checkpoints is None
+    assert token_ids(got) == token_ids(expected)
     assert_drafts_accepted_and_rejected(spec)
     assert_nothing_held(spec.engine)
 

@@ -1,9 +1,8 @@
 """Speculative decoding on hybrid models (Gated DeltaNet layers beside full attention): the linear layers' state
 rolls back to the last accepted token (kv/draft_states.py), so greedy output with speculation (ngram and suffix)
 is the output without it, for the Qwen3-Next and Qwen3.5 layouts, with n = 2, under preemption and without
-prefix caching; checkpoints
-saved in verification steps hold the state at their block boundary, and the next turn resumes from them; aborts
-mid-speculation leave no block or state slot held.
+prefix caching; checkpoints saved in verification steps hold the state at their block boundary, and the next turn
+resumes from them; aborts mid-speculation leave no block or state slot held.
 
 The tiny models here have a 32-token vocabulary and small weights: their greedy text falls into loops that vary
 now and then, so prompt lookup drafts both tokens the model goes on to produce and tokens it does not."""

@@ -1,6 +1,6 @@
 """`python -m kvserve.bench.delta_rule`: what the gated delta rule (model/gated_delta.py) costs where hybrid models
 meet speculative decoding and batch invariance, on one linear layer of the shape of a planner preset's (random
-inputs, fixed seed; medians of --repeat runs).
+inputs, fixed seed; medians of --repeat runs, the candidates taking turns).
 
 - Verification: a drafted sequence's 1 + k tokens through the chunked form and, when a draft token was rejected,
   the accepted ones again from the state before the step (what the engine runs, kv/draft_states.py), against the
@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,14 +43,17 @@ def inputs(batch: int, tokens: int, heads: int, dk: int, dv: int, seed: int = 0)
     return q, k, v, decay, beta, torch.randn(batch, heads, dk, dv, generator=g) * 0.1
 
 
-def median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
+def medians_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Each function's median time, the functions run in turn within each repeat (a slow spell weighs on all)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm up
     for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def cut(args: tuple[torch.Tensor, ...], at: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,18 +70,19 @@ def verification(shape: tuple[int, int, int, int], draft: int, repeat: int) -> N
     accepted = 1 + draft // 2  # a draft half rejected: the state after the last token and half the draft
     slot = torch.zeros(heads, dk, dv)
     state_mib = heads * dk * dv * 4 * num_linear / 2**20
-    print(f"verification of 1 + {draft} tokens, one layer ({heads} value heads, {dk}x{dv}):")
-    chunked = median_ms(lambda: chunked_gated_delta_rule(*x), repeat)
-    print(f"  chunked form (the engine):              {chunked:.3f} ms")
-    rollback = median_ms(lambda: slot.copy_(chunked_gated_delta_rule(*(t[:, :accepted] for t in x[:5]), x[5])[1][0]),
-                         repeat)
-    print(f"  its rollback, {accepted} tokens again from the state before: {rollback:.3f} ms (only when a draft "
-          "token was rejected)")
-    by_token = median_ms(lambda: recurrent_gated_delta_rule(*x), repeat)
-    print(f"  token by token, every state made:      {by_token:.3f} ms")
     one = inputs(1, 1, heads, dk, dv)
-    single = median_ms(lambda: recurrent_gated_delta_rule(*one), repeat)
-    print(f"  (a plain decode step's one token:      {single:.3f} ms)")
+    ms = medians_ms({
+        "chunked": lambda: chunked_gated_delta_rule(*x),
+        "rollback": lambda: slot.copy_(chunked_gated_delta_rule(*(t[:, :accepted] for t in x[:5]), x[5])[1][0]),
+        "by token": lambda: recurrent_gated_delta_rule(*x),
+        "one token": lambda: recurrent_gated_delta_rule(*one),
+    }, repeat)
+    print(f"verification of 1 + {draft} tokens, one layer ({heads} value heads, {dk}x{dv}):")
+    print(f"  chunked form (the engine):              {ms['chunked']:.3f} ms")
+    print(f"  its rollback, {accepted} tokens again from the state before: {ms['rollback']:.3f} ms (only when a "
+          "draft token was rejected)")
+    print(f"  token by token, every state made:      {ms['by token']:.3f} ms")
+    print(f"  (a plain decode step's one token:      {ms['one token']:.3f} ms)")
     print(f"  kept per drafted sequence until verified, {num_linear} linear layers: the state before the step "
           f"{state_mib:.1f} MiB; every token's state {(1 + draft) * state_mib:.1f} MiB")
 
@@ -94,9 +99,10 @@ def invariance(shape: tuple[int, int, int, int], prompt: int, repeat: int) -> No
     together, _ = recurrent_gated_delta_rule(*batch)
     alone = torch.cat([recurrent_gated_delta_rule(*(t[i : i + 1] for t in batch))[0] for i in range(8)])
     print(f"  recurrent decode of 8 sequences vs each alone: {float((together - alone).abs().max()):.2e} apart")
-    chunked = median_ms(lambda: chunked_gated_delta_rule(*x), repeat)
-    recurrent = median_ms(lambda: recurrent_gated_delta_rule(*x), max(1, repeat // 4))
-    print(f"  chunked form {chunked:.1f} ms, token by token {recurrent:.1f} ms ({recurrent / chunked:.1f}x)")
+    ms = medians_ms({"chunked": lambda: chunked_gated_delta_rule(*x),
+                     "by token": lambda: recurrent_gated_delta_rule(*x)}, max(1, repeat // 4))
+    print(f"  chunked form {ms['chunked']:.1f} ms, token by token {ms['by token']:.1f} ms "
+          f"({ms['by token'] / ms['chunked']:.1f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,11 +11,11 @@ from kvserve.compile.steps import CompiledSteps
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.attention_mask import GroupChunk, group_keys
+from kvserve.kv.draft_states import DraftStates
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
 from kvserve.kv.readers import AttentionGroup
 from kvserve.kv.scored_attention import AttentionScores
-from kvserve.kv.draft_states import DraftStates
 from kvserve.kv.state_cache import StateCache, StateStep
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaModel

@@ -163,19 +163,22 @@ def check_settings(config: EngineConfig, model_config: ModelConfig, layout: KVLa
     check_fits_in_memory(config)
 
 
+# Measured by `python -m kvserve.bench.delta_rule` (docs/architecture.md, "Hybrid models").
+HYBRID_NOT_BATCH_INVARIANT = (
+    "the linear-attention layers' chunked delta rule rounds a sequence's outputs and state by where its prompt is "
+    "cut into chunks, and the scheduler cuts prompts by the step's token budget, which the other requests share "
+    "(the form that does not depend on cuts, one token at a time, runs a prompt about 10x slower), and their "
+    "per-token work is not cut in fixed tiles")
+
+
 def check_hybrid_settings(config: EngineConfig, model_config: ModelConfig) -> None:
     """What hybrid models (Gated DeltaNet layers with a state slot per sequence) do not run with yet, by name."""
-    refused = {
-        "kv_eviction": config.kv_eviction != "none",  # drops KV blocks, while the state keeps every token
-        "speculative_config": config.speculative_config is not None,  # needs the state rolled back on rejection
-        "batch_invariant": config.batch_invariant,  # the delta rule's chunks are not cut in fixed tiles
-        "compile_decode": config.compile_decode,  # no compiled step covers the linear layers
-    }
-    names = [name for name, on in refused.items() if on]
-    if names:
-        raise ValueError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with hybrid models "
-                         f"({model_config.architecture}: linear-attention layers keep a state per sequence); "
-                         "turn it off")
+    if config.batch_invariant:
+        raise ValueError(f"batch_invariant is not supported with hybrid models ({model_config.architecture}): "
+                         f"{HYBRID_NOT_BATCH_INVARIANT}; turn it off")
+    if config.kv_eviction != "none":  # drops KV blocks, while the state keeps every token
+        raise ValueError(f"kv_eviction is not supported with hybrid models ({model_config.architecture}: "
+                         "linear-attention layers keep a state per sequence); turn it off")
 
 
 def check_fits_in_memory(config: EngineConfig) -> None:

@@ -182,7 +182,7 @@ class LLMEngine:
 
     def _verify(self, request: Request, seq: Sequence, logits: torch.Tensor, draft: list[int], now: float) -> None:
         """Speculative decoding (engine/speculative.py): take the accepted draft tokens and the one sampled after
-        them, then roll the K/V back to the accepted tokens."""
+        them, then roll the K/V (and a hybrid model's state) back to the accepted tokens."""
         request.metrics.first_token_time = request.metrics.first_token_time or now
         last = seq.num_computed_tokens  # the position of the last token, computed this step with the draft
         try:
@@ -191,6 +191,7 @@ class LLMEngine:
             self.num_decode_tokens += num_appended
             # valid K/V: the last token and the accepted drafts that were kept (a stop may end the sequence sooner)
             self.scheduler.accept(seq, last + 1 + min(num_accepted, num_appended))
+            self.runner.keep_drafted_state(seq)  # hybrid models: the linear layers' state rolls back with it
         except Exception as exc:
             self._fail_request(request, exc)
             return

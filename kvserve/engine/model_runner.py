@@ -11,6 +11,7 @@ from kvserve.compile.steps import CompiledSteps
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.attention_mask import GroupChunk, group_keys
+from kvserve.kv.draft_states import DraftStates
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
 from kvserve.kv.readers import AttentionGroup
@@ -75,6 +76,7 @@ class ModelRunner:
         self.tiles = tiles or RowTiles()  # batch-invariant mode: fixed token tiles and per-tile attention
         self.compiled = compiled  # steps as compiled graphs (compile/steps.py)
         self.num_steps = self.num_compiled_steps = 0  # steps run, and of those steps run by a compiled graph
+        self.drafted_states: DraftStates | None = None  # hybrid models: the last step's drafted sequences' states
 
     def run(self, out: SchedulerOutput) -> StepLogits:
         """Logits of the sequences whose last known token was computed this step, and of the prompt positions
@@ -147,16 +149,23 @@ class ModelRunner:
         meta = AttentionMetadata(positions=self._tensor(positions), slot_mappings=slot_mappings, groups=groups,
                                  layer_group=self.cache.layout.group_of, scores=self.scores, tiles=self.tiles,
                                  tile_calls=self._tile_calls(chunks) if self.tiles else None,
-                                 state=self._state_step(out.seqs, chunks) if self.state_cache is not None else None)
+                                 state=self._state_step(out, chunks) if self.state_cache is not None else None)
         return self._tensor(tokens), meta, chunks
 
-    def _state_step(self, seqs: list[Sequence], chunks: list[_Chunk]) -> StateStep:
-        """Each sequence's state slot for the linear layers (decodes batched, prompt chunks one by one), and the
-        block boundaries where its state is saved as a checkpoint."""
-        step = StateStep(self.state_cache, self._tensor([]), self._tensor([]))
+    def _state_step(self, out: SchedulerOutput, chunks: list[_Chunk]) -> StateStep:
+        """Each sequence's state slot for the linear layers (decodes batched, drafted sequences and prompt chunks
+        one by one), and the block boundaries where its state is saved as a checkpoint (a drafted sequence's once
+        its draft is verified: keep_drafted_state)."""
+        cache = self.state_cache
+        drafts = DraftStates(cache.conv, cache.recurrent) if out.drafts else None
+        step = StateStep(cache, self._tensor([]), self._tensor([]), drafts=drafts)
+        self.drafted_states = step.drafts
         decode_rows, decode_slots = [], []
-        for seq, c in zip(seqs, chunks):
+        for seq, c in zip(out.seqs, chunks):
             slot = self.kv.state.slot(seq.request_id)
+            if seq.request_id in out.drafts:
+                step.drafts.add(seq.request_id, slice(c.offset, c.offset + c.num_tokens), slot, c.start)
+                continue
             boundary, decoding = self._checkpoint_boundary(seq, c)
             checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding) if boundary else None
             if c.num_tokens == 1 and c.start > 0:
@@ -169,6 +178,20 @@ class ModelRunner:
                                            (boundary - c.start, checkpoint) if checkpoint is not None else None))
         step.decode_rows, step.decode_slots = self._tensor(decode_rows), self._tensor(decode_slots)
         return step
+
+    def keep_drafted_state(self, seq: Sequence) -> None:
+        """After verifying `seq`'s draft (its computed tokens now end at the last accepted one): its state slot as
+        of that token, and a checkpoint at the block boundary the accepted tokens passed, if they passed one."""
+        start = self.drafted_states.start(seq.request_id) if self.drafted_states is not None else None
+        if start is None:
+            return
+        self.drafted_states.keep(seq.request_id, seq.num_computed_tokens - start)
+        boundary = seq.num_computed_tokens // self.block_size * self.block_size
+        if self.kv.checkpoints is not None and boundary > start:
+            checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding=True)
+            if checkpoint is not None:
+                self.drafted_states.keep(seq.request_id, boundary - start, into=checkpoint)
+        self.drafted_states.drop(seq.request_id)
 
     def _checkpoint_boundary(self, seq: Sequence, c: _Chunk) -> tuple[int | None, bool]:
         """Where this chunk saves a state checkpoint, if anywhere: at the prompt's last block boundary that a hit

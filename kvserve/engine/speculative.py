@@ -22,7 +22,8 @@ al.) accepts d with probability min(1, p(d)/q(d)) = p(d) and on rejection sample
 distribution. The engine then rolls the K/V back: the sequence's computed tokens stop after the accepted ones, the
 blocks only rejected tokens were written to go back to the pool (`KVCacheManager.trim`), slots of rejected tokens
 in a kept block are written again by later tokens, and only computed (accepted) tokens are ever hashed into the
-prefix index."""
+prefix index. A hybrid model's linear-attention state is set back to the last accepted token as well
+(kv/draft_states.py)."""
 from __future__ import annotations
 
 from collections import deque

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.draft_states import DraftStates
+
 STATE_DTYPE = torch.float32
 STATE_DTYPE_BYTES = 4
 
@@ -85,6 +87,7 @@ class StateStep:
     # (rows, slot, fresh, checkpoint): checkpoint (n, slot) saves the state after the chunk's first n tokens
     prompt_chunks: list[tuple[slice, int, bool, tuple[int, int] | None]] = field(default_factory=list)
     decode_checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (slot, checkpoint slot) after the step
+    drafts: DraftStates | None = None  # speculative decoding: drafted sequences, verified one token at a time
 
     def save(self, layer: int, slot: int, checkpoint: int) -> None:
         """Copy one layer's state of `slot` into checkpoint slot `checkpoint`."""

@@ -100,6 +100,8 @@ class GatedDeltaNetLayer:
                                      step, step.decode_slots, recurrent_gated_delta_rule)[:, 0]
             for slot, checkpoint in step.decode_checkpoints:
                 step.save(self.index, slot, checkpoint)
+        for rows, slot in step.drafts.rows if step.drafts is not None else ():
+            out[rows] = self._mix_drafted(qkv[rows], g[rows], beta[rows], step, slot)
         for rows, slot, fresh, checkpoint in step.prompt_chunks:
             # a checkpoint inside the chunk splits it there: the state at that block boundary is saved
             cut = rows.start + checkpoint[0] if checkpoint is not None else rows.stop
@@ -112,6 +114,21 @@ class GatedDeltaNetLayer:
                     step.save(self.index, slot, checkpoint[1])
         z = z.view(-1, lc.num_value_heads, lc.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1).to(x.dtype))
+
+    def _mix_drafted(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep,
+                     slot: int) -> torch.Tensor:
+        """A drafted sequence's last token and draft ([T, C]) as a chunk, leaving with the rollback
+        (kv/draft_states.py) the conv inputs and how to recompute the state after any of its first tokens."""
+        conv_input = torch.cat([step.cache.conv[self.index, slot], qkv.float().T], dim=-1)
+
+        def rule(q, k, v, g, beta, state):  # state: the slot's before the step, a copy
+            def resume(n: int) -> torch.Tensor:
+                return chunked_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state)[1][0]
+
+            step.drafts.record(self.index, slot, conv_input, resume)
+            return chunked_gated_delta_rule(q, k, v, g, beta, state)
+
+        return self._mix(qkv[None], g[None], beta[None], step, torch.tensor([slot], device=qkv.device), rule)[0]
 
     def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep, slots: torch.Tensor,
              rule, fresh: bool = False) -> torch.Tensor:

@@ -227,9 +227,7 @@ def test_a_checkpoint_without_its_kv_blocks_is_never_used(tmp_path):
 
 @pytest.mark.parametrize("setting, name", [
     (dict(kv_eviction="streaming"), "kv_eviction"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     (dict(batch_invariant=True), "batch_invariant"),
-    (dict(compile_decode=True), "compile_decode"),
 ])
 def test_settings_not_built_yet_are_refused_by_name(tmp_path, setting, name):
     path = make_hybrid_model(tmp_path / "model", "qwen3_5")

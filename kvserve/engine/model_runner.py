@@ -188,7 +188,7 @@ class ModelRunner:
         self.drafted_states.keep(seq.request_id, seq.num_computed_tokens - start)
         boundary = seq.num_computed_tokens // self.block_size * self.block_size
         if self.kv.checkpoints is not None and boundary > start:
-            checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding=True)
+            checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding=True, saved_now=True)
             if checkpoint is not None:
                 self.drafted_states.keep(seq.request_id, boundary - start, into=checkpoint)
         self.drafted_states.drop(seq.request_id)

@@ -103,11 +103,12 @@ class KVCacheManager:
         hashes = self._hashes.prompt_hashes(seq)
         return self._resume.cut(hashes, self._prefixes.longest_prefix(self._prefixes.lookup(hashes)))
 
-    def plan_checkpoint(self, seq: CachedSequence, num_tokens: int, decoding: bool) -> int | None:
+    def plan_checkpoint(self, seq: CachedSequence, num_tokens: int, decoding: bool, saved_now: bool = False
+                        ) -> int | None:
         """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
         if there is none to save (resume.py: CheckpointEnds.plan). Of the checkpoints taken while decoding, a
         sequence keeps its newest."""
-        return self._resume.plan(seq, num_tokens, decoding)
+        return self._resume.plan(seq, num_tokens, decoding, saved_now)
 
     def _holds_block(self, block_hash: bytes) -> bool:
         """Whether the pool holds the block of `block_hash` in every layer group (a checkpoint after it is usable)."""

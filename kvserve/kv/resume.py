@@ -79,10 +79,11 @@ class CheckpointEnds(BlockEnds):
                 return cut
         return CachedPrefix(blocks=[[] for _ in self.prefixes.groups], first_logical=[0] * len(self.prefixes.groups))
 
-    def plan(self, seq: CachedSequence, num_tokens: int, decoding: bool) -> int | None:
+    def plan(self, seq: CachedSequence, num_tokens: int, decoding: bool, saved_now: bool = False) -> int | None:
         """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
         if one is saved there already, the boundary lies among draft tokens (not known to be kept), or every slot
-        waits for its step."""
+        waits for its step. `saved_now`: the caller saves the state before the next step and the block is already
+        registered (a verified draft passed the boundary), so the checkpoint counts as filled at once."""
         num_blocks = num_tokens // self.block_size
         if num_tokens > len(seq.token_ids):
             return None
@@ -98,7 +99,10 @@ class CheckpointEnds(BlockEnds):
             return None
         if decoding:
             self._decoding[seq.request_id] = key, num_blocks
-        self._unfilled.setdefault(seq.request_id, []).append(key)
+        if saved_now:
+            self.checkpoints.filled(key)
+        else:
+            self._unfilled.setdefault(seq.request_id, []).append(key)
         return slot
 
     def _give_back(self, seq: CachedSequence, key: BlockHash) -> None:

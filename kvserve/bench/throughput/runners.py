@@ -30,7 +30,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     lengths = dict.fromkeys(ids, 0)
     outputs: dict[str, list[int]] = {}
     steps: Counter = Counter()
-    decode_tokens, decode_seconds, decode_steps, decode_keys = 0, 0.0, 0, 0
+    decode_tokens, decode_seconds, decode_steps, decode_keys, prefill_seconds = 0, 0.0, 0, 0, 0.0
     compiled = {True: 0, False: 0}  # steps that ran a compiled graph, by whether they prefilled
     prompt_lens = {request_id: len(prompt) for request_id, prompt in zip(ids, prompts)}
     prefill_start = engine.num_prefill_tokens
@@ -56,6 +56,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
         prefilled = engine.num_prefill_tokens - prefilled
         steps[(prefilled + engine.num_decode_tokens - decoded, sampled)] += 1
         compiled[prefilled > 0] += engine.runner.num_compiled_steps - compiled_before
+        prefill_seconds += step_seconds if prefilled else 0.0
         if not prefilled:
             decode_tokens += sampled
             decode_seconds += step_seconds
@@ -67,7 +68,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
                      engine.num_prefill_tokens - prefill_start, *spec, decode_steps, compiled[False],
                      decode_keys * engine.cache_plan.kv_bytes_per_token, Routes.of(engine),
-                     sum(steps.values()) - decode_steps, compiled[True])
+                     sum(steps.values()) - decode_steps, compiled[True], prefill_seconds)
 
 
 def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
@@ -78,7 +79,7 @@ def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str
                      total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
                      total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"),
                      total("decode_steps"), total("compiled_steps"), total("decode_kv_bytes"), runs[0].routes,
-                     total("prefill_steps"), total("compiled_prefill_steps"))
+                     total("prefill_steps"), total("compiled_prefill_steps"), total("prefill_seconds"))
 
 
 def _reset(llm) -> None:
@@ -111,6 +112,17 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, batch_siz
         outputs.extend(out[:, width:].tolist())
     seconds = time.perf_counter() - start
     return RunResult(name, sum(map(len, outputs)), seconds, outputs)
+
+
+def run_transformers_phases(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
+                            name: str = "transformers") -> RunResult:
+    """run_transformers, and before it the same batches making one token each: that run's time is the prefill's,
+    the rest of the full run's time the other tokens' (decode tokens/s)."""
+    prefill = run_transformers(model, prompts, 1, batch_size, pad_id)
+    full = run_transformers(model, prompts, output_len, batch_size, pad_id, name=name)
+    decode_seconds = full.seconds - prefill.seconds
+    return replace(full, decode_tokens=full.output_tokens - len(prompts), decode_seconds=max(decode_seconds, 1e-9),
+                   prefill_tokens=sum(map(len, prompts)), prefill_seconds=prefill.seconds)
 
 
 def load_transformers(path, dtype: torch.dtype):
@@ -252,13 +264,15 @@ class KvserveRuns:
 class TransformersRuns:
     """transformers' batched runs, one per workload at the end of each round, beside that round's kvserve runs: the
     machine's speed drifts over minutes, and a ratio over one transformers run made after every round carried it.
-    Long-context runs kvserve only; with no workload left, transformers does not run (`model` stays None)."""
+    Long-context runs kvserve only; with no workload left, transformers does not run (`model` stays None). With
+    `phases`, each run also times its prefill alone (run_transformers_phases)."""
 
-    def __init__(self, workloads: dict[str, Workload]):
+    def __init__(self, workloads: dict[str, Workload], phases: bool = False):
         self.workloads = {name: w for name, w in workloads.items() if name != "long-context"}
         self.rounds: dict[str, list[RunResult]] = {name: [] for name in self.workloads}
         self.model = None
         self.pad_id = 0
+        self.run = run_transformers_phases if phases else run_transformers
 
     def run_round(self, kvserve: KvserveRuns, batch_size: int) -> None:
         """Each workload's batched run on kvserve's prompts (the model loaded and warmed up the first time)."""
@@ -270,11 +284,10 @@ class TransformersRuns:
             self.model, self.pad_id = load_transformers(kvserve.model_path, torch.float32), kvserve.pad_id
             run_transformers(self.model, kvserve.prompts[next(iter(self.rounds))][:2], 4, 2, self.pad_id)  # warm-up
         for name, runs in self.rounds.items():
-            runs.append(run_transformers(self.model, kvserve.prompts[name], self.workloads[name].output_len,
-                                         batch_size, self.pad_id))
+            runs.append(self.run(self.model, kvserve.prompts[name], self.workloads[name].output_len, batch_size,
+                                 self.pad_id))
 
     def single_stream(self, prompts: list[list[int]], output_len: int) -> list[RunResult]:
         """One request at a time, with its KV cache and without."""
-        return [run_transformers(self.model, prompts, output_len, 1, self.pad_id, use_cache,
-                                 "transformers" if use_cache else "transformers, no KV cache")
-                for use_cache in (True, False)]
+        return [self.run(self.model, prompts, output_len, 1, self.pad_id),
+                run_transformers(self.model, prompts, output_len, 1, self.pad_id, False, "transformers, no KV cache")]

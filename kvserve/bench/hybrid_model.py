@@ -6,8 +6,10 @@ fixed seed, once, into kvserve's cache, and reused.
 then one gated full-attention layer, six times; hidden 1,024, MLP 3,584; attention 8 query and 2 KV heads of 256;
 DeltaNet 16 key and 16 value heads of 128; vocabulary 248,320, tied embeddings) without its vision tower and MTP
 layer; `qwen3.5-0.8b-random-12l` is the same with 12 layers (3 of them full attention), for machines where the full
-size is too slow. No released checkpoint is small enough for the package index, and the benches measure tokens and
-time, which random weights leave unchanged."""
+size is too slow, and `qwen3.5-tiny-random` keeps the pattern in 4 layers of width 128 (vocabulary 8,192): what a
+conversation prefills with prefix caching depends on block boundaries and checkpoints, not on the width, and it
+decodes the seed's long conversation in minutes. No released checkpoint is small enough for the package index; the
+benches count tokens and time steps, which do not depend on the weights' values (EOS is ignored)."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +27,10 @@ QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, n
 HYBRID_MODELS = {
     "qwen3.5-0.8b-random": QWEN35_08B,
     "qwen3.5-0.8b-random-12l": {**QWEN35_08B, "num_hidden_layers": 12},
+    "qwen3.5-tiny-random": {**QWEN35_08B, **dict(vocab_size=8192, hidden_size=128, intermediate_size=448,
+                                                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                                 head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4,
+                                                 linear_key_head_dim=32, linear_value_head_dim=32, eos_token_id=2)},
 }
 BUILD_VERSION = 1  # bump when the build changes, so directories built by older code are not reused
 

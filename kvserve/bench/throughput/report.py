@@ -101,12 +101,14 @@ def print_phases(console, rows: list[RunResult | str], num_kvserve: int) -> None
     hf = next((r for r in rows if isinstance(r, RunResult) and r.name == "transformers" and r.prefill_seconds), None)
     if hf is None:
         return
-    console.print(f"transformers phases: prefill = generate() of 1 token on the same batches, {hf.prefill_seconds:.1f} s; "
-                  f"decode = the other {hf.decode_tokens:,} tokens in the remaining {hf.decode_seconds:.1f} s", soft_wrap=True)
+    console.print(f"transformers phases: prefill = generate() of 1 token on the same batches, "
+                  f"{hf.prefill_seconds:.1f} s; decode = the other {hf.decode_tokens:,} tokens in the remaining "
+                  f"{hf.decode_seconds:.1f} s", soft_wrap=True)
     for r in rows[:num_kvserve]:
         if isinstance(r, RunResult) and r.decode_tokens_per_s and r.prefill_tokens_per_s:
             console.print(f"{r.name} ÷ transformers: decode {r.decode_tokens_per_s / hf.decode_tokens_per_s:.2f}x, "
-                          f"prefill {r.prefill_tokens_per_s / hf.prefill_tokens_per_s:.2f}x", highlight=False, soft_wrap=True)
+                          f"prefill {r.prefill_tokens_per_s / hf.prefill_tokens_per_s:.2f}x", highlight=False,
+                          soft_wrap=True)
 
 
 def print_rounds(console, per_config: list[list[RunResult]]) -> None:

@@ -63,8 +63,8 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="default: the embedded SmolLM2-135M-Instruct (llama.cpp always runs the embedded GGUF)")
     add_hybrid_model_argument(p)
     p.add_argument("--phases", action="store_true",
-                   help="also time transformers' prefill alone (its batches making one token), for a prefill tokens/s "
-                        "column and transformers' decode tokens/s, and print kvserve's ratios to both")
+                   help="also time transformers' prefill apart (each batch's time to its first logits), for a prefill "
+                        "tokens/s column and transformers' decode tokens/s, and print kvserve's ratios to both")
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"kvserve's KV cache size (default: the engine's 1GiB; {LONG_CONTEXT_KV_MEMORY} with "
                         "long-context)")

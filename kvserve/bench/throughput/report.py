@@ -97,13 +97,13 @@ def print_table(console, title: str, results: list[RunResult | str]) -> None:
 
 def print_phases(console, rows: list[RunResult | str], num_kvserve: int) -> None:
     """With --phases: each kvserve row's decode and prefill tokens/s over transformers' (kvserve's prefill: the steps
-    with prompt tokens, decodes beside them included; transformers': generate() making one token per prompt)."""
+    with prompt tokens, decodes beside them included; transformers': each batch's time to its first logits)."""
     hf = next((r for r in rows if isinstance(r, RunResult) and r.name == "transformers" and r.prefill_seconds), None)
     if hf is None:
         return
-    console.print(f"transformers phases: prefill = generate() of 1 token on the same batches, "
-                  f"{hf.prefill_seconds:.1f} s; decode = the other {hf.decode_tokens:,} tokens in the remaining "
-                  f"{hf.decode_seconds:.1f} s", soft_wrap=True)
+    console.print(f"transformers phases: prefill = each batch's time to its first logits, {hf.prefill_seconds:.1f} s; "
+                  f"decode = the other {hf.decode_tokens:,} tokens in the remaining {hf.decode_seconds:.1f} s",
+                  soft_wrap=True)
     for r in rows[:num_kvserve]:
         if isinstance(r, RunResult) and r.decode_tokens_per_s and r.prefill_tokens_per_s:
             console.print(f"{r.name} ÷ transformers: decode {r.decode_tokens_per_s / hf.decode_tokens_per_s:.2f}x, "

@@ -97,32 +97,42 @@ def _spec_counts(engine) -> tuple[int, int, int]:
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
-                     use_cache: bool = True, name: str = "transformers") -> RunResult:
+                     use_cache: bool = True, name: str = "transformers", phases: bool = False) -> RunResult:
+    """generate() on left-padded static batches; with `phases`, each batch's time up to its first logits (the
+    prefill, timed by a logits processor in the same run) apart from the rest (decode)."""
     import torch
 
-    outputs, start = [], time.perf_counter()
+    outputs, start, prefill_seconds = [], time.perf_counter(), 0.0
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding, as generate wants
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        stamps, batch_start = [], time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, use_cache=use_cache, pad_token_id=pad_id)
+                                 do_sample=False, use_cache=use_cache, pad_token_id=pad_id,
+                                 logits_processor=_timestamps(stamps) if phases else None)
         outputs.extend(out[:, width:].tolist())
+        prefill_seconds += stamps[0] - batch_start if stamps else 0.0
     seconds = time.perf_counter() - start
-    return RunResult(name, sum(map(len, outputs)), seconds, outputs)
+    result = RunResult(name, sum(map(len, outputs)), seconds, outputs)
+    if not phases:
+        return result
+    return replace(result, decode_tokens=result.output_tokens - len(prompts), decode_seconds=seconds - prefill_seconds,
+                   prefill_tokens=sum(map(len, prompts)), prefill_seconds=prefill_seconds)
 
 
-def run_transformers_phases(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
-                            name: str = "transformers") -> RunResult:
-    """run_transformers, and before it the same batches making one token each: that run's time is the prefill's,
-    the rest of the full run's time the other tokens' (decode tokens/s)."""
-    prefill = run_transformers(model, prompts, 1, batch_size, pad_id)
-    full = run_transformers(model, prompts, output_len, batch_size, pad_id, name=name)
-    decode_seconds = full.seconds - prefill.seconds
-    return replace(full, decode_tokens=full.output_tokens - len(prompts), decode_seconds=max(decode_seconds, 1e-9),
-                   prefill_tokens=sum(map(len, prompts)), prefill_seconds=prefill.seconds)
+def _timestamps(stamps: list[float]):
+    """A logits processor list that appends the time of each call (after each forward pass) to `stamps`."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    return LogitsProcessorList([Stamp()])
 
 
 def load_transformers(path, dtype: torch.dtype):
@@ -265,14 +275,14 @@ class TransformersRuns:
     """transformers' batched runs, one per workload at the end of each round, beside that round's kvserve runs: the
     machine's speed drifts over minutes, and a ratio over one transformers run made after every round carried it.
     Long-context runs kvserve only; with no workload left, transformers does not run (`model` stays None). With
-    `phases`, each run also times its prefill alone (run_transformers_phases)."""
+    `phases`, each run also times its prefill apart (run_transformers)."""
 
     def __init__(self, workloads: dict[str, Workload], phases: bool = False):
         self.workloads = {name: w for name, w in workloads.items() if name != "long-context"}
         self.rounds: dict[str, list[RunResult]] = {name: [] for name in self.workloads}
         self.model = None
         self.pad_id = 0
-        self.run = run_transformers_phases if phases else run_transformers
+        self.phases = phases
 
     def run_round(self, kvserve: KvserveRuns, batch_size: int) -> None:
         """Each workload's batched run on kvserve's prompts (the model loaded and warmed up the first time)."""
@@ -284,10 +294,10 @@ class TransformersRuns:
             self.model, self.pad_id = load_transformers(kvserve.model_path, torch.float32), kvserve.pad_id
             run_transformers(self.model, kvserve.prompts[next(iter(self.rounds))][:2], 4, 2, self.pad_id)  # warm-up
         for name, runs in self.rounds.items():
-            runs.append(self.run(self.model, kvserve.prompts[name], self.workloads[name].output_len, batch_size,
-                                 self.pad_id))
+            runs.append(run_transformers(self.model, kvserve.prompts[name], self.workloads[name].output_len,
+                                         batch_size, self.pad_id, phases=self.phases))
 
     def single_stream(self, prompts: list[list[int]], output_len: int) -> list[RunResult]:
         """One request at a time, with its KV cache and without."""
-        return [self.run(self.model, prompts, output_len, 1, self.pad_id),
+        return [run_transformers(self.model, prompts, output_len, 1, self.pad_id, phases=self.phases),
                 run_transformers(self.model, prompts, output_len, 1, self.pad_id, False, "transformers, no KV cache")]

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# the released Qwen3.5-0.8B's text config as its model card and published configs give it; eos_token_id is Qwen3.5's
+# <|im_end|> (the benches ignore EOS)
 QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
                   linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,

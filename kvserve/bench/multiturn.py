@@ -10,7 +10,12 @@ The cached run generates the answers; the run without the cache replays the same
 since neither what it prefills nor its time to first token depends on decoding the answer (without the cache
 nothing outlives a turn), and checks it starts each answer with the same token. On the embedded SmolLM2 on a
 2-core CPU the full default run (10 turns, 500-token answers) takes about 9 minutes, most of it decoding the
-answers at up to 7,500 tokens of context; `--answer 20` takes about a minute."""
+answers at up to 7,500 tokens of context; `--answer 20` takes about a minute.
+
+On a hybrid model (`--hybrid-model`, or a Qwen3-Next / Qwen3.5 directory) a hit resumes from the state checkpoint
+at the deepest block boundary inside it, so a returning turn prefills from there: the bench also prints the
+checkpoints held and their memory, and how many admissions resumed from one. Each running sequence holds a state
+slot (and prefix caching as many checkpoints again) out of --kv-cache-memory: --max-num-seqs sizes them."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +23,7 @@ import gc
 from dataclasses import dataclass
 
 from kvserve.bench.conversation import Conversation
+from kvserve.bench.hybrid_model import add_hybrid_model_argument, resolve_hybrid_model_argument
 from kvserve.bench.tiers import add_tier_arguments, run_tiers_from_args
 from kvserve.plots import check_plot_path, plot_multiturn
 from kvserve.sampling_params import SamplingParams
@@ -54,7 +60,7 @@ def run_conversation(llm, conversation: Conversation, answers: list[list[int]] |
 
 
 def run_multiturn(conversation: Conversation, model: str | None = None, kv_cache_memory: str = "1GiB",
-                  max_model_len: int = 8192, console=None) -> dict[str, list[Turn]]:
+                  max_model_len: int = 8192, console=None, max_num_seqs: int | None = None) -> dict[str, list[Turn]]:
     """Run the conversation with and then without prefix caching, print the per-turn table, return both runs."""
     import torch
     from rich.console import Console
@@ -71,12 +77,14 @@ def run_multiturn(conversation: Conversation, model: str | None = None, kv_cache
     runs: dict[str, list[Turn]] = {}
     for name, prefix_caching in (("prefix caching", True), ("no prefix caching", False)):
         llm = LLM(model, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                  enable_prefix_caching=prefix_caching)
+                  enable_prefix_caching=prefix_caching, **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}))
         # warm-up at turn 1's size (its own tokens, so nothing of it is reused): first calls are slow
         warm_up = Conversation(conversation.first_tokens, 1, 1, 1, seed=conversation.seed + 1)
         run_conversation(llm, warm_up)
         answers = [t.token_ids for t in runs["prefix caching"]] if runs else None
         runs[name] = run_conversation(llm, conversation, answers, _progress(console, name))
+        if prefix_caching:
+            _print_state_checkpoints(console, llm)
         del llm
         gc.collect()
     cached, baseline = runs["prefix caching"], runs["no prefix caching"]
@@ -91,6 +99,19 @@ def _progress(console, run_name: str):
         console.print(f"  {run_name}: turn {turn_number} done, {turn.prefilled_tokens:,} tokens prefilled, "
                       f"TTFT {turn.ttft_s * 1e3:,.0f} ms", style="dim")
     return report
+
+
+def _print_state_checkpoints(console, llm) -> None:
+    """A hybrid model's state checkpoints after the cached run: how many, their memory, the hits that used one."""
+    stats, plan = llm.stats(), llm.engine.cache_plan.state
+    if plan is None:
+        return
+    held = stats["num_state_checkpoints"]
+    console.print(f"state checkpoints: {held} held of {plan.num_checkpoints} slots x "
+                  f"{plan.slot_bytes / 2**20:,.2f} MiB = {held * plan.slot_bytes / 2**20:,.1f} MiB held "
+                  f"({plan.num_checkpoints * plan.slot_bytes / 2**20:,.1f} MiB reserved, beside "
+                  f"{plan.num_slots} running slots); {stats['state_checkpoint_hits']} admissions resumed from one",
+                  highlight=False, soft_wrap=True)
 
 
 def _print_table(console, cached: list[Turn], baseline: list[Turn]) -> None:
@@ -115,6 +136,10 @@ def _print_table(console, cached: list[Turn], baseline: list[Turn]) -> None:
     ttft_a, ttft_b = sum(t.ttft_s for t in cached), sum(t.ttft_s for t in baseline)
     console.print(f"all turns: {total_b:,} vs {total_a:,} tokens prefilled ({total_b / total_a:.1f}x fewer), "
                   f"summed TTFT {ttft_b:,.2f} vs {ttft_a:,.2f} s ({ttft_b / ttft_a:.1f}x faster)")
+    if len(cached) > 1:
+        back_a, back_b = sum(t.ttft_s for t in cached[1:]), sum(t.ttft_s for t in baseline[1:])
+        console.print(f"returning turns (2-{len(cached)}): mean TTFT {back_b / (len(cached) - 1) * 1e3:,.0f} vs "
+                      f"{back_a / (len(cached) - 1) * 1e3:,.0f} ms ({back_b / back_a:.1f}x faster)", soft_wrap=True)
 
 
 def add_multiturn_parser(bench_subparsers) -> None:
@@ -127,7 +152,11 @@ def add_multiturn_parser(bench_subparsers) -> None:
     p.add_argument("--turns", type=int, default=c.turns)
     p.add_argument("--seed", type=int, default=c.seed)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    add_hybrid_model_argument(p)
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's (default 64); a hybrid model's state slots and checkpoints come out of "
+                        "--kv-cache-memory, one of each per sequence")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--plot", metavar="PATH",
                    help="also draw the tokens prefilled per turn, with and without prefix caching; with --tiers, "
@@ -137,16 +166,20 @@ def add_multiturn_parser(bench_subparsers) -> None:
 
 
 def _run_from_args(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     for name in ("first", "question", "answer", "turns"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvserve bench multiturn: --{name} must be at least 1, got {getattr(args, name)}")
+    resolve_hybrid_model_argument(args, Console())
     if args.tiers:
         return run_tiers_from_args(args)
     conversation = Conversation(args.first, args.question, args.answer, args.turns, args.seed)
     try:
         if args.plot:
             check_plot_path(args.plot)
-        runs = run_multiturn(conversation, args.model, args.kv_cache_memory, args.max_model_len)
+        runs = run_multiturn(conversation, args.model, args.kv_cache_memory, args.max_model_len,
+                             max_num_seqs=args.max_num_seqs)
         if args.plot:
             cached, baseline = runs["prefix caching"], runs["no prefix caching"]
             plot_multiturn(args.plot, [t.prompt_tokens for t in cached], [t.prefilled_tokens for t in cached],

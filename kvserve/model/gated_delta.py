@@ -32,16 +32,21 @@ def qk_norm_and_scale(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token at a time. q, k: [B, T, H, Dk] (normalized and scaled), v: [B, T, H, Dv], g, beta: [B, T, H],
-    state: [B, H, Dk, Dv]. Returns o [B, T, H, Dv] and the final state, all float32."""
-    state = state.float()
+    state: [B, H, Dk, Dv]. Returns o [B, T, H, Dv] and the final state, all float32. A decode step's cost is
+    reading the states (many MiB per sequence): each token reads them four times (decay, S^T k, the rank-one update
+    in place, S^T q), as batched matmuls rather than broadcast products with temporaries of the states' size."""
+    batch, heads, dk, dv = state.shape
+    flat = state.float().reshape(batch * heads, dk, dv)
     outs = []
     for t in range(q.shape[1]):
-        state = state * g[:, t].float().exp()[..., None, None]
-        predicted = (state * k[:, t, :, :, None]).sum(-2)  # S'^T k: [B, H, Dv]
-        update = (v[:, t].float() - predicted) * beta[:, t, :, None].float()
-        state = state + k[:, t, :, :, None] * update[:, :, None, :]
-        outs.append((state * q[:, t, :, :, None]).sum(-2))
-    return torch.stack(outs, dim=1), state
+        decay = g[:, t].float().exp().reshape(-1, 1, 1)
+        flat = flat * decay if t == 0 else flat.mul_(decay)  # the first writes a new tensor: the caller's is kept
+        k_t = k[:, t].float().reshape(-1, 1, dk)
+        predicted = torch.bmm(k_t, flat)  # S'^T k: [B*H, 1, Dv]
+        update = (v[:, t].float().reshape(-1, 1, dv) - predicted) * beta[:, t].float().reshape(-1, 1, 1)
+        flat.baddbmm_(k_t.transpose(1, 2), update)  # S = S' + k u^T
+        outs.append(torch.bmm(q[:, t].float().reshape(-1, 1, dk), flat).view(batch, heads, dv))
+    return torch.stack(outs, dim=1), flat.view(batch, heads, dk, dv)
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

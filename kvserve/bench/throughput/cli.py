@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.bench.hybrid_model import add_hybrid_model_argument, resolve_hybrid_model_argument
 from kvserve.bench.throughput import runners
 from kvserve.bench.throughput.configs import KvserveConfig, kvserve_configs, option_values
 from kvserve.bench.throughput.report import (cpu_name, print_rounds, print_single_stream, print_speculation,
@@ -60,6 +61,10 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="leave out a baseline, the single-stream part or the roofline")
     p.add_argument("--model", default=None,
                    help="default: the embedded SmolLM2-135M-Instruct (llama.cpp always runs the embedded GGUF)")
+    add_hybrid_model_argument(p)
+    p.add_argument("--phases", action="store_true",
+                   help="also time transformers' prefill apart (each batch's time to its first logits), for a prefill "
+                        "tokens/s column and transformers' decode tokens/s, and print kvserve's ratios to both")
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"kvserve's KV cache size (default: the engine's 1GiB; {LONG_CONTEXT_KV_MEMORY} with "
                         "long-context)")
@@ -77,10 +82,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     decode_heavy = Workload(args.num_requests, args.min_prompt_len, args.max_prompt_len, args.output_len, args.seed)
     workloads = selected_workloads(option_values(args.workloads), decode_heavy)
     console.print(f"torch threads: {torch.get_num_threads()}; greedy, EOS ignored; CPU: {cpu_name()}")
+    _hybrid_model(args, console)
     run_llama = "llama.cpp" not in args.skip and runners.llama_cpp_ready(console)
     runs = runners.KvserveRuns(args, workloads, kv_cache_memory(args.kv_cache_memory, workloads), console,
                                paired_llama_cpp=run_llama)
-    hf = runners.TransformersRuns(workloads if "transformers" not in args.skip else {})
+    hf = runners.TransformersRuns(workloads if "transformers" not in args.skip else {}, args.phases)
     for _ in range(args.repeat):
         for config in configs:
             runs.run(config)
@@ -99,6 +105,23 @@ def run_throughput(args: argparse.Namespace) -> int:
         plot_throughput(args.plot, speeds(runs.batched[next(iter(workloads))]), speeds(runs.singles))
         console.print(f"plot written to {args.plot}")
     return 0
+
+
+def _hybrid_model(args: argparse.Namespace, console) -> None:
+    """With --hybrid-model: its directory in args.model, and the baselines that cannot run it left out, saying why."""
+    if not args.hybrid_model:
+        return
+    resolve_hybrid_model_argument(args, console)
+    console.print("llama.cpp: left out (it runs the embedded GGUF, not this model); roofline: left out (its matmul "
+                  "shapes are a plain decoder's)", highlight=False, soft_wrap=True)
+    args.skip = [*args.skip, "llama.cpp", "roofline"]
+    if "transformers" not in args.skip:
+        from transformers.utils.import_utils import is_flash_linear_attention_available
+
+        fast = is_flash_linear_attention_available()
+        console.print(f"transformers: Gated DeltaNet through "
+                      f"{'flash-linear-attention' if fast else 'its torch fallback (no flash-linear-attention)'}",
+                      highlight=False, soft_wrap=True)
 
 
 def _check_options(args: argparse.Namespace) -> None:

@@ -32,6 +32,7 @@ def print_workload(console, workload: Workload, rows: list[RunResult | str], num
                    hf_batch_size: int | None, roofline: bool) -> None:
     """A workload's table and the lines under it; `hf_batch_size` None: transformers did not run."""
     print_table(console, f"Batched throughput, {workload.name} (output tokens/s)", rows)
+    print_phases(console, rows, num_kvserve)
     if hf_batch_size is not None and workload.name != "long-context":
         console.print(f"transformers: float32, generate() on left-padded static batches of {hf_batch_size}")
         reference = next(r for r in rows if isinstance(r, RunResult) and r.name == "transformers")
@@ -55,6 +56,7 @@ def print_single_stream(console, prompts: list[list[int]], output_len: int, rows
     shape = (f"{len(prompts[0])}-token prompt" if len(prompts) == 1 else
              f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens one after another")
     print_table(console, f"Single stream ({shape}, {output_len} new tokens each; tokens/s incl. prefill)", rows)
+    print_phases(console, rows, num_kvserve)
     print_speculation(console, rows)
     print_compiled_steps(console, rows[:num_kvserve])
     print_rounds(console, rounds)
@@ -75,6 +77,8 @@ def print_table(console, title: str, results: list[RunResult | str]) -> None:
     table = Table(title=title)
     columns = ["engine", "output tokens", "seconds", "tokens/s"] + [f"÷ {b.name}" for b in compared] + \
         ["decode tokens/s", f"decode ÷ {first.name}" if first else "decode"]
+    phases = any(b.prefill_seconds for b in baselines)  # --phases timed a baseline's prefill: show every row's
+    columns += ["prefill tokens/s"] if phases else []
     for column in columns:
         table.add_column(column, justify="left" if column == "engine" else "right")
     for r in results:
@@ -85,9 +89,26 @@ def print_table(console, title: str, results: list[RunResult | str]) -> None:
         decode = r.decode_tokens_per_s
         decode_ratio = (f"{decode / first.decode_tokens_per_s:.2f}x"
                         if decode and first is not None and first.decode_tokens_per_s else "-")
+        prefill = [f"{r.prefill_tokens_per_s:,.0f}" if r.prefill_tokens_per_s else "-"] if phases else []
         table.add_row(r.name, f"{r.output_tokens:,}", f"{r.seconds:.1f}", f"{r.tokens_per_s:.1f}", *ratios,
-                      f"{decode:.1f}" if decode else "-", decode_ratio)
+                      f"{decode:.1f}" if decode else "-", decode_ratio, *prefill)
     console.print(table)
+
+
+def print_phases(console, rows: list[RunResult | str], num_kvserve: int) -> None:
+    """With --phases: each kvserve row's decode and prefill tokens/s over transformers' (kvserve's prefill: the steps
+    with prompt tokens, decodes beside them included; transformers': each batch's time to its first logits)."""
+    hf = next((r for r in rows if isinstance(r, RunResult) and r.name == "transformers" and r.prefill_seconds), None)
+    if hf is None:
+        return
+    console.print(f"transformers phases: prefill = each batch's time to its first logits, {hf.prefill_seconds:.1f} s; "
+                  f"decode = the other {hf.decode_tokens:,} tokens in the remaining {hf.decode_seconds:.1f} s",
+                  soft_wrap=True)
+    for r in rows[:num_kvserve]:
+        if isinstance(r, RunResult) and r.decode_tokens_per_s and r.prefill_tokens_per_s:
+            console.print(f"{r.name} ÷ transformers: decode {r.decode_tokens_per_s / hf.decode_tokens_per_s:.2f}x, "
+                          f"prefill {r.prefill_tokens_per_s / hf.prefill_tokens_per_s:.2f}x", highlight=False,
+                          soft_wrap=True)
 
 
 def print_rounds(console, per_config: list[list[RunResult]]) -> None:

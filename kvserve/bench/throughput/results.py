@@ -44,6 +44,9 @@ class RunResult:
     routes: Routes | None = None  # how its engine multiplied and ran decode steps (kvserve)
     prefill_steps: int = 0  # steps with prompt tokens (kvserve) ...
     compiled_prefill_steps: int = 0  # ... and those of them that ran a compiled graph
+    # kvserve: the time of the steps with prompt tokens (prefill_tokens computed in them); transformers with
+    # --phases: the time of generate() making one token (its prompts' tokens, unpadded, in prefill_tokens)
+    prefill_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,6 +55,10 @@ class RunResult:
     @property
     def decode_tokens_per_s(self) -> float | None:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else None
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else None
 
 
 def median_run(runs: list[RunResult]) -> RunResult:

@@ -30,7 +30,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     lengths = dict.fromkeys(ids, 0)
     outputs: dict[str, list[int]] = {}
     steps: Counter = Counter()
-    decode_tokens, decode_seconds, decode_steps, decode_keys = 0, 0.0, 0, 0
+    decode_tokens, decode_seconds, decode_steps, decode_keys, prefill_seconds = 0, 0.0, 0, 0, 0.0
     compiled = {True: 0, False: 0}  # steps that ran a compiled graph, by whether they prefilled
     prompt_lens = {request_id: len(prompt) for request_id, prompt in zip(ids, prompts)}
     prefill_start = engine.num_prefill_tokens
@@ -56,6 +56,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
         prefilled = engine.num_prefill_tokens - prefilled
         steps[(prefilled + engine.num_decode_tokens - decoded, sampled)] += 1
         compiled[prefilled > 0] += engine.runner.num_compiled_steps - compiled_before
+        prefill_seconds += step_seconds if prefilled else 0.0
         if not prefilled:
             decode_tokens += sampled
             decode_seconds += step_seconds
@@ -67,7 +68,7 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     return RunResult(name, sum(map(len, tokens)), seconds, tokens, decode_tokens, decode_seconds, steps,
                      engine.num_prefill_tokens - prefill_start, *spec, decode_steps, compiled[False],
                      decode_keys * engine.cache_plan.kv_bytes_per_token, Routes.of(engine),
-                     sum(steps.values()) - decode_steps, compiled[True])
+                     sum(steps.values()) - decode_steps, compiled[True], prefill_seconds)
 
 
 def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
@@ -78,7 +79,7 @@ def run_kvserve_serial(llm, prompts: list[list[int]], output_len: int, name: str
                      total("decode_tokens"), total("decode_seconds"), sum((r.steps for r in runs), Counter()),
                      total("prefill_tokens"), total("draft_tokens"), total("accepted_tokens"), total("drafts"),
                      total("decode_steps"), total("compiled_steps"), total("decode_kv_bytes"), runs[0].routes,
-                     total("prefill_steps"), total("compiled_prefill_steps"))
+                     total("prefill_steps"), total("compiled_prefill_steps"), total("prefill_seconds"))
 
 
 def _reset(llm) -> None:
@@ -96,21 +97,42 @@ def _spec_counts(engine) -> tuple[int, int, int]:
 
 
 def run_transformers(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
-                     use_cache: bool = True, name: str = "transformers") -> RunResult:
+                     use_cache: bool = True, name: str = "transformers", phases: bool = False) -> RunResult:
+    """generate() on left-padded static batches; with `phases`, each batch's time up to its first logits (the
+    prefill, timed by a logits processor in the same run) apart from the rest (decode)."""
     import torch
 
-    outputs, start = [], time.perf_counter()
+    outputs, start, prefill_seconds = [], time.perf_counter(), 0.0
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding, as generate wants
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        stamps, batch_start = [], time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, use_cache=use_cache, pad_token_id=pad_id)
+                                 do_sample=False, use_cache=use_cache, pad_token_id=pad_id,
+                                 logits_processor=_timestamps(stamps) if phases else None)
         outputs.extend(out[:, width:].tolist())
+        prefill_seconds += stamps[0] - batch_start if stamps else 0.0
     seconds = time.perf_counter() - start
-    return RunResult(name, sum(map(len, outputs)), seconds, outputs)
+    result = RunResult(name, sum(map(len, outputs)), seconds, outputs)
+    if not phases:
+        return result
+    return replace(result, decode_tokens=result.output_tokens - len(prompts), decode_seconds=seconds - prefill_seconds,
+                   prefill_tokens=sum(map(len, prompts)), prefill_seconds=prefill_seconds)
+
+
+def _timestamps(stamps: list[float]):
+    """A logits processor list that appends the time of each call (after each forward pass) to `stamps`."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    return LogitsProcessorList([Stamp()])
 
 
 def load_transformers(path, dtype: torch.dtype):
@@ -252,13 +274,15 @@ class KvserveRuns:
 class TransformersRuns:
     """transformers' batched runs, one per workload at the end of each round, beside that round's kvserve runs: the
     machine's speed drifts over minutes, and a ratio over one transformers run made after every round carried it.
-    Long-context runs kvserve only; with no workload left, transformers does not run (`model` stays None)."""
+    Long-context runs kvserve only; with no workload left, transformers does not run (`model` stays None). With
+    `phases`, each run also times its prefill apart (run_transformers)."""
 
-    def __init__(self, workloads: dict[str, Workload]):
+    def __init__(self, workloads: dict[str, Workload], phases: bool = False):
         self.workloads = {name: w for name, w in workloads.items() if name != "long-context"}
         self.rounds: dict[str, list[RunResult]] = {name: [] for name in self.workloads}
         self.model = None
         self.pad_id = 0
+        self.phases = phases
 
     def run_round(self, kvserve: KvserveRuns, batch_size: int) -> None:
         """Each workload's batched run on kvserve's prompts (the model loaded and warmed up the first time)."""
@@ -271,10 +295,9 @@ class TransformersRuns:
             run_transformers(self.model, kvserve.prompts[next(iter(self.rounds))][:2], 4, 2, self.pad_id)  # warm-up
         for name, runs in self.rounds.items():
             runs.append(run_transformers(self.model, kvserve.prompts[name], self.workloads[name].output_len,
-                                         batch_size, self.pad_id))
+                                         batch_size, self.pad_id, phases=self.phases))
 
     def single_stream(self, prompts: list[list[int]], output_len: int) -> list[RunResult]:
         """One request at a time, with its KV cache and without."""
-        return [run_transformers(self.model, prompts, output_len, 1, self.pad_id, use_cache,
-                                 "transformers" if use_cache else "transformers, no KV cache")
-                for use_cache in (True, False)]
+        return [run_transformers(self.model, prompts, output_len, 1, self.pad_id, phases=self.phases),
+                run_transformers(self.model, prompts, output_len, 1, self.pad_id, False, "transformers, no KV cache")]

@@ -175,6 +175,9 @@ def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budge
         return round_up_to_blocks(sink_tokens, block_size) + round_up_to_blocks(recent_tokens, block_size) + 1
     if policy == "h2o":
         return round_up_to_blocks(budget_tokens, block_size) + 1
+    if policy in ("adakv", "adakv-knorm", "perhead"):  # per-(layer, head) streams: a head holds budget_tokens on
+        # average, compressed once a block more has arrived, each stream's last head block partly filled
+        return round_up_to_blocks(budget_tokens, block_size) + 2
     return None
 
 

@@ -70,7 +70,7 @@ class HeadStreamManager:
         self.num_window_blocks_freed = 0
         self.num_layers = self.num_heads = 0  # the storage's, once attached
         self.streams: dict[str, HeadStreams] = {}
-        self.null_block = pool.allocate(1)[0].block_id  # never written: what padded table entries point at
+        self.null_block = pool.num_blocks  # the storage's block past the pool, never written: padding reads it
         self.storage: HeadStreamKVCache | None = None
         self.scorer: Scorer | None = None
         self._fresh: list[int] = []  # head blocks taken since the runner last asked (it zeroes them)
@@ -79,6 +79,8 @@ class HeadStreamManager:
     def attach(self, storage: HeadStreamKVCache, scorer: Scorer) -> None:
         """The storage whose tokens this manager moves when it compresses (its layers and KV heads are the streams
         of a sequence), and the scorer that ranks them."""
+        if storage.null_block != self.pool.num_blocks:
+            raise ValueError(f"the storage holds {storage.null_block} head blocks, the pool {self.pool.num_blocks}")
         self.storage, self.scorer = storage, scorer
         self.num_layers, self.num_heads = storage.num_layers_total, storage.num_kv_heads
 

@@ -62,7 +62,8 @@ class HeadStreamKVCache(PagedKVCache):
         self.format_name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                             torch.float16: "float16"}[self.storage_dtype]
         self.exact = self.storage_dtype == dtype
-        slots = num_blocks * block_size
+        self.null_block = num_blocks  # one block past the pool's, never written: padded table entries read it
+        slots = (num_blocks + 1) * block_size
         # zeros: masked slots are still multiplied by 0 in attention, which an uninitialised NaN would spread
         self.k = torch.zeros(slots, head_dim, dtype=self.storage_dtype, device=device)
         self.v = torch.zeros(slots, head_dim, dtype=self.storage_dtype, device=device)
@@ -81,7 +82,8 @@ class HeadStreamKVCache(PagedKVCache):
                 f"({self.num_blocks:,} of them), plus {self.positions.nbytes / 2**20:.1f} MiB of token positions")
 
     def _block_tensors(self) -> list[torch.Tensor]:
-        return [self.k.view(1, *self.k.shape), self.v.view(1, *self.v.shape)]
+        pool_slots = self.num_blocks * self.block_size  # the null block is no block of the pool
+        return [self.k[:pool_slots].view(1, pool_slots, -1), self.v[:pool_slots].view(1, pool_slots, -1)]
 
     # ---- a step ------------------------------------------------------------------------------------------------
     def begin_head_step(self, slots: torch.Tensor, positions: torch.Tensor, fresh_blocks: list[int],
@@ -141,9 +143,9 @@ class HeadStreamKVCache(PagedKVCache):
 
     def gather_streams(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V [..., B * block_size, D] and positions [..., B * block_size] of head block tables [..., B]."""
-        blocks_k = self.k.view(self.num_blocks, self.block_size, self.head_dim)[tables]
-        blocks_v = self.v.view(self.num_blocks, self.block_size, self.head_dim)[tables]
-        positions = self.positions.view(self.num_blocks, self.block_size)[tables]
+        blocks_k = self.k.view(-1, self.block_size, self.head_dim)[tables]
+        blocks_v = self.v.view(-1, self.block_size, self.head_dim)[tables]
+        positions = self.positions.view(-1, self.block_size)[tables]
         flat = (*tables.shape[:-1], tables.shape[-1] * self.block_size)
         return blocks_k.reshape(*flat, self.head_dim), blocks_v.reshape(*flat, self.head_dim), positions.reshape(flat)
 

@@ -109,3 +109,13 @@ def test_what_head_streams_do_not_run_with_is_refused_by_name(model_dir, option,
 def test_a_budget_the_kept_tokens_fill_is_refused(model_dir):
     with pytest.raises(ValueError, match="kv_budget_tokens=28 leaves no room"):
         make(model_dir, **{**ADAKV, "kv_budget_tokens": 28})
+
+
+def test_per_head_sequences_stay_out_of_the_prefix_index(model_dir):
+    llm = make(model_dir, **ADAKV)
+    tokens = prompt(100, seed=3)
+    first = llm.generate(tokens, greedy(5))[0].outputs[0].token_ids
+    again = llm.generate(tokens, greedy(5))[0].outputs[0].token_ids
+    stats = llm.stats()
+    assert first == again
+    assert stats["prefix_cache_hits"] == 0 and stats["num_cached_blocks"] == 0

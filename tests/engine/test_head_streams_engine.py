@@ -44,6 +44,14 @@ def test_a_budget_above_the_sequence_equals_the_full_cache(model_dir):
     assert heads.stats()["num_evicted_blocks"] == 0
 
 
+def test_bfloat16_storage_with_room_for_everything_equals_the_bfloat16_full_cache(model_dir):
+    tokens = prompt(60, seed=4)
+    full = make(model_dir, kv_cache_dtype="bfloat16")
+    heads = make(model_dir, kv_cache_dtype="bfloat16", **{**ADAKV, "kv_budget_tokens": 200})
+    assert "bfloat16" in heads.engine.cache.describe()
+    torch.testing.assert_close(scored(heads, tokens), scored(full, tokens), atol=1e-4, rtol=1e-4)
+
+
 def test_freed_head_blocks_are_never_read(model_dir, monkeypatch):
     tokens = prompt(200, seed=1)
     clean = scored(make(model_dir, **ADAKV), tokens)

@@ -134,7 +134,8 @@ class HeadBudgetPolicy(EvictionPolicy):
         return True
 
 
-HEAD_POLICIES = {"adakv": ("expected", True), "adakv-knorm": ("knorm", True), "perhead": ("expected", False)}
+HEAD_POLICIES = {"adakv": ("expected", True), "adakv-knorm": ("knorm", True), "adakv-keydiff": ("keydiff", True),
+                 "perhead": ("expected", False)}
 
 
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:

@@ -11,6 +11,7 @@ keys, scaled by the value norms), so a layer's budget can be pooled over its hea
   over the query heads of a KV head, times ‖v‖. Σ is kept per rotary pair (both dimensions of a pair share one
   variance), which makes it commute with RoPE's rotation, so only its shrinking by the averaged rotation remains.
 - `knorm` (KeyNormScorer): keys with a small norm draw more attention (Devoto et al., 2024): softmax(−‖k‖) × ‖v‖.
+- `keydiff` (KeyDiffScorer): keys least like the head's mean key are the distinctive ones (KeyDiff).
 
 `head_budgets` is AdaKV's allocation (Feng et al., 2024): a layer keeps `total` tokens over its heads, each head at
 least its floor, the rest taken by the highest scores pooled over all the layer's heads."""
@@ -70,6 +71,19 @@ class KeyNormScorer(Scorer):
         return logits.softmax(dim=-1) * values.float().norm(dim=-1)
 
 
+class KeyDiffScorer(Scorer):
+    """Keys unlike the head's mean key are the distinctive ones (KeyDiff, Park et al., 2025): 1 − cos(k, mean key),
+    made a distribution over the head's keys, times ‖v‖."""
+
+    name = "keydiff"
+
+    def score(self, keys, values, valid, stats, position):
+        keys = keys.float() * valid[..., None]
+        anchor = keys.sum(dim=2, keepdim=True) / valid.sum(-1, keepdim=True)[..., None].clamp_min(1)
+        distinct = (1 - torch.nn.functional.cosine_similarity(keys, anchor, dim=-1)) * valid
+        return distinct / distinct.sum(-1, keepdim=True).clamp_min(1e-12) * values.float().norm(dim=-1)
+
+
 class ExpectedAttentionScorer(Scorer):
     """Expected attention of future queries (module doc). `inv_freq` and `attention_factor` are the model's RoPE."""
 
@@ -107,9 +121,11 @@ class ExpectedAttentionScorer(Scorer):
 def make_scorer(name: str, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> Scorer:
     if name == "knorm":
         return KeyNormScorer()
+    if name == "keydiff":
+        return KeyDiffScorer()
     if name == "expected":
         return ExpectedAttentionScorer(inv_freq, attention_factor)
-    raise ValueError(f"unknown KV scorer {name!r}; choose expected or knorm")
+    raise ValueError(f"unknown KV scorer {name!r}; choose expected, keydiff or knorm")
 
 
 def head_budgets(scores: torch.Tensor, valid: torch.Tensor, floors: torch.Tensor, totals: torch.Tensor

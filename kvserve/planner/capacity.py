@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.planner.kv_size import (
+    HEAD_STREAM_POLICIES,
     PER_TOKEN_HEAD_SCALES,
     KVDtype,
     fixed_state_bytes,
@@ -22,8 +23,6 @@ from kvserve.planner.model_spec import LINEAR, ModelSpec
 from kvserve.planner.units import GiB, KiB, format_bytes
 
 DEFAULT_BLOCK_SIZE = 16
-# eviction policies whose pool is per-(layer, KV head) blocks (the engine's kv/head_streams.py)
-HEAD_STREAM_POLICIES = ("adakv", "adakv-knorm", "perhead")
 DEFAULT_MAX_NUM_SEQS = 64  # the engine's max_num_seqs: a hybrid model's state slots, one per sequence
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Memory that is neither weights nor KV cache: CUDA context and cuBLAS/NCCL workspaces (~0.5-1 GiB),

@@ -8,7 +8,6 @@ import sys
 from rich.console import Console
 
 from kvserve.planner.capacity import (
-    HEAD_STREAM_POLICIES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
@@ -22,6 +21,7 @@ from kvserve.planner.capacity import (
 from kvserve.planner.conversation import plan_conversation
 from kvserve.planner.gpus import GPU_MEMORY_GIB, gpu_memory_bytes
 from kvserve.planner.kv_size import (
+    HEAD_STREAM_POLICIES,
     KV_DTYPE_CHOICES,
     KV_DTYPES,
     KV_SCALES_CHOICES,

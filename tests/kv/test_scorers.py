@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvserve.kv.scorers import ExpectedAttentionScorer, KeyNormScorer, QueryStats, head_budgets
+from kvserve.kv.scorers import ExpectedAttentionScorer, KeyDiffScorer, KeyNormScorer, QueryStats, head_budgets
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -51,8 +51,15 @@ def test_scores_of_padding_are_zero_and_heads_are_distributions_times_value_norm
     keys = torch.randn(2, 3, 10, 8)
     values = torch.ones(2, 3, 10, 8)
     valid = torch.arange(10)[None, None, :] < torch.tensor([[10, 6, 3], [1, 10, 9]])[..., None]
-    for scorer in (KeyNormScorer(), ExpectedAttentionScorer(torch.ones(4))):
+    for scorer in (KeyNormScorer(), KeyDiffScorer(), ExpectedAttentionScorer(torch.ones(4))):
         stats = QueryStats(torch.randn(2, 6, 8), torch.rand(2, 6, 8) + 1, count=1)
         scores = scorer.score(keys, values, valid, stats, 50)
         assert bool((scores[~valid] == 0).all())
         torch.testing.assert_close(scores.sum(-1), torch.full((2, 3), math.sqrt(8)))
+
+
+def test_keydiff_ranks_the_key_unlike_the_others_first():
+    keys = torch.ones(1, 1, 6, 4) + 0.01 * torch.randn(1, 1, 6, 4, generator=torch.Generator().manual_seed(0))
+    keys[0, 0, 3] = torch.tensor([1.0, -1.0, 1.0, -1.0])  # the needle among look-alikes
+    scores = KeyDiffScorer().score(keys, torch.ones_like(keys), torch.ones(1, 1, 6, dtype=torch.bool), None, 0)
+    assert int(scores[0, 0].argmax()) == 3

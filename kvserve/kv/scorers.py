@@ -80,7 +80,7 @@ class KeyDiffScorer(Scorer):
     def score(self, keys, values, valid, stats, position):
         keys = keys.float() * valid[..., None]
         anchor = keys.sum(dim=2, keepdim=True) / valid.sum(-1, keepdim=True)[..., None].clamp_min(1)
-        distinct = (1 - torch.nn.functional.cosine_similarity(keys, anchor, dim=-1)) * valid
+        distinct = (1 + 1e-6 - torch.nn.functional.cosine_similarity(keys, anchor, dim=-1)) * valid  # > 0: one key too
         return distinct / distinct.sum(-1, keepdim=True).clamp_min(1e-12) * values.float().norm(dim=-1)
 
 

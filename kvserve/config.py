@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvserve.planner.capacity import DEFAULT_MAX_NUM_SEQS
-from kvserve.planner.kv_size import KV_DTYPE_CHOICES
+from kvserve.planner.kv_size import HEAD_STREAM_POLICIES, KV_DTYPE_CHOICES
 
 if TYPE_CHECKING:
     import torch
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # Names, not torch dtypes: the CLI builds its parsers from this module, and must not wait for torch to import.
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-KV_EVICTION_POLICIES = ("none", "streaming", "h2o")
+KV_EVICTION_POLICIES = ("none", "streaming", "h2o", *HEAD_STREAM_POLICIES)
 QUANTIZATIONS = ("none", "int8")  # weights: as the model dtype, or int8 with per-output-channel scales
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: holds ~23K SmolLM2 tokens in float32 on a CPU box
 
@@ -224,6 +224,14 @@ class EvictionConfig:
     def check_budget(self, block_size: int) -> None:
         """H2O's budget, counted in blocks of `block_size`, must leave a block for heavy hitters beside the sinks
         and the recent window."""
+        if self.kv_eviction in HEAD_STREAM_POLICIES:
+            kept = self.kv_sink_tokens + self.kv_recent_tokens + block_size
+            if self.kv_budget_tokens <= kept:
+                raise ValueError(
+                    f"kv_budget_tokens={self.kv_budget_tokens} leaves no room to choose: every head keeps the "
+                    f"sinks, the recent window and the block being filled ({kept} tokens); give more than {kept} "
+                    "tokens or lower kv_recent_tokens")
+            return
         if self.kv_eviction != "h2o":
             return
         blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731

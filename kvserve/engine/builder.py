@@ -20,6 +20,8 @@ from kvserve.compile.steps import (WHOLE_GRAPH_KV_BYTES, CompiledSteps, attentio
                                    unsupported)
 from kvserve.config import EngineConfig
 from kvserve.engine import startup
+from kvserve.engine.head_build import attach_head_streams, build_head_cache, check_head_settings
+from kvserve.engine.head_runner import HeadStreamRunner
 from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
@@ -95,10 +97,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     model = load_model(config, setup, eager_decode_reason)
     check_model_windows(setup)
     tiles = RowTiles(TILE_ROWS if config.batch_invariant else None)
+    per_head = setup.eviction.per_head  # per-(layer, KV head) streams: their own storage, manager and runner
     cache = build_cache(config, setup, tiles)
     state_cache = build_state_cache(config, setup)
     disk_cache = open_disk_cache(config, setup, cache, state_cache) if config.kv_disk_cache is not None else None
-    kv = cache_manager(config, setup, disk_cache)
+    kv = cache_manager(config, setup, disk_cache, cache.num_blocks)
+    if per_head:
+        attach_head_streams(kv, cache, model)
     scores = attention_scores(config, setup)
     speculator = (Speculator(config.speculative_config, cache)
                   if config.speculative_config is not None else None)
@@ -106,7 +111,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         logger.info(startup.speculation_line(config.speculative_config))
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, speculator)
     compiled = compile_decode_steps(config, model, cache, setup.eviction, eager_decode_reason)
-    runner = ModelRunner(model, cache, kv, config.device, scores, tiles, compiled, state_cache)
+    runner = (HeadStreamRunner if per_head else ModelRunner)(model, cache, kv, config.device, scores, tiles, compiled,
+                                                             state_cache)
     return EngineParts(setup, validator, sequence_factory, model, cache, state_cache, disk_cache, kv, scores,
                        speculator, scheduler, runner)
 
@@ -160,6 +166,8 @@ def check_settings(config: EngineConfig, model_config: ModelConfig, layout: KVLa
         check_latent_settings(config.kv_cache_format, config.kv_eviction)
     if model_config.linear is not None:
         check_hybrid_settings(config, model_config)
+    if eviction.per_head:
+        check_head_settings(config)
     check_fits_in_memory(config)
 
 
@@ -250,6 +258,10 @@ def weights_facts(config: EngineConfig, model) -> startup.WeightsFacts:
 def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> PagedKVCache:
     """The KV cache the planner sized, allocated and warmed up (its decode attention compiled, where it is)."""
     mc, plan, layout = setup.model_config, setup.cache_plan, setup.layout
+    if setup.eviction.per_head:
+        cache = build_head_cache(config, plan, layout, mc)
+        logger.info(startup.capacity_line(cache_facts(plan, cache, layout, config.max_num_seqs)))
+        return cache
     # batch-invariant attention reads every format the same way for every query (no compiled decode)
     cache = make_kv_cache(KVCacheSpec(config.kv_cache_format, layout, plan.num_blocks, plan.block_size,
                                       mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device,
@@ -295,11 +307,13 @@ def open_disk_cache(config: EngineConfig, setup: EngineSetup, cache: PagedKVCach
     return DiskKVCache(store, cache, state_cache)
 
 
-def cache_manager(config: EngineConfig, setup: EngineSetup, disk_cache: DiskKVCache | None) -> KVCacheManager:
-    """Block tables, prefix index and eviction over the planned pool, reading prefixes from the disk tier if any."""
+def cache_manager(config: EngineConfig, setup: EngineSetup, disk_cache: DiskKVCache | None,
+                  num_blocks: int) -> KVCacheManager:
+    """Block tables, prefix index and eviction over the storage's `num_blocks` (the plan's, or its head blocks),
+    reading prefixes from the disk tier if any."""
     plan, eviction, layout = setup.cache_plan, setup.eviction, setup.layout
     state = plan.state
-    return KVCacheManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching,
+    return KVCacheManager(num_blocks, plan.block_size, config.enable_prefix_caching,
                           hash_namespace=config.kv_cache_format, eviction=eviction,
                           windows=layout.windows, tile_windows=config.batch_invariant, disk=disk_cache,
                           state_slots=state.num_slots if state is not None else None,

@@ -9,9 +9,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.eval.ruler import TASKS as RULER_TASKS
+from kvserve.eval.ruler_run import MIN_RULER_LENGTH, RulerPlan, RulerScores, print_ruler_tables
 from kvserve.eval.settings import SWEPT_FIELDS, Setting, cross_product, parse_list, parse_setting
 
 GiB = 1 << 30
+EVAL_TASKS = ("ppl", "ruler")
 
 _DESCRIPTION = """\
 Measure what KV cache settings cost in quality, through the engine's own paged path, on one text.
@@ -42,6 +45,9 @@ class Row:
     top1_agreement: float | None = None
     tokens_scored: int = 0
     passkey: dict[int, float] = field(default_factory=dict)
+    ruler: RulerScores | None = None
+    ruler_average: float | None = None  # over the (length, task) pairs the reference passes
+    ruler_vs_reference: float | None = None
     ppl_by_segment: list[float] | None = None
     why: dict[str, str] = field(default_factory=dict)
 
@@ -70,6 +76,9 @@ class Row:
             "passkey_accuracy": self.passkey_accuracy,
             "passkey_by_length": {str(k): v for k, v in self.passkey.items()} or None,
             "ppl_by_segment": self.ppl_by_segment,
+            "ruler": self.ruler.to_json() if self.ruler else None,
+            "ruler_average": self.ruler_average,
+            "ruler_vs_reference": self.ruler_vs_reference,
             "not_available": self.why or None,
         }
 
@@ -77,7 +86,7 @@ class Row:
 def add_parser(subparsers) -> None:
     from kvserve.engine.cli import add_engine_args
 
-    p = subparsers.add_parser("eval", help="quality of KV cache settings: perplexity, KLD, top-1, passkey",
+    p = subparsers.add_parser("eval", help="quality of KV cache settings: perplexity, KLD, top-1, passkey, RULER-lite",
                               description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, exclude=SWEPT_FIELDS)
     s = p.add_argument_group("settings (comma-separated lists; the first setting is the reference)")
@@ -90,6 +99,9 @@ def add_parser(subparsers) -> None:
     s.add_argument("--setting", action="append", default=[], metavar="SPEC",
                    help="an explicit setting instead of the lists above, repeatable, e.g. "
                         "kv_eviction=streaming,kv_sink_tokens=0,kv_recent_tokens=1024")
+    p.add_argument("--tasks", default="ppl",
+                   help="what to measure, comma-separated: ppl (perplexity, KLD, top-1 over the text), ruler "
+                        "(RULER-lite long-context retrieval) (default: ppl; passkey runs with --passkey-lengths)")
     t = p.add_argument_group("text")
     t.add_argument("--corpus", default=None, metavar="FILE",
                    help="UTF-8 text to score (default: Python's pydoc_data.topics, ~465K characters of English)")
@@ -104,6 +116,10 @@ def add_parser(subparsers) -> None:
     k = p.add_argument_group("passkey retrieval")
     k.add_argument("--passkey-lengths", default="", help="prompt lengths in tokens, e.g. 1024,4096 (default: none)")
     k.add_argument("--passkey-trials", type=int, default=5, help="trials per length (default %(default)s)")
+    r = p.add_argument_group("RULER-lite retrieval (--tasks ruler; samples drawn from --seed)")
+    r.add_argument("--ruler-tasks", default=",".join(RULER_TASKS), help="default: all, %(default)s")
+    r.add_argument("--ruler-lengths", default="2048,4096", help="prompt lengths in tokens (default %(default)s)")
+    r.add_argument("--ruler-samples", type=int, default=10, help="samples per task and length (default %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object per setting instead of the table")
     o.add_argument("--plot", default=None, metavar="FILE",
@@ -137,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     base = dataclasses.asdict(engine_config_from_args(shared))
     configs = [EngineConfig(**{**base, **s.options}) for s in settings]  # bad values fail here, before loading
     lengths = parse_list(args.passkey_lengths, int) if args.passkey_lengths else []
+    args.task_list, args.ruler_plan = _parse_tasks(args)
     if args.passkey_trials < 1 or any(n < 64 for n in lengths):
         raise ValueError("passkey trials must be at least 1 and lengths at least 64 tokens")
     if args.tokens < 2:
@@ -153,6 +170,21 @@ def _run(args: argparse.Namespace) -> int:
     return _evaluate(args, settings, configs, corpus, lengths)
 
 
+def _parse_tasks(args: argparse.Namespace) -> tuple[list[str], RulerPlan | None]:
+    tasks = parse_list(args.tasks)
+    if not set(tasks) <= set(EVAL_TASKS):
+        raise ValueError(f"--tasks {args.tasks!r}: choose from {', '.join(EVAL_TASKS)}")
+    if "ruler" not in tasks:
+        return tasks, None
+    ruler_tasks = parse_list(args.ruler_tasks)
+    if not set(ruler_tasks) <= set(RULER_TASKS):
+        raise ValueError(f"--ruler-tasks {args.ruler_tasks!r}: choose from {', '.join(RULER_TASKS)}")
+    ruler_lengths = parse_list(args.ruler_lengths, int)
+    if args.ruler_samples < 1 or any(n < MIN_RULER_LENGTH for n in ruler_lengths):
+        raise ValueError(f"--ruler-samples must be at least 1 and --ruler-lengths at least {MIN_RULER_LENGTH} tokens")
+    return tasks, RulerPlan(ruler_tasks, ruler_lengths, args.ruler_samples, args.seed)
+
+
 def _evaluate(args, settings: list[Setting], configs, corpus, lengths: list[int]) -> int:
     from rich.console import Console
 
@@ -167,11 +199,13 @@ def _evaluate(args, settings: list[Setting], configs, corpus, lengths: list[int]
     reference = llms[0].engine
     if reference.tokenizer is None:
         raise ValueError("kvserve eval needs a model with a tokenizer")
-    token_ids = reference.tokenizer(corpus.text, verbose=False).input_ids[: args.tokens]
-    if len(token_ids) < args.tokens:
-        raise ValueError(f"the corpus has only {len(token_ids):,} tokens, fewer than --tokens {args.tokens:,}")
-    if not args.streaming and args.context > reference.max_model_len:
-        raise ValueError(f"--context {args.context} exceeds max_model_len {reference.max_model_len}")
+    token_ids = []
+    if "ppl" in args.task_list:
+        token_ids = reference.tokenizer(corpus.text, verbose=False).input_ids[: args.tokens]
+        if len(token_ids) < args.tokens:
+            raise ValueError(f"the corpus has only {len(token_ids):,} tokens, fewer than --tokens {args.tokens:,}")
+        if not args.streaming and args.context > reference.max_model_len:
+            raise ValueError(f"--context {args.context} exceeds max_model_len {reference.max_model_len}")
     rows = _run_all(args, settings, llms, token_ids, lengths, console)
     header = {
         "model": reference.model_name, "corpus": corpus.name, "corpus_sha256": corpus.sha256,
@@ -179,13 +213,17 @@ def _evaluate(args, settings: list[Setting], configs, corpus, lengths: list[int]
         "context": None if args.streaming else args.context, "stride": None if args.streaming else args.stride,
         "chunk": args.chunk,
         "passkey_lengths": lengths, "passkey_trials": args.passkey_trials if lengths else 0,
+        **(args.ruler_plan.header() if args.ruler_plan else {}),
     }
     if args.json:
         for row in rows:
             print(json.dumps({**header, **row.to_json()}))
     else:
-        _print_table(header, rows)
-    if args.plot:
+        if "ppl" in args.task_list or lengths:
+            _print_table(header, rows)
+        if args.ruler_plan:
+            print_ruler_tables([row.setting.label for row in rows], [row.ruler for row in rows], args.ruler_plan)
+    if args.plot and "ppl" in args.task_list:
         from kvserve.plots import plot_quality_vs_bytes
 
         shown = [row for row in rows if row.ppl is not None]
@@ -206,31 +244,21 @@ def _run_all(args, settings, llms, token_ids, lengths, console) -> list[Row]:
     from kvserve.eval.windows import sliding_windows
 
     rows = [Row(s, llm.engine.cache_plan.kv_bytes_per_token, _max_tokens(llm.engine)) for s, llm in zip(settings, llms)]
-    ref_len = llms[0].engine.max_model_len
-    windows = [] if args.streaming else sliding_windows(len(token_ids), args.context, args.stride)
-    stream_steps = -(-len(token_ids) // args.chunk) if args.streaming else 0
+    text = "ppl" in args.task_list
+    windows = [] if args.streaming or not text else sliding_windows(len(token_ids), args.context, args.stride)
+    stream_steps = -(-len(token_ids) // args.chunk) if args.streaming and text else 0
     trials = {n: make_trials(llms[0].tokenizer, n, args.passkey_trials, args.seed) for n in lengths}
-    work = len(windows) * len(llms) + stream_steps + len(lengths) * len(llms)
+    ruler_samples = args.ruler_plan.make_samples(llms[0].tokenizer) if args.ruler_plan else {}
+    work = (len(windows) + len(lengths) + len(ruler_samples)) * len(llms) + stream_steps
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True) as progress:
         task = progress.add_task("evaluating", total=work)
         advance = lambda: progress.advance(task)  # noqa: E731
-        if args.streaming:
-            fits = [llm.engine.eviction.unbounded_length or len(token_ids) + 2 <= llm.engine.max_model_len
-                    for llm in llms]
-            running = [llm for llm, ok in zip(llms, fits) if ok]
-            with_reference = fits[0]
-            results = iter(harness.score_stream(running, token_ids, with_reference, args.segment, advance))
-            for row, ok in zip(rows, fits):
-                if not ok:
-                    row.why["ppl"] = f"n/a: {len(token_ids):,} tokens exceed max_model_len"
-                    continue
-                result = next(results)
-                _fill(row, result.totals, with_reference)
-                row.ppl_by_segment = [math.exp(nll / n) for nll, n in zip(result.segment_nll, result.segment_tokens)]
-            if not with_reference:
-                for row in rows:
-                    row.why.setdefault("kld", f"n/a: no reference (text longer than {ref_len:,} tokens)")
+        if not text:
+            for row in rows:
+                row.why["ppl"] = row.why["kld"] = "not run (--tasks)"
+        elif args.streaming:
+            _score_stream(args, rows, llms, token_ids, advance)
         else:
             for row, totals in zip(rows, harness.score_windows(llms, token_ids, windows, advance)):
                 _fill(row, totals, True)
@@ -241,11 +269,49 @@ def _run_all(args, settings, llms, token_ids, lengths, console) -> list[Row]:
                 else:
                     row.passkey[n] = harness.passkey_accuracy(llm, length_trials)
                 advance()
+        if ruler_samples:
+            _run_ruler(rows, llms, ruler_samples, advance)
     reference_ppl = rows[0].ppl
     for row in rows:
         if row.ppl is not None and reference_ppl is not None:
             row.delta_ppl_pct = 100 * (row.ppl / reference_ppl - 1)
     return rows
+
+
+def _score_stream(args, rows: list[Row], llms, token_ids: list[int], advance) -> None:
+    from kvserve.eval import harness
+
+    fits = [llm.engine.eviction.unbounded_length or len(token_ids) + 2 <= llm.engine.max_model_len for llm in llms]
+    running = [llm for llm, ok in zip(llms, fits) if ok]
+    with_reference = fits[0]
+    results = iter(harness.score_stream(running, token_ids, with_reference, args.segment, advance))
+    for row, ok in zip(rows, fits):
+        if not ok:
+            row.why["ppl"] = f"n/a: {len(token_ids):,} tokens exceed max_model_len"
+            continue
+        result = next(results)
+        _fill(row, result.totals, with_reference)
+        row.ppl_by_segment = [math.exp(nll / n) for nll, n in zip(result.segment_nll, result.segment_tokens)]
+    if not with_reference:
+        for row in rows:
+            row.why.setdefault("kld", f"n/a: no reference (text longer than {llms[0].engine.max_model_len:,} tokens)")
+
+
+def _run_ruler(rows: list[Row], llms, samples_by_length, advance) -> None:
+    """Every setting through every length's samples; averages over what the reference (the first row) passes."""
+    from kvserve.eval.ruler_run import included_pairs, run_length
+
+    for row, llm in zip(rows, llms):
+        row.ruler = RulerScores()
+        for samples in samples_by_length.values():
+            run_length(llm, samples, row.ruler)
+            advance()
+    included = included_pairs(rows[0].ruler)
+    reference_average = rows[0].ruler.average(included)
+    for row in rows:
+        row.ruler_average = row.ruler.average(included)
+        if row.ruler_average is not None and reference_average:
+            row.ruler_vs_reference = row.ruler_average / reference_average
 
 
 def _max_tokens(engine) -> int | None:

@@ -8,11 +8,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.planner.kv_size import HEAD_STREAM_POLICIES as _PER_HEAD
+
 # EngineConfig fields an evaluation may sweep, in the order a setting's label names them
 SWEPT_FIELDS = ("quantization", "kv_cache_dtype", "kv_eviction", "kv_sink_tokens", "kv_recent_tokens", "kv_budget_tokens")
 # the fields that matter only with some eviction policies
-_USED_BY = {"kv_sink_tokens": ("streaming", "h2o"), "kv_recent_tokens": ("streaming", "h2o"),
-            "kv_budget_tokens": ("h2o",)}
+_USED_BY = {"kv_sink_tokens": ("streaming", "h2o", *_PER_HEAD), "kv_recent_tokens": ("streaming", "h2o", *_PER_HEAD),
+            "kv_budget_tokens": ("h2o", *_PER_HEAD)}
 _SHORT = {"kv_sink_tokens": "sinks", "kv_recent_tokens": "recent", "kv_budget_tokens": "budget"}
 
 

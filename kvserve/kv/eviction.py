@@ -6,6 +6,8 @@
   the true one, its distance to the sinks is what it would be with the window right after them.
 - H2O (`h2o`): keep the sinks, the recent window and the blocks that received the most attention ("heavy
   hitters") within `budget_tokens`; positions stay the original ones.
+- Per head (`adakv`, `adakv-knorm`, `perhead`): each (layer, KV head) keeps its own tokens, per token rather than per
+  block, in its own stream of head blocks (HeadBudgetPolicy; kv/head_manager.py).
 
 Eviction is per block (16 tokens): a block is dropped only when no query will read it again (streaming) or when
 its accumulated attention is the lowest among the droppable ones (h2o, summing its tokens' scores: a block
@@ -43,6 +45,11 @@ class EvictionPolicy:
 
     @property
     def needs_attention_scores(self) -> bool:
+        return False
+
+    @property
+    def per_head(self) -> bool:
+        """Whether each (layer, KV head) keeps its own tokens in its own stream (HeadBudgetPolicy)."""
         return False
 
     def max_blocks(self, block_size: int) -> int | None:
@@ -111,8 +118,32 @@ class H2OPolicy(EvictionPolicy):
         return H2OScoredReader(reader, scores)
 
 
+@dataclass(frozen=True)
+class HeadBudgetPolicy(EvictionPolicy):
+    """Per-(layer, KV head) compression (`adakv`: expected attention, AdaKV's budgets; `adakv-knorm`: key norms;
+    `perhead`: expected attention, every head the same count): each head keeps its own tokens in its own stream of
+    head blocks (kv/head_streams.py, kv/head_manager.py), `budget_tokens` per head on average, the sinks, the block
+    being filled and the last `recent_tokens` always."""
+
+    name: str = "adakv"
+    scorer: str = "expected"
+    adaptive: bool = True  # AdaKV's pooled budgets; False: every head of a layer keeps the same count
+
+    @property
+    def per_head(self) -> bool:
+        return True
+
+
+HEAD_POLICIES = {"adakv": ("expected", True), "adakv-knorm": ("knorm", True), "adakv-keydiff": ("keydiff", True),
+                 "perhead": ("expected", False)}
+
+
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:
     """The policy for EngineConfig's kv_eviction options (already validated there)."""
+    if name in HEAD_POLICIES:
+        scorer, adaptive = HEAD_POLICIES[name]
+        return HeadBudgetPolicy(name=name, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                budget_tokens=budget_tokens, scorer=scorer, adaptive=adaptive)
     if name == "streaming":
         return StreamingPolicy(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
     if name == "h2o":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvserve.kv.block_pool import Block, BlockPool
 from kvserve.kv.block_table import BlockCopy, BlockTable, CachedSequence
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy, StreamingPolicy
+from kvserve.kv.head_manager import HeadStreamManager
 
 
 @dataclass(slots=True)
@@ -200,12 +201,14 @@ class EvictingManager(FullAttentionManager):
 
 
 def make_group_managers(pool: BlockPool, block_size: int, windows: Sequence[int | None], eviction: EvictionPolicy,
-                        tile_windows: bool = False) -> list[GroupManager]:
+                        tile_windows: bool = False) -> list[GroupManager | HeadStreamManager]:
     """One manager per layer group: `windows` holds each group's sliding window (None: full attention, under
     `eviction` when it evicts)."""
     def manager(window: int | None) -> GroupManager:
         if window is not None:
             return SlidingWindowManager(pool, block_size, window, tile_windows)
+        if eviction.per_head:
+            return HeadStreamManager(pool, block_size, eviction)
         if eviction.evicts:
             return EvictingManager(pool, block_size, eviction)
         return FullAttentionManager(pool, block_size)

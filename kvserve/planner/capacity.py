@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.planner.kv_size import (
+    HEAD_STREAM_POLICIES,
     PER_TOKEN_HEAD_SCALES,
     KVDtype,
     fixed_state_bytes,
@@ -133,6 +134,12 @@ class KVCachePlan:
         by_kv = self.kv_cache_bytes / self.request_bytes(tokens)
         return by_kv if self.state is None else min(by_kv, self.state.num_slots)
 
+    def context_tokens_per_gib(self, tokens: int | None = None) -> float:
+        """Tokens of context a GiB of KV cache serves for requests of `tokens` (default max_model_len): what an
+        eviction policy's bound on a request's blocks buys."""
+        tokens = tokens or self.max_model_len
+        return tokens * GiB / self.request_bytes(tokens)
+
     @property
     def max_concurrency(self) -> float:
         return self.concurrency(self.max_model_len)
@@ -187,6 +194,10 @@ class KVCachePlan:
         if self.max_blocks_per_request is not None:
             per_request = (f"{self.eviction} eviction, at most {self.max_blocks_per_request:,} blocks per request "
                            "at any length")
+        if self.eviction in HEAD_STREAM_POLICIES:
+            blocks += (f" (as {self.num_blocks * self.spec.num_kv_layers * self.spec.num_kv_heads:,} blocks of one "
+                       f"layer's one KV head: {self.context_tokens_per_gib():,.0f} tokens of context per GiB at "
+                       f"{self.max_model_len:,} tokens)")
         return (
             f"KV cache{f' ({kv_format})' if kv_format else ''}: {blocks}, {self.kv_cache_bytes / GiB:.2f} GiB "
             f"({self.kv_bytes_per_token / KiB:.1f} KiB/token); maximum concurrency for {per_request}: "

@@ -21,6 +21,7 @@ from kvserve.planner.capacity import (
 from kvserve.planner.conversation import plan_conversation
 from kvserve.planner.gpus import GPU_MEMORY_GIB, gpu_memory_bytes
 from kvserve.planner.kv_size import (
+    HEAD_STREAM_POLICIES,
     KV_DTYPE_CHOICES,
     KV_DTYPES,
     KV_SCALES_CHOICES,
@@ -84,13 +85,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overhead-gib", type=float, default=DEFAULT_OVERHEAD_BYTES / GiB, metavar="GIB",
                         help="memory for runtime and activations, neither weights nor KV (default %(default)s)")
     evict = parser.add_argument_group("KV eviction (bounds what one request holds at any length)")
-    evict.add_argument("--kv-eviction", default="none", choices=("none", "streaming", "h2o"),
-                       help="streaming: StreamingLLM sinks + recent window; h2o: heavy hitters within a budget")
+    evict.add_argument("--kv-eviction", default="none", choices=("none", "streaming", "h2o", *HEAD_STREAM_POLICIES),
+                       help="streaming: StreamingLLM sinks + recent window; h2o: heavy hitters within a budget; "
+                       "adakv (adakv-knorm, perhead): each (layer, KV head) keeps its own tokens, budget tokens "
+                       "per head on average, in blocks of one layer's one KV head")
     evict.add_argument("--kv-sink-tokens", type=int, default=4, metavar="N", help="sinks kept (%(default)s)")
     evict.add_argument("--kv-recent-tokens", type=int, default=1024, metavar="N",
                        help="recent window kept (%(default)s)")
     evict.add_argument("--kv-budget-tokens", type=int, default=2048, metavar="N",
-                       help="h2o: tokens kept in all (%(default)s)")
+                       help="h2o: tokens kept in all; adakv: per KV head (%(default)s)")
     hybrid = parser.add_argument_group("hybrid models (linear-attention layers keep a state slot per sequence)")
     hybrid.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
                         help="sequences at once: the engine takes a state slot for each out of the KV budget before "

@@ -167,6 +167,10 @@ def state_slot_bytes(spec: ModelSpec) -> int:
 fixed_state_bytes = state_slot_bytes  # what `kvserve plan` reports per request is what the engine allocates
 
 
+# eviction policies whose pool is blocks of one layer's one KV head (the engine's kv/head_streams.py)
+HEAD_STREAM_POLICIES = ("adakv", "adakv-knorm", "adakv-keydiff", "perhead")
+
+
 def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,
                         block_size: int) -> int | None:
     """The most blocks one sequence holds under a KV eviction policy (between steps), or None when unbounded:
@@ -175,6 +179,9 @@ def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budge
         return round_up_to_blocks(sink_tokens, block_size) + round_up_to_blocks(recent_tokens, block_size) + 1
     if policy == "h2o":
         return round_up_to_blocks(budget_tokens, block_size) + 1
+    if policy in HEAD_STREAM_POLICIES:  # per-(layer, head) streams: a head holds budget_tokens on
+        # average, compressed once a block more has arrived, each stream's last head block partly filled
+        return round_up_to_blocks(budget_tokens, block_size) + 2
     return None
 
 

@@ -1,0 +1,190 @@
+"""Per-(layer, KV head) page streams: the storage and attention read of `--kv-eviction adakv`.
+
+The pool's unit is a block of `block_size` tokens of ONE layer's ONE KV head (a head block): K and V as plain floats
+([head blocks × block_size, head_dim] each) and each slot's token position (int32), which is what the mask compares
+(keys keep the RoPE of their original position, so nothing is rotated again when tokens move). A sequence holds one
+stream per (layer, head), each its own list of head blocks (head_manager.py), so heads keep different tokens and
+different counts and a head's dropped tokens free whole head blocks.
+
+A step is described once by the runner (engine/head_runner.py): the slots every new token goes to in every stream
+([layers, tokens, heads]) and, per attention call, the calls' block tables as one tensor [layers, S, heads, B] with
+the streams' lengths [layers, S, heads]. Attention then gathers one layer's heads in one indexed read and masks each
+head by its own length and by position (causal), no loop over heads. The reader also adds up each sequence's
+queries before RoPE (QueryStats) for the expected-attention scorer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.readers import AttentionReader
+from kvserve.kv.scorers import QueryStats
+from kvserve.planner.layout import KVLayout
+from kvserve.rotation import apply_rotary
+
+FAR_POSITION = 2**30  # a padded query's position: it sees every stored key, so no row is fully masked
+
+
+@dataclass
+class HeadCall:
+    """One attention call over head streams: S sequences' queries padded to Q."""
+
+    query_index: torch.Tensor  # [S, Q] rows of the flat batch (padding: 0)
+    query_positions: torch.Tensor  # [S, Q] (padding: FAR_POSITION)
+    block_tables: torch.Tensor  # [layers, S, heads, B] head block ids (padding: the null block)
+    lengths: torch.Tensor  # [layers, S, heads] tokens each stream holds, this step's included
+    out_rows: torch.Tensor | None  # flat rows of the [S * Q] output that are real queries (None: all)
+    out_tokens: torch.Tensor | None  # the batch rows they go to
+
+
+@dataclass
+class QueryRecord:
+    """Which of a step's tokens add to which sequence's QueryStats: the step's sequences in order, each token's
+    index among them ([T]), and whether it counts ([T]: sink positions are left out, as kvpress does)."""
+
+    request_ids: list[str]
+    sequence_of: torch.Tensor
+    counted: torch.Tensor
+    cos: torch.Tensor  # [T, 1, D] RoPE of each token's position, to take it back off the queries
+    sin: torch.Tensor
+
+
+class HeadStreamKVCache(PagedKVCache):
+    """K/V of `num_blocks` head blocks, each `block_size` tokens of one (layer, KV head), in float storage."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 storage_dtype: torch.dtype | None = None, num_query_heads: int | None = None):
+        super().__init__(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        self.storage_dtype = storage_dtype or dtype
+        self.format_name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                            torch.float16: "float16"}[self.storage_dtype]
+        self.exact = self.storage_dtype == dtype
+        self.null_block = num_blocks  # one block past the pool's, never written: padded table entries read it
+        slots = (num_blocks + 1) * block_size
+        # zeros: masked slots are still multiplied by 0 in attention, which an uninitialised NaN would spread
+        self.k = torch.zeros(slots, head_dim, dtype=self.storage_dtype, device=device)
+        self.v = torch.zeros(slots, head_dim, dtype=self.storage_dtype, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.num_layers_total = len(layout.group_of)
+        self.num_query_heads = num_query_heads or num_kv_heads
+        self.reader = HeadStreamReader(self)
+        self.query_stats: dict[str, QueryStats] = {}
+        self._slots = torch.zeros(0, 0, num_kv_heads, dtype=torch.long)
+        self._record: QueryRecord | None = None
+        self._step_totals = self._step_squares = None
+
+    def describe(self) -> str:
+        """The format and the unit of its pool; each slot's position (int32) is held beside the blocks."""
+        return (f"{self.format_name}, blocks of {self.block_size} tokens of one layer's one KV head "
+                f"({self.num_blocks:,} of them), plus {self.positions.nbytes / 2**20:.1f} MiB of token positions")
+
+    def _block_tensors(self) -> list[torch.Tensor]:
+        pool_slots = self.num_blocks * self.block_size  # the null block is no block of the pool
+        return [self.k[:pool_slots].view(1, pool_slots, -1), self.v[:pool_slots].view(1, pool_slots, -1)]
+
+    # ---- a step ------------------------------------------------------------------------------------------------
+    def begin_head_step(self, slots: torch.Tensor, positions: torch.Tensor, fresh_blocks: list[int],
+                        record: QueryRecord) -> None:
+        """The step's slots [layers, T, heads] and token positions [T]; head blocks newly taken are zeroed first
+        (their old contents are never read, not even masked)."""
+        if fresh_blocks:
+            rows = self._block_rows(torch.tensor(fresh_blocks, device=self.device))
+            self.k[rows] = 0
+            self.v[rows] = 0
+            self.positions[rows] = 0
+        self._slots = slots
+        if slots.numel():
+            self.positions[slots.reshape(-1)] = positions[None, :, None].expand_as(slots).reshape(-1).int()
+        self._record = record
+        num_seqs = len(record.request_ids)
+        shape = (self.num_layers_total, num_seqs, self.num_query_heads, self.head_dim)
+        self._step_totals = torch.zeros(shape)
+        self._step_squares = torch.zeros(shape)
+
+    def begin_step(self, freed_blocks, copies, slot_mappings) -> None:
+        """The base step hook: a head-stream step is described by begin_head_step instead; copies never arise."""
+
+    def end_head_step(self) -> None:
+        """Add the step's queries to each sequence's QueryStats."""
+        record = self._record
+        counts = torch.zeros(len(record.request_ids), dtype=torch.long).index_add_(
+            0, record.sequence_of, record.counted.long())
+        for i, request_id in enumerate(record.request_ids):
+            stats = self.query_stats.get(request_id)
+            if stats is None:
+                stats = self.query_stats[request_id] = QueryStats.empty(self.num_layers_total, self.num_query_heads,
+                                                                        self.head_dim)
+            stats.add(self._step_totals[:, i], self._step_squares[:, i], int(counts[i]))
+        self._record = None
+
+    def forget(self, request_id: str) -> None:
+        self.query_stats.pop(request_id, None)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's new K/V of `layer` ([T, heads, D]) into each head's stream."""
+        slots = self._slots[layer].reshape(-1)
+        self.k.index_copy_(0, slots, k.reshape(-1, self.head_dim).to(self.storage_dtype))
+        self.v.index_copy_(0, slots, v.reshape(-1, self.head_dim).to(self.storage_dtype))
+
+    def record_queries(self, layer: int, q: torch.Tensor) -> None:
+        """Add layer `layer`'s queries ([T, Hq, D], after RoPE) to the step's sums, RoPE taken off."""
+        record = self._record
+        pre = apply_rotary(q.float(), record.cos, -record.sin) * record.counted[:, None, None]
+        self._step_totals[layer].index_add_(0, record.sequence_of, pre)
+        self._step_squares[layer].index_add_(0, record.sequence_of, pre * pre)
+
+    # ---- streams -----------------------------------------------------------------------------------------------
+    def _block_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Every slot of `blocks` ([n]) as flat rows [n * block_size]."""
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)).reshape(-1)
+
+    def gather_streams(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [..., B * block_size, D] and positions [..., B * block_size] of head block tables [..., B]."""
+        blocks_k = self.k.view(-1, self.block_size, self.head_dim)[tables]
+        blocks_v = self.v.view(-1, self.block_size, self.head_dim)[tables]
+        positions = self.positions.view(-1, self.block_size)[tables]
+        flat = (*tables.shape[:-1], tables.shape[-1] * self.block_size)
+        return blocks_k.reshape(*flat, self.head_dim), blocks_v.reshape(*flat, self.head_dim), positions.reshape(flat)
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots `src` to `dst` ([n] flat rows each; all sources read before any destination is written)."""
+        self.k[dst] = self.k[src]
+        self.v[dst] = self.v[src]
+        self.positions[dst] = self.positions[src]
+
+
+class HeadStreamReader(AttentionReader):
+    """A layer's attention over head streams: per call, one gather of every head's blocks, a mask per head from its
+    length and the key positions, one SDPA call with each KV head's query heads as its rows."""
+
+    def __init__(self, cache: HeadStreamKVCache):
+        self.cache = cache
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, calls: list[HeadCall],
+               scale: float) -> torch.Tensor:
+        self.cache.record_queries(layer, q)
+        if len(calls) == 1 and calls[0].out_rows is None:
+            return self.attend_call(q, layer, calls[0], scale).reshape(q.shape)
+        out = torch.empty_like(q)
+        for call in calls:
+            rows = self.attend_call(q, layer, call, scale).reshape(-1, *q.shape[1:])
+            out[call.out_tokens] = rows[call.out_rows] if call.out_rows is not None else rows
+        return out
+
+    def attend_call(self, q: torch.Tensor, layer: int, call: HeadCall, scale: float) -> torch.Tensor:
+        """[S, Q, Hq, D] outputs of one call."""
+        keys, values, key_positions = self.cache.gather_streams(call.block_tables[layer])  # [S, H, K, D]
+        S, H, K, D = keys.shape
+        Q = call.query_index.shape[1]
+        heads = q.shape[1]
+        per_kv = heads // H
+        stored = torch.arange(K, device=keys.device)[None, None, :] < call.lengths[layer][..., None]  # [S, H, K]
+        seen = key_positions[:, :, None, :] <= call.query_positions[:, None, :, None]  # [S, H, Q, K]
+        mask = (stored[:, :, None, :] & seen)[:, :, None].expand(S, H, per_kv, Q, K).reshape(S, H, per_kv * Q, K)
+        queries = q[call.query_index].view(S, Q, H, per_kv, D).permute(0, 2, 3, 1, 4).reshape(S, H, per_kv * Q, D)
+        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                             scale=scale)
+        return out.view(S, H, per_kv, Q, D).permute(0, 3, 1, 2, 4).reshape(S, Q, heads, D)

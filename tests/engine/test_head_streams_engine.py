@@ -1,0 +1,129 @@
+"""`--kv-eviction adakv` inside the engine: with a budget above the sequence it equals the full cache; compressed,
+it never reads a freed head block (they are poisoned with NaN), stays within its budget between steps, and leaks
+nothing under preemption, aborts and n > 1; what it does not run with is refused by name."""
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.head_manager import HeadStreamManager
+from tests.conftest import make_tiny_model
+
+MAX_LEN = 256
+ADAKV = dict(kv_eviction="adakv", kv_sink_tokens=4, kv_recent_tokens=8, kv_budget_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("head_streams"), "llama-gqa")
+
+
+def make(model_dir, **options) -> LLM:
+    return LLM(str(model_dir), **{"kv_cache_memory": "1MiB", "max_model_len": MAX_LEN, "max_num_batched_tokens": 32,
+                                  **options})
+
+
+def greedy(n: int, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **extra)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def scored(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """The prompt's log-probabilities (prefilled in chunks of max_num_batched_tokens, compressing between them)."""
+    return llm.generate(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=-1))[0].prompt_logprobs[1:]
+
+
+def test_a_budget_above_the_sequence_equals_the_full_cache(model_dir):
+    tokens = prompt(100)
+    full, heads = make(model_dir), make(model_dir, **{**ADAKV, "kv_budget_tokens": 200})
+    torch.testing.assert_close(scored(heads, tokens), scored(full, tokens), atol=1e-4, rtol=1e-4)
+    assert heads.generate(tokens, greedy(40))[0].outputs[0].token_ids == \
+        full.generate(tokens, greedy(40))[0].outputs[0].token_ids
+    assert heads.stats()["num_evicted_blocks"] == 0
+
+
+def test_bfloat16_storage_with_room_for_everything_equals_the_bfloat16_full_cache(model_dir):
+    tokens = prompt(60, seed=4)
+    full = make(model_dir, kv_cache_dtype="bfloat16")
+    heads = make(model_dir, kv_cache_dtype="bfloat16", **{**ADAKV, "kv_budget_tokens": 200})
+    assert "bfloat16" in heads.engine.cache.describe()
+    torch.testing.assert_close(scored(heads, tokens), scored(full, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_freed_head_blocks_are_never_read(model_dir, monkeypatch):
+    tokens = prompt(200, seed=1)
+    clean = scored(make(model_dir, **ADAKV), tokens)
+    # a pool this small hands freed head blocks out again: their stale slots must read as zeros, not NaN
+    llm = make(model_dir, kv_cache_memory=8 * make(model_dir).engine.cache_plan.block_bytes, **ADAKV)
+    storage = llm.engine.cache
+    release = HeadStreamManager._release
+
+    def poisoned_release(self, block_ids):
+        rows = storage._block_rows(block_ids)
+        storage.k[rows], storage.v[rows] = float("nan"), float("nan")
+        release(self, block_ids)
+
+    monkeypatch.setattr(HeadStreamManager, "_release", poisoned_release)
+    poisoned = scored(llm, tokens)
+    assert llm.stats()["num_evicted_blocks"] > 0
+    assert bool(poisoned.isfinite().all())
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
+def test_streams_stay_within_the_budget_between_steps(model_dir):
+    llm = make(model_dir, **ADAKV)
+    engine = llm.engine
+    engine.add_request("a", prompt(90, seed=2), greedy(100))
+    manager = engine.kv.groups[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            per_head = manager.streams[seq.request_id].lengths.float().mean(dim=1)
+            assert float(per_head.max()) <= ADAKV["kv_budget_tokens"] + 16
+    assert llm.stats()["num_evicted_blocks"] > 0
+
+
+def test_nothing_leaks_under_preemption_aborts_and_n_above_one(model_dir):
+    llm = make(model_dir, **ADAKV)
+    engine = llm.engine
+    head_block_bytes = engine.cache_plan.block_bytes // (2 * 2)  # 2 layers x 2 KV heads per planned block
+    assert engine.kv.pool.num_blocks * head_block_bytes == engine.cache_plan.kv_cache_bytes
+    tight = make(model_dir, kv_cache_memory=engine.cache_plan.block_bytes * 9, **ADAKV)
+    engine = tight.engine
+    for i, n in enumerate([60, 70, 80]):
+        engine.add_request(f"r{i}", prompt(n, seed=i), greedy(60))
+    engine.add_request("n2", prompt(20, seed=9), SamplingParams(n=2, seed=1, temperature=1.0, max_tokens=40))
+    engine.add_request("gone", prompt(30, seed=8), greedy(200))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 20:
+            engine.abort_request("gone")
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_evicted_blocks"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert engine.cache.query_stats == {}  # every sequence's query statistics went with it
+
+
+@pytest.mark.parametrize("option, value", [("kv_cache_dtype", "int8"), ("compile_decode", True)])
+def test_what_head_streams_do_not_run_with_is_refused_by_name(model_dir, option, value):
+    with pytest.raises(ValueError, match=option):
+        make(model_dir, **ADAKV, **{option: value})
+
+
+def test_a_budget_the_kept_tokens_fill_is_refused(model_dir):
+    with pytest.raises(ValueError, match="kv_budget_tokens=28 leaves no room"):
+        make(model_dir, **{**ADAKV, "kv_budget_tokens": 28})
+
+
+def test_per_head_sequences_stay_out_of_the_prefix_index(model_dir):
+    llm = make(model_dir, **ADAKV)
+    tokens = prompt(100, seed=3)
+    first = llm.generate(tokens, greedy(5))[0].outputs[0].token_ids
+    again = llm.generate(tokens, greedy(5))[0].outputs[0].token_ids
+    stats = llm.stats()
+    assert first == again
+    assert stats["prefix_cache_hits"] == 0 and stats["num_cached_blocks"] == 0

@@ -1,0 +1,20 @@
+"""The plan under per-(layer, KV head) streams: the pool counted in head blocks, and the context a GiB serves when a
+request holds its budget per head instead of every token."""
+from kvserve.planner.capacity import plan_kv_cache
+from kvserve.planner.kv_size import eviction_max_blocks
+from kvserve.planner.loaders import load_model_spec
+from kvserve.planner.units import GiB
+
+
+def test_summary_counts_head_blocks_and_context_tokens_per_gib():
+    spec = load_model_spec("smollm2-135m")
+    bound = eviction_max_blocks("adakv", 4, 32, 1024, 16)
+    plan = plan_kv_cache(spec, GiB, 16, "bf16", 8192, "adakv", bound)
+    full = plan_kv_cache(spec, GiB, 16, "bf16", 8192)
+    line = plan.summary_line()
+    assert f"as {plan.num_blocks * spec.num_kv_layers * spec.num_kv_heads:,} blocks of one layer's one KV head" in line
+    assert f"{plan.context_tokens_per_gib():,.0f} tokens of context per GiB at 8,192 tokens" in line
+    # a request of 8,192 tokens holds (1,024 + 2 blocks) per head instead of 8,192: that many times the context
+    ratio = plan.context_tokens_per_gib() / full.context_tokens_per_gib()
+    assert abs(ratio - 8192 / (bound * 16)) < 1e-6
+    assert "head" not in full.summary_line()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
 
 FILLER = "The grass is green. The sky is blue. The sun is warm. Here we go. There and back again. "
+FILLER_SENTENCES = [sentence + ". " for sentence in FILLER.removesuffix(". ").split(". ")]
 INTRO = ("A long text follows, with a few special numbers hidden in it. Remember each number and what it belongs "
          "to: you will be asked for them at the end.\n\n")
 NEEDLE = "\nThe special number for {key} is {value}.\n"
@@ -129,32 +130,32 @@ GENERATORS: dict[str, Callable[[random.Random, float], Layout]] = {
 }
 
 
-def _text(layout: Layout, repeats: int) -> str:
-    """The filler repeated `repeats` times with each needle after the sentence nearest its depth."""
+def _text(layout: Layout, num_sentences: int) -> str:
+    """`num_sentences` filler sentences with each needle after the sentence nearest its depth."""
     by_slot: dict[int, list[str]] = {}
     for depth, needle in sorted(layout.needles):
-        by_slot.setdefault(round(repeats * depth), []).append(needle)
+        by_slot.setdefault(round(num_sentences * depth), []).append(needle)
     parts = [layout.intro]
-    for slot in range(repeats + 1):
+    for slot in range(num_sentences + 1):
         parts.extend(by_slot.get(slot, []))
-        if slot < repeats:
-            parts.append(FILLER)
+        if slot < num_sentences:
+            parts.append(FILLER_SENTENCES[slot % len(FILLER_SENTENCES)])
     return "".join(parts) + layout.question
 
 
 def fit(tokenizer, layout: Layout, length: int) -> list[int]:
-    """The layout's prompt at most `length` tokens long, with as much filler as fits."""
-    filler_tokens = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
-    fixed = len(tokenizer(_text(layout, 0)).input_ids)
+    """The layout's prompt at most `length` tokens long, with as many filler sentences as fit (a binary search:
+    a sentence's tokens depend on its neighbours)."""
+    tokens = lambda n: tokenizer(_text(layout, n)).input_ids  # noqa: E731
+    fixed = len(tokens(0))
     if fixed > length:
         raise ValueError(f"a {length}-token prompt cannot hold this task's instructions, needles and question "
                          f"({fixed} tokens); ask for longer prompts")
-    repeats = (length - fixed) // filler_tokens
-    while True:
-        token_ids = tokenizer(_text(layout, repeats)).input_ids
-        if len(token_ids) <= length or repeats == 0:
-            return token_ids
-        repeats -= 1
+    low, high = 0, (length - fixed) // 3  # every filler sentence takes at least 3 tokens
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if len(tokens(middle)) <= length else (low, middle - 1)
+    return tokens(low)
 
 
 def make_samples(tokenizer, task: str, length: int, num_samples: int, seed: int) -> list[RulerSample]:

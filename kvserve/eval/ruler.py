@@ -8,8 +8,8 @@ end and the start of the answer after it. The tasks, as RULER defines them:
 - niah_multikey: four needles with different keys; one key is asked for (the others distract).
 - niah_multivalue: four needles with the same key; all four values are asked for.
 - niah_multiquery: four needles with different keys; all four are asked for at once.
-- vt (variable tracking): a chain "VAR A = 12345 ... VAR B = VAR A ..." hidden in the filler; the answer names
-  every variable that holds the value.
+- vt (variable tracking): a chain "VAR A = 12345 ... VAR B = VAR A ..." hidden in the filler, after a short worked
+  example (as RULER gives one); the answer names every variable that holds the value.
 
 A sample's score is the share of its expected strings found in the greedy answer (RULER's string_match_all)."""
 from __future__ import annotations
@@ -26,7 +26,10 @@ INTRO = ("A long text follows, with a few special numbers hidden in it. Remember
          "to: you will be asked for them at the end.\n\n")
 NEEDLE = "\nThe special number for {key} is {value}.\n"
 VT_INTRO = ("A long text follows, with variable assignments hidden in it. Follow the chain of assignments: you "
-            "will be asked which variables hold a value.\n\n")
+            "will be asked which variables hold a value. A short example first:\n"
+            "VAR QQQQQ = 11111.\nThe sky is blue.\nVAR RRRRR = VAR QQQQQ.\nThe sun is warm.\nVAR SSSSS = VAR RRRRR.\n"
+            "Which variables are assigned the value 11111, directly or through other variables? The variables "
+            "assigned the value 11111 are: QQQQQ, RRRRR, SSSSS.\n\nNow the text.\n\n")
 VT_LINE = "\nVAR {name} = {value}.\n"
 
 _ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "happy", "icy", "jolly", "kind",

@@ -26,6 +26,11 @@ once, in the window where it is new. --streaming instead feeds the whole text th
 so a cache policy sees the whole history. KLD is the mean over scored positions of KL(reference || tested);
 top-1 agreement is the share of positions whose most likely next token is unchanged.
 
+--tasks ruler runs RULER-lite instead of (or with, "ppl,ruler") perplexity: needle retrieval (single, multi-key,
+multi-value, multi-query) and variable tracking in prompts of --ruler-lengths tokens, generated from --seed with
+the model's tokenizer, answered greedily; each task's score is the share of expected values found. Tasks the
+reference scores below 60% are shown in brackets and left out of the averages.
+
 What decode would see is what is measured: lossy formats are read back for every query, prefill included,
 and settings with eviction prefill --chunk tokens per step (decode is one), so the policy acts while the
 text is read rather than after it.

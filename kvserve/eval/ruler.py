@@ -8,8 +8,8 @@ end and the start of the answer after it. The tasks, as RULER defines them:
 - niah_multikey: four needles with different keys; one key is asked for (the others distract).
 - niah_multivalue: four needles with the same key; all four values are asked for.
 - niah_multiquery: four needles with different keys; all four are asked for at once.
-- vt (variable tracking): a chain "VAR A = 12345 ... VAR B = VAR A ..." hidden in the filler; the answer names
-  every variable that holds the value.
+- vt (variable tracking): a chain "VAR A = 12345 ... VAR B = VAR A ..." hidden in the filler, after a short worked
+  example (as RULER gives one); the answer names every variable that holds the value.
 
 A sample's score is the share of its expected strings found in the greedy answer (RULER's string_match_all)."""
 from __future__ import annotations
@@ -21,11 +21,15 @@ from dataclasses import dataclass
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
 
 FILLER = "The grass is green. The sky is blue. The sun is warm. Here we go. There and back again. "
+FILLER_SENTENCES = [sentence + ". " for sentence in FILLER.removesuffix(". ").split(". ")]
 INTRO = ("A long text follows, with a few special numbers hidden in it. Remember each number and what it belongs "
          "to: you will be asked for them at the end.\n\n")
 NEEDLE = "\nThe special number for {key} is {value}.\n"
 VT_INTRO = ("A long text follows, with variable assignments hidden in it. Follow the chain of assignments: you "
-            "will be asked which variables hold a value.\n\n")
+            "will be asked which variables hold a value. A short example first:\n"
+            "VAR QQQQQ = 11111.\nThe sky is blue.\nVAR RRRRR = VAR QQQQQ.\nThe sun is warm.\nVAR SSSSS = VAR RRRRR.\n"
+            "Which variables are assigned the value 11111, directly or through other variables? The variables "
+            "assigned the value 11111 are: QQQQQ, RRRRR, SSSSS.\n\nNow the text.\n\n")
 VT_LINE = "\nVAR {name} = {value}.\n"
 
 _ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fancy", "gentle", "happy", "icy", "jolly", "kind",
@@ -129,32 +133,32 @@ GENERATORS: dict[str, Callable[[random.Random, float], Layout]] = {
 }
 
 
-def _text(layout: Layout, repeats: int) -> str:
-    """The filler repeated `repeats` times with each needle after the sentence nearest its depth."""
+def _text(layout: Layout, num_sentences: int) -> str:
+    """`num_sentences` filler sentences with each needle after the sentence nearest its depth."""
     by_slot: dict[int, list[str]] = {}
     for depth, needle in sorted(layout.needles):
-        by_slot.setdefault(round(repeats * depth), []).append(needle)
+        by_slot.setdefault(round(num_sentences * depth), []).append(needle)
     parts = [layout.intro]
-    for slot in range(repeats + 1):
+    for slot in range(num_sentences + 1):
         parts.extend(by_slot.get(slot, []))
-        if slot < repeats:
-            parts.append(FILLER)
+        if slot < num_sentences:
+            parts.append(FILLER_SENTENCES[slot % len(FILLER_SENTENCES)])
     return "".join(parts) + layout.question
 
 
 def fit(tokenizer, layout: Layout, length: int) -> list[int]:
-    """The layout's prompt at most `length` tokens long, with as much filler as fits."""
-    filler_tokens = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
-    fixed = len(tokenizer(_text(layout, 0)).input_ids)
+    """The layout's prompt at most `length` tokens long, with as many filler sentences as fit (a binary search:
+    a sentence's tokens depend on its neighbours)."""
+    tokens = lambda n: tokenizer(_text(layout, n)).input_ids  # noqa: E731
+    fixed = len(tokens(0))
     if fixed > length:
         raise ValueError(f"a {length}-token prompt cannot hold this task's instructions, needles and question "
                          f"({fixed} tokens); ask for longer prompts")
-    repeats = (length - fixed) // filler_tokens
-    while True:
-        token_ids = tokenizer(_text(layout, repeats)).input_ids
-        if len(token_ids) <= length or repeats == 0:
-            return token_ids
-        repeats -= 1
+    low, high = 0, (length - fixed) // 3  # every filler sentence takes at least 3 tokens
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if len(tokens(middle)) <= length else (low, middle - 1)
+    return tokens(low)
 
 
 def make_samples(tokenizer, task: str, length: int, num_samples: int, seed: int) -> list[RulerSample]:

@@ -86,7 +86,7 @@ def print_ruler_tables(labels: list[str], results: list[RulerScores], plan: Rule
     console = Console(width=160)
     included = included_pairs(results[0])
     for n in plan.lengths:
-        table = Table(title=f"RULER-lite, {n:,}-token prompts, {plan.samples} samples per task (seed {plan.seed})")
+        table = Table(title=f"RULER-lite, {n:,}-token prompts, {plan.samples} per task, seed {plan.seed}")
         for column in ("setting", *plan.tasks, "average", "vs reference"):
             table.add_column(column, justify="left" if column == "setting" else "right")
         length_included = [pair for pair in included if pair[0] == n]

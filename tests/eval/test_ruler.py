@@ -2,10 +2,10 @@
 text where the task puts it, the question at the end; the scorer gives the share of expected strings found."""
 import pytest
 
-from kvserve.eval.ruler import FILLER, TASKS, make_samples, score
+from kvserve.eval.ruler import TASKS, make_samples, score
 from tests.conftest import char_tokenizer
 
-TOLERANCE_TOKENS = len(FILLER) + 2  # the char tokenizer: one token per character; one filler sentence group
+TOLERANCE_TOKENS = 24  # the char tokenizer: one token per character; one filler sentence
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ class LLM:
         conversations = [messages] if single else messages
         tool_request, template_tools = None, None
         if tools is not None or tool_choice is not None:
-            tool_format = tool_parsers.choose(tool_call_parser, getattr(self.engine.tokenizer, "chat_template", None))
+            tool_format = tool_parsers.for_tokenizer(tool_call_parser, self.engine.tokenizer, self.engine.eos_token_ids)
             tool_request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls, tool_format)
             conversations = [tool_request.messages(c) for c in conversations]
             template_tools = tool_request.template_tools()

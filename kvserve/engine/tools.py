@@ -81,11 +81,11 @@ class ToolRequest:
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """An answer's text outside its calls, and the calls (none when tools take no part)."""
-        return (text, []) if self.mode == "none" else self.format.parse(text)
+        return (text, []) if self.mode == "none" else self.format.parse(self.format.trim(text))
 
     def calls(self, text: str) -> list[dict[str, str]] | None:
         """The calls parsed out of an answer as {"id", "name", "arguments"}; None when tools take no part."""
-        return None if self.mode == "none" else [call.as_dict() for call in self.format.parse(text)[1]]
+        return None if self.mode == "none" else [call.as_dict() for call in self.parse(text)[1]]
 
 
 def _function(tool: Any, index: int) -> dict[str, Any]:

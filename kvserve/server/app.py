@@ -58,7 +58,7 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     # Each needs the other: the metrics read the engine thread's stats, the engine thread feeds the metrics.
     metrics = ServerMetrics(model_name, lambda: async_engine.stats(), engine.kv_cache_info())
     async_engine = AsyncEngine(engine, max_waiting, metrics.observe)
-    tool_format = tool_parsers.choose(tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+    tool_format = tool_parsers.for_tokenizer(tool_call_parser, engine.tokenizer, engine.eos_token_ids)
     ctx = ServingContext(async_engine, model_name, engine.tokenizer, chat_content_special_tokens, tool_format,
                          auto_tool_choice)
     history = StatsHistory(async_engine.stats)

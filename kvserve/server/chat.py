@@ -146,6 +146,7 @@ async def _chunks(ctx: ServingContext, req: ChatCompletionRequest, tool_request:
                     if parsers[c.index] is None:
                         yield {**head, "choices": [_delta(c.index, {"content": text}, logprobs, c)], **extra}
                         continue
+                    text = tool_request.format.trim(text) if c.finished else text
                     for choice in _tool_deltas(parsers[c.index], c, text, logprobs):
                         yield {**head, "choices": [choice], **extra}
     if req.include_usage:

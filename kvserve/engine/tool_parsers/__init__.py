@@ -20,10 +20,20 @@ PARSER_NAMES = ("auto", *FORMATS)
 _TEMPLATE_MARKERS = (("deepseek_v3", ("tool▁calls▁begin",)), ("hermes", ("<tool_call>",)),
                      ("llama3_json", ('"parameters"', "<|python_tag|>", "ipython")))
 
-__all__ = ["FORMATS", "PARSER_NAMES", "StreamParser", "ToolCall", "ToolFormat", "choose", "renders_tools"]
+__all__ = ["FORMATS", "PARSER_NAMES", "StreamParser", "ToolCall", "ToolFormat", "choose", "for_tokenizer",
+           "renders_tools"]
 
 
-def choose(parser: str, chat_template: str | None) -> ToolFormat:
+def for_tokenizer(parser: str, tokenizer, eos_token_ids: frozenset[int] = frozenset()) -> ToolFormat:
+    """`choose` for a model's tokenizer: its chat template, and its end-of-sequence tokens' text (which an answer
+    decoded with its special tokens ends with)."""
+    if tokenizer is None:
+        return choose(parser, None)
+    ends = tuple(tokenizer.decode([token_id], skip_special_tokens=False) for token_id in sorted(eos_token_ids))
+    return choose(parser, getattr(tokenizer, "chat_template", None), ends)
+
+
+def choose(parser: str, chat_template: str | None, end_texts: tuple[str, ...] = ()) -> ToolFormat:
     """The format named `parser` ("auto": the one the chat template writes, else kvserve's default), knowing
     whether the template renders the tools itself; a ValueError names the fix."""
     if parser != "auto" and parser not in FORMATS:
@@ -33,7 +43,7 @@ def choose(parser: str, chat_template: str | None) -> ToolFormat:
         parser = _template_format(chat_template) if native else "hermes"
         native = native and parser is not None
         parser = parser or "hermes"
-    return FORMATS[parser](native)
+    return FORMATS[parser](native, end_texts)
 
 
 def renders_tools(chat_template: str | None) -> bool:

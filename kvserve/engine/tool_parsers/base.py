@@ -56,11 +56,19 @@ class ToolFormat:
     keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens the answer's text must keep
     arguments_as_text: ClassVar[bool] = False  # the template takes an earlier call's arguments as JSON text
 
-    def __init__(self, native: bool):
+    def __init__(self, native: bool, end_texts: tuple[str, ...] = ()):
         if not native and not self.writes_instructions:
             raise ValueError(f"--tool-call-parser {self.name} needs a chat template that renders tools, and this "
                              f"model's does not; use --tool-call-parser hermes (kvserve's default format)")
-        self.native = native
+        self.native, self.end_texts = native, end_texts
+
+    def trim(self, text: str) -> str:
+        """A finished answer without the end-of-sequence token's text, which it keeps where the format keeps
+        special tokens."""
+        for end in self.end_texts if self.keeps_special_tokens else ():
+            if end and text.endswith(end):
+                return text[:-len(end)]
+        return text
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The text outside calls, and the calls that parse; a call that does not parse stays in the text."""

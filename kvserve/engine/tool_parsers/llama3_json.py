@@ -1,6 +1,7 @@
 """Llama 3.x JSON calls, as the Llama 3.1-3.3 templates ask for them: the whole answer is
-`{"name": ..., "parameters": {...}}` (several joined by "; "), possibly after `<|python_tag|>`. An answer that
-does not start that way, or does not parse all through, is content."""
+`{"name": ..., "parameters": {...}}` (several joined by "; "), possibly after `<|python_tag|>` (a special token,
+skipped like the others unless the request keeps them). An answer that does not start that way, or does not
+parse all through, is content."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,6 @@ SEPARATOR = "; "
 
 class Llama3Json(ToolFormat):
     name = "llama3_json"
-    keeps_special_tokens = True  # <|python_tag|> is one
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         calls = parse_calls(text)

@@ -72,6 +72,20 @@ def test_required_with_a_tool_result_turn_and_auto(client):
     assert message.tool_calls is None or all(c.function.name in ("add", "noop") for c in message.tool_calls)
 
 
+def test_a_call_cut_by_max_tokens_is_content_with_finish_reason_length(client):
+    choice = {"type": "function", "function": {"name": "add"}}
+    answer = client.chat.completions.create(messages=USER, tools=TOOLS, tool_choice=choice, seed=6,
+                                            **{**SAMPLED, "max_tokens": 6})
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "length" and message.tool_calls is None
+    assert message.content.startswith('{"name": "add"')  # the raw text generated so far
+    with client.chat.completions.stream(messages=USER, tools=TOOLS, tool_choice=choice, seed=6,
+                                        **{**SAMPLED, "max_tokens": 6}) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "length" and not final.choices[0].message.tool_calls
+    assert final.choices[0].message.content == message.content
+
+
 def test_without_auto_tool_choice_auto_is_a_400_and_required_still_works(model_dir):
     with serve_tiny(model_dir, ENGINE_OPTIONS, auto_tool_choice=False) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -79,11 +79,11 @@ def test_a_call_cut_by_max_tokens_is_content_with_finish_reason_length(client):
     message = answer.choices[0].message
     assert answer.choices[0].finish_reason == "length" and message.tool_calls is None
     assert message.content.startswith('{"name": "add"')  # the raw text generated so far
-    with client.chat.completions.stream(messages=USER, tools=TOOLS, tool_choice=choice, seed=6,
-                                        **{**SAMPLED, "max_tokens": 6}) as stream:
-        final = stream.get_final_completion()
-    assert final.choices[0].finish_reason == "length" and not final.choices[0].message.tool_calls
-    assert final.choices[0].message.content == message.content
+    chunks = list(client.chat.completions.create(messages=USER, tools=TOOLS, tool_choice=choice, seed=6,
+                                                 stream=True, **{**SAMPLED, "max_tokens": 6}))
+    deltas = [chunk.choices[0] for chunk in chunks]
+    assert deltas[-1].finish_reason == "length" and not any(d.delta.tool_calls for d in deltas)
+    assert "".join(d.delta.content or "" for d in deltas) == message.content  # held back, then sent as content
 
 
 def test_without_auto_tool_choice_auto_is_a_400_and_required_still_works(model_dir):

@@ -17,12 +17,14 @@ class ChatTemplateError(ValueError):
     """The model's chat template cannot render these messages as asked."""
 
 
-def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
-    """The prompt text: the conversation through the model's chat template, ending where the assistant speaks."""
+def render_chat(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> str:
+    """The prompt text: the conversation through the model's chat template, ending where the assistant speaks;
+    `tools` go to a template that renders them (kvserve/engine/tools.py)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model has no chat template; use generate() with a plain prompt")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools is not None else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from exc
 
@@ -32,12 +34,13 @@ def needs_segments(tokenizer, messages: list[dict[str, str]]) -> bool:
     return any(_special_text(tokenizer).search(m["content"]) for m in messages)
 
 
-def rendered_segments(tokenizer, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+def rendered_segments(tokenizer, messages: list[dict[str, str]],
+                      tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """The rendered prompt cut into (text, is message content) pieces: the template runs over placeholders that
     are then replaced by each message's content, so nothing in a content can become template."""
     nonce = secrets.token_hex(8)
     marks = [f"[kvserve-content-{nonce}-{i}]" for i in range(len(messages))]
-    rendered = render_chat(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)])
+    rendered = render_chat(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)], tools)
     pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
     found = pieces[1::2]
     if found != [mark for mark in marks if mark in found]:  # each at most once, in order

@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvserve.config import EngineConfig
+from kvserve.engine import tool_parsers
 from kvserve.engine.beam_search import BeamSearchOutput, beam_search
 from kvserve.engine.chat_prompt import needs_segments, render_chat, rendered_segments, segment_token_ids
 from kvserve.engine.llm_engine import LLMEngine
@@ -70,19 +71,23 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
+        tool_call_parser: str = "auto",
     ) -> RequestOutput | list[RequestOutput]:
         """Apply the model's chat template and generate the assistant's reply (one conversation or a list). With
-        `tools` (OpenAI's shapes, in kvserve's default format: kvserve/engine/tools.py) each sample's parsed calls
-        are in its `tool_calls`; "required" or a named `tool_choice` constrains the reply to valid calls."""
+        `tools` (OpenAI's shapes, in the format `tool_call_parser` names, "auto": the chat template's own, else
+        kvserve's default: kvserve/engine/tool_parsers/) each sample's parsed calls are in its `tool_calls`;
+        "required" or a named `tool_choice` constrains the reply to valid calls."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else messages
-        tool_request = None
+        tool_request, template_tools = None, None
         if tools is not None or tool_choice is not None:
-            tool_request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls)
+            tool_format = tool_parsers.for_tokenizer(tool_call_parser, self.engine.tokenizer, self.engine.eos_token_ids)
+            tool_request = ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls, tool_format)
             conversations = [tool_request.messages(c) for c in conversations]
+            template_tools = tool_request.template_tools()
             sampling_params = self._with_tool_grammar(sampling_params, tool_request)
         salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
-        prompts = [{**self._chat_prompt(c), **salt} for c in conversations]
+        prompts = [{**self._chat_prompt(c, template_tools), **salt} for c in conversations]
         outputs = self.generate(prompts, sampling_params)
         if tool_request is not None:
             for completion in (c for output in outputs for c in output.outputs):
@@ -92,31 +97,35 @@ class LLM:
     def _with_tool_grammar(self, params: SamplingParams | Seq[SamplingParams] | None,
                            tool_request: ToolRequest) -> SamplingParams | list[SamplingParams]:
         """`params` constrained to the tool calls a "required" or named tool_choice allows, the grammar compiled
-        first so a parameters schema it cannot enforce is refused before anything runs."""
+        first so a parameters schema it cannot enforce is refused before anything runs; the text keeps special
+        tokens where the format's markers are special tokens."""
         many = params is not None and not isinstance(params, SamplingParams)
         params_list = list(params) if many else [params or SamplingParams()]
-        if tool_request.mode != "none" and any(p.structured_outputs is not None for p in params_list):
-            raise ValueError("structured_outputs with tools needs tool_choice 'none'")
-        constraint = tool_request.constraint()
-        if constraint is None:
+        if tool_request.mode == "none":
             return params_list if many else params_list[0]
-        try:
-            self.engine.grammar(constraint)
-        except ValueError as exc:
-            raise ValueError(f"tools: {exc}") from exc
-        constrained = [dataclasses.replace(p, structured_outputs=constraint) for p in params_list]
-        return constrained if many else constrained[0]
+        if any(p.structured_outputs is not None for p in params_list):
+            raise ValueError("structured_outputs with tools needs tool_choice 'none'")
+        changes = {"skip_special_tokens": False} if tool_request.format.keeps_special_tokens else {}
+        constraint = tool_request.constraint()
+        if constraint is not None:
+            try:
+                self.engine.grammar(constraint)
+            except ValueError as exc:
+                raise ValueError(f"tools: {exc}") from exc
+            changes["structured_outputs"] = constraint
+        adjusted = [dataclasses.replace(p, **changes) for p in params_list]
+        return adjusted if many else adjusted[0]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return render_chat(self.engine.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> str:
+        return render_chat(self.engine.tokenizer, messages, tools)
 
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> dict:
+    def _chat_prompt(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> dict:
         """The rendered template holds its own special tokens (BOS): none are added; message content is text
         (special-token text in it stays plain characters: kvserve/engine/chat_prompt.py)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not needs_segments(tokenizer, messages):
-            return {"prompt": self.apply_chat_template(messages), "add_special_tokens": False}
-        return {"prompt_token_ids": segment_token_ids(tokenizer, rendered_segments(tokenizer, messages))}
+            return {"prompt": self.apply_chat_template(messages, tools), "add_special_tokens": False}
+        return {"prompt_token_ids": segment_token_ids(tokenizer, rendered_segments(tokenizer, messages, tools))}
 
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()

@@ -1,159 +1,26 @@
-"""Tool calling in kvserve's default format, Hermes-style: the tools and how to call them are written into the
-system turn, the model answers with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, which are
-parsed into tool calls; "required" and a named function are constrained by a grammar (a Lark grammar over the
-functions' JSON schemas) so every call parses and matches its function's parameters. Earlier tool calls and tool
-results in the conversation are written back in the same format, so any chat template renders them. The format is
-model-independent and shared: the offline `LLM.chat(..., tools=...)` uses it through `ToolRequest`, the server
-(kvserve/server/chat.py) writes the calls in OpenAI's HTTP shape."""
+"""One chat request's tools, in OpenAI's shapes, through a tool-call format (kvserve/engine/tool_parsers/): the
+conversation as the chat template gets it (the template renders the tools and earlier calls itself when it can,
+else kvserve's default format writes them as text), the grammar of a "required" or named answer, and the calls
+parsed out of an answer. The offline `LLM.chat(..., tools=...)` and the server (kvserve/server/chat.py) share it."""
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.structured import JSON_OPTIONS
+from kvserve.engine.tool_parsers import ToolCall, ToolFormat, hermes
+from kvserve.engine.tool_parsers.hermes import Hermes
 from kvserve.sampling_params import StructuredOutputsParams
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
-INSTRUCTIONS = (
-    "You may call one or more functions to help with the user's request. The functions are given as JSON "
-    "schemas inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
-    "To call a function, answer with a JSON object holding its name and arguments inside <tool_call></tool_call> "
-    "tags, one block per call:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
-    "</tool_call>"
-)
+__all__ = ["ToolCall", "ToolRequest", "with_tools"]
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def as_dict(self) -> dict[str, str]:
-        """{"id", "name", "arguments"}: what the offline API's CompletionOutput.tool_calls holds."""
-        return {"id": self.id, "name": self.name, "arguments": self.arguments}
-
-
-def system_prompt(functions: list[dict[str, Any]]) -> str:
-    """The instructions the system turn gets for these functions ({"name", "description", "parameters"} each)."""
-    return INSTRUCTIONS.format(tools="\n".join(json.dumps({"type": "function", "function": f}) for f in functions))
-
-
-def with_tools(messages: list[dict[str, str]], functions: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The conversation with the tool instructions at the start of its system turn (a new one if it has none)."""
-    instructions = system_prompt(functions)
+def with_tools(messages: list[dict[str, Any]], functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with kvserve's tool instructions at the start of its system turn (a new one if none)."""
+    instructions = hermes.system_prompt(functions)
     if messages and messages[0]["role"] in ("system", "developer"):
         return [{**messages[0], "content": instructions + "\n\n" + messages[0]["content"]}, *messages[1:]]
     return [{"role": "system", "content": instructions}, *messages]
-
-
-def call_text(name: str, arguments: str) -> str:
-    """One earlier call as the model would have written it (an assistant message's tool_calls)."""
-    try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"tool call {name!r} has arguments that are not JSON: {exc}") from exc
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': parsed})}\n{CLOSE}"
-
-
-def result_text(content: str) -> str:
-    """A tool's result as the user turn that hands it back."""
-    return f"<tool_response>\n{content}\n</tool_response>"
-
-
-def call_grammar(functions: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
-    """A Lark grammar (llguidance's dialect) for one call, or one or more with `parallel`, of these functions."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]},
-                             "arguments": f.get("parameters") or {"type": "object"}}} for f in functions]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    repeat = ' ("\\n" call)*' if parallel else ""
-    lark = (f"start: call{repeat}\n"
-            f"call: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\n"
-            f"body: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}\n")
-    return StructuredOutputsParams(grammar=lark)
-
-
-def parse(text: str) -> tuple[str, list[ToolCall]]:
-    """The text outside tool-call blocks, and the calls whose blocks parse as {"name": str, "arguments": object}.
-    A block that does not parse stays in the text."""
-    calls, kept, end = [], [], 0
-    for match in _CALL.finditer(text):
-        call = _parsed(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[end:match.start()])
-        calls.append(call)
-        end = match.end()
-    kept.append(text[end:])
-    return "".join(kept).strip() if calls else text, calls
-
-
-def _parsed(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
-        return None
-    arguments = value.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-@dataclass
-class StreamParser:
-    """Splits one choice's streamed text into content and tool calls as they complete: text that may open a
-    `<tool_call>` block is held back until it does or cannot."""
-
-    buffer: str = ""
-    num_calls: int = 0
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Content that is certainly not a call, and the calls completed by `text`."""
-        self.buffer += text
-        content, calls = [], []
-        while True:
-            start = self.buffer.find(OPEN)
-            if start < 0:
-                keep = _partial_open(self.buffer)
-                content.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
-            end = self.buffer.find(CLOSE, start)
-            if end < 0:
-                content.append(self.buffer[:start])
-                self.buffer = self.buffer[start:]
-                break
-            call = _parsed(self.buffer[start + len(OPEN):end].strip())
-            block_end = end + len(CLOSE)
-            if call is None:
-                content.append(self.buffer[:block_end])
-            else:
-                content.append(self.buffer[:start])
-                calls.append(call)
-            self.buffer = self.buffer[block_end:]
-        self.num_calls += len(calls)
-        joined = "".join(content)
-        return (joined.strip() if self.num_calls else joined), calls
-
-    def flush(self) -> str:
-        """What was held back, once the choice has finished (an unclosed block cut by max_tokens)."""
-        rest, self.buffer = self.buffer, ""
-        return rest
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of `text` could begin `<tool_call>`."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -164,16 +31,18 @@ TOOL_CHOICE = "tool_choice must be 'none', 'auto', 'required' or {'type': 'funct
 @dataclass(frozen=True)
 class ToolRequest:
     """One chat request's tools in OpenAI's shapes, checked once: the functions ({"name", "description",
-    "parameters"}), how they take part ("none", "auto", "required" or "named"), the named function, and whether a
-    required answer may hold several calls. The offline `LLM.chat(..., tools=...)` builds one."""
+    "parameters"}), how they take part ("none", "auto", "required" or "named"), the named function, whether a
+    required answer may hold several calls, and the tool-call format they are written and parsed in."""
 
     functions: tuple[dict[str, Any], ...]
     mode: str
     name: str | None = None
     parallel: bool = True
+    format: ToolFormat = field(default_factory=lambda: Hermes(native=False))
 
     @classmethod
-    def from_openai(cls, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = True) -> ToolRequest:
+    def from_openai(cls, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = True,
+                    tool_format: ToolFormat | None = None) -> ToolRequest:
         """`tools`, `tool_choice` and `parallel_tool_calls` as OpenAI's API takes them; a ValueError names what is
         wrong."""
         if tools is not None and not isinstance(tools, (list, tuple)):
@@ -186,24 +55,37 @@ class ToolRequest:
         if not isinstance(parallel_tool_calls, bool):
             raise ValueError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}")
         mode, name = _mode(tool_choice, names)
-        return cls(functions, mode, name, parallel_tool_calls)
+        return cls(functions, mode, name, parallel_tool_calls, tool_format or Hermes(native=False))
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The conversation as the chat template gets it: earlier calls and tool results as text, and the tool
-        instructions in the system turn unless the mode is "none"."""
+        """The conversation as the chat template gets it. A template that renders tools gets earlier calls and tool
+        results in HF's shapes (and the tools through `template_tools`); any other gets them as kvserve's text, and
+        the tool instructions in its system turn unless the mode is "none"."""
+        if self.format.native:
+            return [_native_turn(message, index, self.format) for index, message in enumerate(messages)]
         turns = [_template_turn(message, index) for index, message in enumerate(messages)]
         return with_tools(turns, list(self.functions)) if self.mode != "none" else turns
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The `tools` a chat template that renders them gets; None when it does not, or the mode is "none"."""
+        if not self.format.native or self.mode == "none":
+            return None
+        return [{"type": "function", "function": f} for f in self.functions]
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar of "required" (any function) and "named" (that one) answers; None for "none" and "auto"."""
         if self.mode in ("none", "auto"):
             return None
         functions = [f for f in self.functions if self.mode == "required" or f["name"] == self.name]
-        return call_grammar(functions, self.parallel and self.mode == "required")
+        return self.format.grammar(functions, self.parallel and self.mode == "required")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """An answer's text outside its calls, and the calls (none when tools take no part)."""
+        return (text, []) if self.mode == "none" else self.format.parse(self.format.trim(text))
 
     def calls(self, text: str) -> list[dict[str, str]] | None:
         """The calls parsed out of an answer as {"id", "name", "arguments"}; None when tools take no part."""
-        return None if self.mode == "none" else [call.as_dict() for call in parse(text)[1]]
+        return None if self.mode == "none" else [call.as_dict() for call in self.parse(text)[1]]
 
 
 def _function(tool: Any, index: int) -> dict[str, Any]:
@@ -255,7 +137,7 @@ def _template_turn(message: Any, index: int) -> dict[str, Any]:
     if message.get("role") == "tool":
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{index}]: a tool message holds the tool's result as text in 'content'")
-        return {"role": "user", "content": result_text(message["content"])}
+        return {"role": "user", "content": hermes.result_text(message["content"])}
     turn = {key: value for key, value in message.items() if key != "tool_calls"}
     calls = message.get("tool_calls")
     if not calls:
@@ -274,6 +156,24 @@ def _earlier_call(call: Any, index: int) -> str:
         raise ValueError(f"messages[{index}].tool_calls: each call is {{'id': ..., 'type': 'function', "
                          f"'function': {{'name': ..., 'arguments': JSON text}}}}, got {call!r}")
     try:
-        return call_text(function["name"], function["arguments"])
+        return hermes.call_text(function["name"], function["arguments"])
     except ValueError as exc:
         raise ValueError(f"messages[{index}]: {exc}") from exc
+
+
+def _native_turn(message: Any, index: int, tool_format: ToolFormat) -> dict[str, Any]:
+    """One message in HF's shapes for a chat template that renders tools: a tool's result stays a "tool" turn, an
+    assistant's earlier calls stay `tool_calls` (arguments as the format's template takes them)."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+    if message.get("role") == "tool" and not isinstance(message.get("content"), str):
+        raise ValueError(f"messages[{index}]: a tool message holds the tool's result as text in 'content'")
+    calls = message.get("tool_calls")
+    if not calls:
+        return {**message, "content": message.get("content") or ""}
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        raise ValueError(f"messages[{index}]: 'tool_calls' belongs to assistant messages, as a list")
+    for call in calls:
+        _earlier_call(call, index)  # checks the shape and that the arguments are JSON
+    return {**message, "content": message.get("content") or "",
+            "tool_calls": [tool_format.template_call(call) for call in calls]}

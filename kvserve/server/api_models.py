@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI API as pydantic models, strict about types, and their parsing at the edge."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -10,7 +11,9 @@ import numpy as np
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from kvserve.engine import tools as tool_format
+from kvserve.engine.tool_parsers import ToolFormat
+from kvserve.engine.tool_parsers.hermes import Hermes
+from kvserve.engine.tools import ToolRequest
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.errors import APIError, bad_request
 
@@ -207,21 +210,19 @@ class ChatMessage(_Strict):
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def to_template(self) -> dict[str, str]:
-        """The plain {"role", "content"} a chat template expects; text parts are joined by newlines. Earlier tool
-        calls and tool results are written in kvserve's tool format (engine/tools.py) as assistant and user text."""
+    def to_template(self) -> dict[str, Any]:
+        """The message as a dict in OpenAI's shape, text parts joined by newlines; kvserve/engine/tools.py writes
+        earlier tool calls and tool results the way the model's tool format takes them."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        content = content or ""
-        if self.role == "tool":
-            return {"role": "user", "content": tool_format.result_text(content)}
-        if self.tool_calls:
-            calls = [tool_format.call_text(c.function.name, c.function.arguments) for c in self.tool_calls]
-            content = "\n".join([content, *calls] if content else calls)
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     def check(self, index: int) -> None:
@@ -250,14 +251,18 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_request: ToolRequest | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise bad_request(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs, structured_outputs=self._constraint())
+        tool_request = tool_request or self.tool_request()
+        params = self._sampling_params(max_tokens, logprobs, structured_outputs=self._constraint(tool_request))
+        if tool_request.mode != "none" and tool_request.format.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the format's markers are special
+        return params
 
     @property
     def tool_mode(self) -> str:
@@ -269,24 +274,30 @@ class ChatCompletionRequest(_GenerationRequest):
         choice = self.tool_choice or "auto"  # OpenAI's default when tools are given
         return choice if isinstance(choice, str) else "named"
 
-    def functions(self) -> list[dict[str, Any]]:
-        """The tools' functions as {"name", "description", "parameters"}, names checked to be unique."""
+    def tool_request(self, tool_format: ToolFormat | None = None) -> ToolRequest:
+        """The request's tools checked (unique names, a named function that is among them) in `tool_format`
+        (kvserve's default when None)."""
+        mode = self.tool_mode
         functions = [f.function.model_dump(exclude_none=True, exclude={"strict"}) for f in self.tools or []]
         names = [f["name"] for f in functions]
         if len(set(names)) != len(names):
             raise bad_request("tools have two functions of the same name", "tools")
-        return functions
+        name = self.tool_choice.function.name if mode == "named" else None
+        if mode == "named" and name not in names:
+            raise bad_request(f"tool_choice names function {name!r}, which is not in tools",
+                              "tool_choice.function.name")
+        return ToolRequest(tuple(functions), mode, name, self.parallel_tool_calls,
+                           tool_format or Hermes(native=False))
 
-    def messages_for_template(self) -> list[dict[str, str]]:
-        """The messages as the chat template gets them: tool turns as text, the tool instructions in the system
-        turn when tools take part."""
+    def messages_for_template(self, tool_request: ToolRequest) -> list[dict[str, Any]]:
+        """The messages as the chat template gets them, tool turns written in the request's tool format (a
+        ValueError names a message whose tool call is not JSON)."""
         for index, message in enumerate(self.messages):
             message.check(index)
-        messages = [m.to_template() for m in self.messages]
-        return tool_format.with_tools(messages, self.functions()) if self.tool_mode != "none" else messages
+        return tool_request.messages([m.to_template() for m in self.messages])
 
-    def _constraint(self) -> StructuredOutputsParams | None:
-        mode = self.tool_mode
+    def _constraint(self, tool_request: ToolRequest) -> StructuredOutputsParams | None:
+        mode = tool_request.mode
         if mode in ("none", "auto"):
             if mode == "auto" and self.constraint() is not None:
                 raise bad_request("response_format (or structured_outputs) with tools needs tool_choice 'none'",
@@ -295,13 +306,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.constraint() is not None:
             raise bad_request(f"response_format (or structured_outputs) cannot be combined with tool_choice "
                               f"{mode!r}", "response_format")
-        functions = self.functions()
-        if mode == "named":
-            functions = [f for f in functions if f["name"] == self.tool_choice.function.name]
-            if not functions:
-                raise bad_request(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
-                                  f"in tools", "tool_choice.function.name")
-        return tool_format.call_grammar(functions, self.parallel_tool_calls and mode == "required")
+        return tool_request.constraint()
 
     def as_sent(self, error: APIError) -> APIError:
         """`error` naming the field the client sent: the engine's max_tokens is max_completion_tokens when that was

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
+from kvserve.engine import tool_parsers
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server.api_models import ChatCompletionRequest, CompletionRequest, parse_request
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING, AsyncEngine
@@ -34,7 +35,8 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
               max_waiting: int = DEFAULT_MAX_WAITING, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               allowed_hosts: Sequence[str] = (), chat_content_special_tokens: bool = False,
               kv_blocks_max_age_s: float = KV_BLOCKS_MAX_AGE_S,
-              metrics_max_age_s: float = METRICS_MAX_AGE_S) -> FastAPI:
+              metrics_max_age_s: float = METRICS_MAX_AGE_S, tool_call_parser: str = "auto",
+              auto_tool_choice: bool = True) -> FastAPI:
     """An app serving `engine` as `served_model_name`; the engine thread (app.state.engine) runs while the app's
     lifespan does. With `api_key`, every route but /health, /metrics and /version needs `Authorization: Bearer
     <api_key>`. A request that finds `max_waiting` sequences already queued for the engine gets 503; a body over
@@ -42,7 +44,10 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     `allowed_hosts` gets 403. `chat_content_special_tokens` parses special-token text in chat messages as the
     tokens themselves (as before issue 31; it lets a message forge template markers). Pollers of /v1/kv/blocks
     and /v1/kv/history share one view up to `kv_blocks_max_age_s` old, scrapers of /metrics one rendering up to
-    `metrics_max_age_s` old (a poll that comes sooner waits for the next)."""
+    `metrics_max_age_s` old (a poll that comes sooner waits for the next). Tool calls are written and parsed in
+    the format `tool_call_parser` names ("auto": the chat template's own, else kvserve's default:
+    kvserve/engine/tool_parsers/); without `auto_tool_choice`, tool_choice "auto" is a 400, as in vLLM without
+    --enable-auto-tool-choice."""
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
     if api_key is not None and not api_key.strip():  # an empty key would lock everyone out (or, ignored, no one)
@@ -53,7 +58,9 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None, api_key: 
     # Each needs the other: the metrics read the engine thread's stats, the engine thread feeds the metrics.
     metrics = ServerMetrics(model_name, lambda: async_engine.stats(), engine.kv_cache_info())
     async_engine = AsyncEngine(engine, max_waiting, metrics.observe)
-    ctx = ServingContext(async_engine, model_name, engine.tokenizer, chat_content_special_tokens)
+    tool_format = tool_parsers.for_tokenizer(tool_call_parser, engine.tokenizer, engine.eos_token_ids)
+    ctx = ServingContext(async_engine, model_name, engine.tokenizer, chat_content_special_tokens, tool_format,
+                         auto_tool_choice)
     history = StatsHistory(async_engine.stats)
     auth = _api_key_check(api_key)
 

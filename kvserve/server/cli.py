@@ -8,6 +8,7 @@ import sys
 
 from kvserve.config import parse_size
 from kvserve.engine.cli import add_engine_args, engine_config_from_args
+from kvserve.engine.tool_parsers import PARSER_NAMES
 from kvserve.server.async_engine import DEFAULT_MAX_WAITING
 from kvserve.server.body import DEFAULT_MAX_BODY_BYTES
 from kvserve.server.hosts import parse_allowed_hosts
@@ -38,6 +39,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--chat-content-special-tokens", action="store_true",
                    help="parse special-token text in chat message content as special tokens, as kvserve did before "
                         "(a message can then forge role markers); by default content is plain text")
+    t = serve.add_argument_group("tool calling")
+    t.add_argument("--tool-call-parser", default="auto", choices=PARSER_NAMES,
+                   help="the format tool calls are written and parsed in: 'auto' (default) the one the model's chat "
+                        "template writes (hermes for Qwen's <tool_call>, llama3_json, deepseek_v3), else kvserve's "
+                        "default, hermes-style, written into the system turn")
+    t.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   dest="auto_tool_choice",
+                   help="serve tool_choice 'auto' (OpenAI's default with tools; on by default, the flag is "
+                        "accepted as vLLM's); --no-enable-auto-tool-choice answers it with a 400, as vLLM does "
+                        "without the flag")
     add_engine_args(serve)
     serve.set_defaults(func=run)
     return serve
@@ -61,8 +72,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 1
-    app = build_app(engine, args.served_model_name, args.api_key, args.max_waiting, args.max_body_bytes,
-                    args.allowed_hosts, args.chat_content_special_tokens)
+    try:
+        app = build_app(engine, args.served_model_name, args.api_key, args.max_waiting, args.max_body_bytes,
+                        args.allowed_hosts, args.chat_content_special_tokens, tool_call_parser=args.tool_call_parser,
+                        auto_tool_choice=args.auto_tool_choice)
+    except ValueError as exc:  # a tool-call format this model's chat template cannot render
+        print(f"kvserve serve: {exc}", file=sys.stderr)
+        return 2
     host, port = sock.getsockname()[:2]
     print(f"Serving {args.served_model_name or engine.model_name} on http://{_url_host(host)}:{port}/v1 "
           f"(OpenAI-compatible; /health, /metrics, KV cache dashboard on /dashboard; Ctrl-C to stop)", file=sys.stderr)

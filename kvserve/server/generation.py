@@ -9,7 +9,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +17,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.prompts import PromptType
+from kvserve.engine.tool_parsers import ToolFormat
+from kvserve.engine.tool_parsers.hermes import Hermes
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, OutputSink,
@@ -36,6 +38,8 @@ class ServingContext:
     model_name: str
     tokenizer: Any  # HF tokenizer or None; used here only to render token text (decode is read-only)
     content_special_tokens: bool = False  # chat content's special-token text parsed as special tokens (unsafe)
+    tool_format: ToolFormat = field(default_factory=lambda: Hermes(native=False))  # chosen once, at start
+    auto_tool_choice: bool = True  # tool_choice "auto" served (vLLM needs --enable-auto-tool-choice for it)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

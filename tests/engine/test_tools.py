@@ -1,14 +1,18 @@
-"""kvserve's default tool-call format (kvserve/engine/tools.py): rendering, whole-text and streamed parsing."""
+"""kvserve's default tool-call format (Hermes-style, kvserve/engine/tool_parsers/hermes.py) and the ToolRequest over it
+(kvserve/engine/tools.py): rendering, whole-text and streamed parsing."""
 
 import json
 
 from kvserve.engine import tools
+from kvserve.engine.tool_parsers import hermes
+
+HERMES = hermes.Hermes(native=False)
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 
 
 def test_parse_splits_calls_from_text():
-    content, calls = tools.parse(f"Sure.\n{CALL}\n{CALL.replace('add', 'sub')}")
+    content, calls = HERMES.parse(f"Sure.\n{CALL}\n{CALL.replace('add', 'sub')}")
     assert content == "Sure."
     assert [c.name for c in calls] == ["add", "sub"]
     assert json.loads(calls[0].arguments) == {"a": 1, "b": 2}
@@ -17,34 +21,34 @@ def test_parse_splits_calls_from_text():
 
 def test_parse_leaves_malformed_blocks_as_text():
     text = "<tool_call>{not json}</tool_call> and <tool_call>{\"arguments\": {}}</tool_call>"
-    assert tools.parse(text) == (text, [])
+    assert HERMES.parse(text) == (text, [])
 
 
 def test_stream_parser_holds_back_a_possible_opening_and_emits_each_call_once():
     text = f"Hi <b> {CALL}{CALL} bye"
     for step in (1, 3, 7, len(text)):
-        parser = tools.StreamParser()
+        parser = HERMES.stream_parser()
         content, calls = "", []
         for start in range(0, len(text), step):
             piece, done = parser.feed(text[start:start + step])
             assert "<tool_call" not in piece
             content += piece
             calls += done
-        content += parser.flush()
+        content += parser.flush()[0]
         assert [c.name for c in calls] == ["add", "add"]
         assert content.replace(" ", "") == "Hi<b>bye"
 
 
 def test_stream_parser_flushes_an_unclosed_call():
-    parser = tools.StreamParser()
+    parser = HERMES.stream_parser()
     content, calls = parser.feed('<tool_call>{"name": "a')
     assert (content, calls) == ("", [])
-    assert parser.flush() == '<tool_call>{"name": "a'
+    assert parser.flush() == ('<tool_call>{"name": "a', [])
 
 
 def test_earlier_calls_and_results_render_as_text():
-    assert tools.call_text("add", '{"a": 1}') == '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    assert "<tool_response>\n5\n</tool_response>" == tools.result_text("5")
+    assert hermes.call_text("add", '{"a": 1}') == '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert "<tool_response>\n5\n</tool_response>" == hermes.result_text("5")
     messages = tools.with_tools([{"role": "user", "content": "q"}], [{"name": "add", "parameters": {}}])
     assert messages[0]["role"] == "system" and '"name": "add"' in messages[0]["content"]
     messages = tools.with_tools([{"role": "system", "content": "Be brief."}], [{"name": "add"}])
@@ -81,5 +85,5 @@ def test_tool_request_calls_and_turns():
                                   {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
                               {"role": "tool", "tool_call_id": "c", "content": "3"}])
     assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"]
-    assert turns[2] == {"role": "assistant", "content": tools.call_text("add", "{}")}
-    assert turns[3]["content"] == tools.result_text("3")
+    assert turns[2] == {"role": "assistant", "content": hermes.call_text("add", "{}")}
+    assert turns[3]["content"] == hermes.result_text("3")

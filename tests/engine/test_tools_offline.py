@@ -143,3 +143,11 @@ def test_structured_outputs_and_tools_do_not_mix(llm):
                       tools=TOOLS, tool_choice="none")
     assert output.outputs[0].text.startswith("{") and output.outputs[0].tool_calls is None
     assert_pool_empty(llm)
+
+
+def test_a_call_cut_by_the_default_max_tokens_is_no_call_and_keeps_its_text(llm):
+    output = llm.chat(USER, SamplingParams(), tools=TOOLS, tool_choice="required")  # vLLM's default max_tokens=16
+    (completion,) = output.outputs
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 16
+    assert completion.tool_calls == [] and completion.text.startswith("<tool_call>\n{")
+    assert_pool_empty(llm)

@@ -54,6 +54,10 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help="run the kvserve configurations N times, interleaved (round by round), and show each one's "
                         "median run and its ratio to the first configuration in every round, so that a slow spell "
                         "on a noisy machine weighs on every configuration alike")
+    p.add_argument("--constrained-share", type=float, default=0.0, metavar="F",
+                   help="also run the decode-heavy workload with a share F (0 to 1) of its requests JSON-schema "
+                        "constrained, right after the same requests unconstrained, and print tokens/s of the mix over "
+                        "unconstrained and the grammar's compile time (default 0: not run)")
     p.add_argument("--profile", action="store_true",
                    help="also print where each kvserve run (batched and single stream) spends its time (cProfile, "
                         "top functions)")
@@ -99,6 +103,8 @@ def run_throughput(args: argparse.Namespace) -> int:
         print_speculation(console, rows)
         print_rounds(console, rounds[name])
         print_transformers_rounds(console, rounds[name], hf.rounds.get(name, []))
+        if name == "decode" and runs.constrained is not None:
+            runs.constrained.print(console)
     if runs.singles:
         _single_stream(console, args, configs, runs, hf, run_llama, rounds["single stream"])
     if args.plot:
@@ -131,6 +137,9 @@ def _check_options(args: argparse.Namespace) -> None:
             check_plot_path(args.plot)
         except ValueError as exc:
             raise SystemExit(f"kvserve bench throughput: {exc}") from exc
+    if not 0 <= args.constrained_share <= 1:
+        raise SystemExit(f"kvserve bench throughput: --constrained-share must be in [0, 1], got "
+                         f"{args.constrained_share}")
     if args.repeat < 1:
         raise SystemExit(f"kvserve bench throughput: --repeat must be at least 1, got {args.repeat}")
     unknown = [w for w in option_values(args.workloads) if w not in WORKLOADS]

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvserve.bench.throughput.configs import KvserveConfig
+from kvserve.bench.throughput.constrained import ConstrainedMix
 from kvserve.bench.throughput.results import Routes, RunResult, median_run
 from kvserve.bench.throughput.workloads import Workload
 
@@ -20,12 +21,15 @@ if TYPE_CHECKING:
 LOOKUP_ROOM = 16  # context llama-cpp-python's prompt lookup needs past the last token (its 10 drafts and 1)
 
 
-def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve") -> RunResult:
-    """All prompts at once, stepping the engine to time decode-only steps and record each step's shape."""
+def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvserve",
+                structured: list | None = None) -> RunResult:
+    """All prompts at once, stepping the engine to time decode-only steps and record each step's shape;
+    `structured`: each prompt's constraint (StructuredOutputsParams, or None), for the constrained mix."""
     from kvserve.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    constraints = structured or [None] * len(prompts)
     ids = [f"bench-{i}" for i in range(len(prompts))]
     lengths = dict.fromkeys(ids, 0)
     outputs: dict[str, list[int]] = {}
@@ -36,8 +40,8 @@ def run_kvserve(llm, prompts: list[list[int]], output_len: int, name: str = "kvs
     prefill_start = engine.num_prefill_tokens
     spec_start = _spec_counts(engine)
     start = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
+    for request_id, prompt, constraint in zip(ids, prompts, constraints):
+        engine.add_request(request_id, prompt, replace(params, structured_outputs=constraint))
     while engine.has_unfinished_requests():
         prefilled, decoded = engine.num_prefill_tokens, engine.num_decode_tokens
         compiled_before = engine.runner.num_compiled_steps
@@ -206,6 +210,8 @@ class KvserveRuns:
         self.prompts: dict[str, list[list[int]]] = {}
         self.batched: dict[str, list[RunResult | str]] = {name: [] for name in workloads}
         self.singles: list[RunResult | str] = []
+        share = getattr(args, "constrained_share", 0.0)
+        self.constrained = ConstrainedMix(share) if share > 0 and "decode" in workloads else None
 
     def run(self, config: KvserveConfig) -> None:
         from kvserve.engine.llm import LLM
@@ -223,6 +229,8 @@ class KvserveRuns:
             _reset(llm)  # every timed run prefills its prompts in full, as the other engines do
             self.batched[name].append(maybe_profiled(self.args.profile, self.console, name, run_kvserve, llm,
                                                      self.prompts[name], workload.output_len, config.name))
+            if name == "decode" and self.constrained is not None:
+                self.constrained.run(llm, self.prompts[name], workload.output_len, config.name, run_kvserve, _reset)
         if "single" not in self.args.skip:
             self._run_single_stream(llm, config)
         del llm

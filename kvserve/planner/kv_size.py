@@ -41,6 +41,7 @@ class KVDtype:
     scale_bytes: int = 0
     zero_point_bytes: int = 0
     key_scale_scope: str | None = None  # keys scaled differently from values (KIVI: PER_CHANNEL)
+    codebook: bool = False  # codes index a fixed non-uniform codebook of rotated coordinates (nuq4, nuq3)
 
     @property
     def scales(self) -> str:
@@ -74,8 +75,8 @@ FP8_E4M3 = KVDtype("fp8", 8, PER_VECTOR, scale_bytes=2)
 FP8_E5M2 = KVDtype("fp8_e5m2", 8, PER_VECTOR, scale_bytes=2)
 INT8 = KVDtype("int8", 8, PER_VECTOR, scale_bytes=2)
 INT4 = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2, key_scale_scope=PER_CHANNEL)
-NUQ4 = KVDtype("nuq4", 4, PER_VECTOR, scale_bytes=2)
-NUQ3 = KVDtype("nuq3", 3, PER_VECTOR, scale_bytes=2)
+NUQ4 = KVDtype("nuq4", 4, PER_VECTOR, scale_bytes=2, codebook=True)
+NUQ3 = KVDtype("nuq3", 3, PER_VECTOR, scale_bytes=2, codebook=True)
 
 KV_DTYPES = {
     "bf16": BF16, "bfloat16": BF16,
@@ -101,9 +102,9 @@ def resolve_kv_dtype(name: str, spec: ModelSpec, kv_scales: str = PER_TOKEN_HEAD
 
 
 def takes_kv_scales(dtype: KVDtype) -> bool:
-    """Whether --kv-scales applies: a byte-per-element format with one scale per token and head vector (fp8,
-    fp8_e5m2, int8)."""
-    return dtype.scale_scope == PER_VECTOR and dtype.key_scale_scope is None and dtype.element_bits == 8
+    """Whether --kv-scales applies: a format with one scale per token and head vector (fp8, fp8_e5m2, int8) whose
+    elements are not codebook indices."""
+    return dtype.scale_scope == PER_VECTOR and dtype.key_scale_scope is None and not dtype.codebook
 
 
 def with_kv_scales(dtype: KVDtype, kv_scales: str) -> KVDtype:

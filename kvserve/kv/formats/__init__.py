@@ -30,8 +30,8 @@ class KVCacheSpec:
     (nuq4, nuq3) compile their decode attention unless `compile` is False (formats.compiled); float32 on a CPU
     compiles one that reads the blocks in place when `decode_in_place` is set too (formats.flex_decode: the engine
     sets it with --compile-decode). `tiles`: how writes cut per-token work, and batch-invariant mode's tile reads
-    (kvserve/batch_invariant.py). An MLA model caches one latent vector of head_dim values per token and layer, the last `latent_rope_dim` its RoPE key
-    (formats.latent)."""
+    (kvserve/batch_invariant.py). An MLA model caches one latent vector of head_dim values per token and layer, the
+    last `latent_rope_dim` its RoPE key (formats.latent)."""
 
     format_name: str
     layout: KVLayout

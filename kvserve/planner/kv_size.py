@@ -9,6 +9,8 @@ storage formats in kvserve/kv/ allocate exactly this, and a test holds them to i
 - int4 (KIVI): 2 elements per byte; values carry an fp16 scale and an fp16 zero point per token and head
   vector; keys carry them per channel per block (one pair for each of head_dim channels, shared by the
   block's tokens): head_dim x 4 / block_size bytes per token and head. For MLA the latent is treated as a value.
+- nuq4 / nuq3 (rotated non-uniform codebook, kv/formats/nonuniform.py): head_dim x 4 or x 3 bits of codes plus
+  one fp16 scale per token, layer and head vector, for K and for V alike.
 
 `--kv-scales per-tensor` plans fp8, fp8_e5m2 or int8 as an engine that keeps one scale per layer for K and one
 for V instead (vLLM's FP8 KV cache): no scale bytes per token, exactly half of bf16.
@@ -39,6 +41,7 @@ class KVDtype:
     scale_bytes: int = 0
     zero_point_bytes: int = 0
     key_scale_scope: str | None = None  # keys scaled differently from values (KIVI: PER_CHANNEL)
+    codebook: bool = False  # codes index a fixed non-uniform codebook of rotated coordinates (nuq4, nuq3)
 
     @property
     def scales(self) -> str:
@@ -72,6 +75,8 @@ FP8_E4M3 = KVDtype("fp8", 8, PER_VECTOR, scale_bytes=2)
 FP8_E5M2 = KVDtype("fp8_e5m2", 8, PER_VECTOR, scale_bytes=2)
 INT8 = KVDtype("int8", 8, PER_VECTOR, scale_bytes=2)
 INT4 = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2, key_scale_scope=PER_CHANNEL)
+NUQ4 = KVDtype("nuq4", 4, PER_VECTOR, scale_bytes=2, codebook=True)
+NUQ3 = KVDtype("nuq3", 3, PER_VECTOR, scale_bytes=2, codebook=True)
 
 KV_DTYPES = {
     "bf16": BF16, "bfloat16": BF16,
@@ -81,6 +86,8 @@ KV_DTYPES = {
     "fp8_e5m2": FP8_E5M2,
     "int8": INT8,
     "int4": INT4,
+    "nuq4": NUQ4,
+    "nuq3": NUQ3,
 }
 KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
 
@@ -95,8 +102,9 @@ def resolve_kv_dtype(name: str, spec: ModelSpec, kv_scales: str = PER_TOKEN_HEAD
 
 
 def takes_kv_scales(dtype: KVDtype) -> bool:
-    """Whether --kv-scales applies: a format with one scale per token and head vector (fp8, fp8_e5m2, int8)."""
-    return dtype.scale_scope == PER_VECTOR and dtype.key_scale_scope is None
+    """Whether --kv-scales applies: a format with one scale per token and head vector (fp8, fp8_e5m2, int8) whose
+    elements are not codebook indices."""
+    return dtype.scale_scope == PER_VECTOR and dtype.key_scale_scope is None and not dtype.codebook
 
 
 def with_kv_scales(dtype: KVDtype, kv_scales: str) -> KVDtype:

@@ -146,6 +146,10 @@ def kv_notes(spec: ModelSpec, dtype: KVDtype, block_size: int) -> list[str]:
         notes.append(f"{dtype.name} (KIVI): keys get an fp16 scale and zero point per channel per {block_size}-token "
                      "block, values per token and head; each sequence's partly filled last block stays in full "
                      "precision outside the pool.")
+    elif dtype.codebook:
+        notes.append(f"{dtype.name}: each head vector Hadamard-rotated, its coordinates {dtype.element_bits}-bit "
+                     "indices into a fixed Lloyd-Max codebook, one fp16 scale per token, layer and head vector; every "
+                     "slot holds its own token (nothing staged).")
     elif dtype.scale_scope == PER_VECTOR:
         kind = "symmetric" if not dtype.zero_point_bytes else "asymmetric"
         notes.append(f"{dtype.name}, per-token-head scales (kvserve's own storage): one fp16 scale per token, layer "

@@ -4,11 +4,11 @@ machine's C++ compiler, on first use), with the eager path as the fallback.
 A quantized format read with plain PyTorch ops is several passes over the whole context (select the codes,
 widen, scale, copy into the attention buffer) before attention reads it again. Written as plain tensor ops — the
 dequantization, then attention as broadcast products and sums (`attend`) — and compiled, it becomes a few
-generated loops. int8 and int4 do this; fp8 measured slower compiled (formats.fp8). Nothing is built at install
-time: the engine compiles at start-up (`warm_up_decode`: seconds), later processes reuse inductor's on-disk
-cache. The warm-up marks the batch dimensions dynamic and does not specialise sizes of 1, so one graph serves
-every batch shape (a single request gets a second one); block size, heads and head size stay constants the loops
-are specialised for. If compiling fails (no C++ compiler, an
+generated loops. int8, int4 and nuq4/nuq3 (formats.nonuniform) do this; fp8 measured slower compiled
+(formats.fp8). Nothing is built at install time: the engine compiles at start-up (`warm_up_decode`: seconds),
+later processes reuse inductor's on-disk cache. The warm-up marks the batch dimensions dynamic and does not
+specialise sizes of 1, so one graph serves every batch shape (a single request gets a second one); block size,
+heads and head size stay constants the loops are specialised for. If compiling fails (no C++ compiler, an
 unsupported platform), the format logs why once and attends eagerly; `enforce_eager` (EngineConfig,
 `--enforce-eager`) skips compiling altogether."""
 from __future__ import annotations

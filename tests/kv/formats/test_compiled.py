@@ -13,7 +13,7 @@ from kvserve.kv.formats.compiled import CompiledFunction
 from kvserve.planner.layout import KVLayout
 
 BS = 4
-FORMATS = ["int8", "int4"]  # fp8 attends eagerly: compiled, its float8 widening is not vectorised (formats.fp8)
+FORMATS = ["int8", "int4", "nuq4", "nuq3"]  # fp8 attends eagerly: compiled, its float8 widening is not vectorised (formats.fp8)
 
 
 def filled_cache(fmt: str, blocks: int, heads: int, dim: int, dtype=torch.float32, compile: bool = True):

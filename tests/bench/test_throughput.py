@@ -226,7 +226,8 @@ def test_transformers_runs_at_the_end_of_each_round_and_each_round_is_divided_by
         events.append("kvserve")
         return kvserve_batched(*args, **kwargs)
 
-    def transformers(model, prompts, output_len, batch_size, pad_id, use_cache=True, name="transformers"):
+    def transformers(model, prompts, output_len, batch_size, pad_id, use_cache=True, name="transformers",
+                     phases=False):
         timed = batch_size == 16  # the --hf-batch-size default; the warm-up runs batches of 2
         events.append(name if timed else "warm-up")
         tokens = len(prompts) * output_len

@@ -2,8 +2,6 @@
 setting refuses by name, its storage (kv/head_streams.py) sized from the planner's pool, and the manager's scorer."""
 from __future__ import annotations
 
-import torch
-
 from kvserve.config import EngineConfig
 from kvserve.kv.formats import FLOAT_FORMATS
 from kvserve.kv.head_streams import HeadStreamKVCache

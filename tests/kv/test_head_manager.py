@@ -1,8 +1,6 @@
 """Per-(layer, KV head) streams under the coordinator: compression frees exactly the head blocks it says it frees,
 keeps the sinks, the filling block and the recent window in every stream, moves each kept token's K/V with it, and
 every block comes back when sequences finish or fork."""
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
@@ -11,17 +9,10 @@ from kvserve.kv.head_streams import HeadStreamKVCache, QueryRecord
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.kv.scorers import KeyNormScorer
 from kvserve.planner.layout import KVLayout
+from tests.kv.sequences import Seq
 
 LAYERS, HEADS, DIM, BS = 2, 3, 8, 16
 SINKS, RECENT, BUDGET = 4, 8, 40
-
-
-@dataclass
-class Seq:
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
 
 
 def code(positions: torch.Tensor, layer: int) -> torch.Tensor:

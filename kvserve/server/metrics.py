@@ -52,6 +52,8 @@ COUNTERS = [
 # the disk tier's (--kv-disk-cache), when the engine has one
 DISK_GAUGES = [
     ("kvserve:kv_disk_cache_blocks", "disk_cache_blocks", "KV blocks of this model and format in the disk tier."),
+    ("kvserve:kv_disk_cache_state_checkpoints", "disk_cache_state_checkpoints",
+     "Hybrid models' state checkpoints in the disk tier, each beside the block it ends."),
     ("kvserve:kv_disk_cache_bytes", "disk_cache_bytes", "Bytes of records in the disk tier's directory."),
     ("kvserve:kv_disk_cache_capacity_bytes", "disk_cache_capacity_bytes", "The disk tier's cap in bytes."),
     ("kvserve:kv_disk_cache_writing_stopped", "disk_cache_writing_stopped",
@@ -61,7 +63,7 @@ DISK_COUNTERS = [
     ("kvserve:kv_disk_cache_hit_tokens", "disk_cache_hit_tokens", "Prompt tokens whose KV blocks came from disk."),
     ("kvserve:kv_disk_cache_recomputed_tokens", "disk_cache_recomputed_tokens",
      "Prompt tokens on disk prefilled instead, at the measured rates faster than reading them."),
-    ("kvserve:kv_disk_cache_reads", "disk_cache_reads", "KV blocks read from disk and verified."),
+    ("kvserve:kv_disk_cache_reads", "disk_cache_reads", "Records read from disk and verified: KV blocks, and hybrid models' state checkpoints."),
     ("kvserve:kv_disk_cache_queued_reads", "disk_cache_queued_reads",
      "KV blocks a request found still queued for the disk writer, taken from memory."),
     ("kvserve:kv_disk_cache_read_bytes", "disk_cache_bytes_read", "Bytes read from the disk tier."),

@@ -36,5 +36,6 @@ def test_a_restarted_server_answers_from_disk_and_says_so(tmp_path):
     assert metrics["kvserve:kv_disk_cache_hit_tokens_total"] == cached
     assert metrics["kvserve:kv_disk_cache_reads_total"] == cached // 16
     assert metrics["kvserve:kv_disk_cache_capacity_bytes"] == 64 * 2**20
+    assert metrics["kvserve:kv_disk_cache_state_checkpoints"] == 0  # a plain model keeps no states
     assert metrics['kvserve:kv_disk_cache_errors_total{kind="corrupt"}'] == 0
     assert metrics["kvserve:kv_disk_cache_read_seconds_total"] > 0

@@ -166,16 +166,15 @@ class ModelRunner:
             if seq.request_id in out.drafts:
                 step.drafts.add(seq.request_id, slice(c.offset, c.offset + c.num_tokens), slot, c.start)
                 continue
-            boundary, decoding = self._checkpoint_boundary(seq, c)
-            checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding) if boundary else None
+            checkpoints = [(boundary - c.start, checkpoint)
+                           for boundary, decoding in self._checkpoint_boundaries(seq, c)
+                           if (checkpoint := self.kv.plan_checkpoint(seq, boundary, decoding)) is not None]
             if c.num_tokens == 1 and c.start > 0:
                 decode_rows.append(c.offset)
                 decode_slots.append(slot)
-                if checkpoint is not None:
-                    step.decode_checkpoints.append((slot, checkpoint))
+                step.decode_checkpoints += [(slot, checkpoint) for _, checkpoint in checkpoints]
             else:
-                step.prompt_chunks.append((slice(c.offset, c.offset + c.num_tokens), slot, c.start == 0,
-                                           (boundary - c.start, checkpoint) if checkpoint is not None else None))
+                step.prompt_chunks.append((slice(c.offset, c.offset + c.num_tokens), slot, c.start == 0, checkpoints))
         step.decode_rows, step.decode_slots = self._tensor(decode_rows), self._tensor(decode_slots)
         return step
 
@@ -193,19 +192,20 @@ class ModelRunner:
                 self.drafted_states.keep(seq.request_id, boundary - start, into=checkpoint)
         self.drafted_states.drop(seq.request_id)
 
-    def _checkpoint_boundary(self, seq: Sequence, c: _Chunk) -> tuple[int | None, bool]:
-        """Where this chunk saves a state checkpoint, if anywhere: at the prompt's last block boundary that a hit
-        can use (a later prompt must compute at least its last token), or, decoding, at each block boundary it
-        reaches (the sequence keeps its newest: the end of its last full block when it finishes)."""
+    def _checkpoint_boundaries(self, seq: Sequence, c: _Chunk) -> list[tuple[int, bool]]:
+        """Where this chunk saves state checkpoints, in order, each with whether it is one a decoding sequence keeps
+        only its newest of: the prompt's last block boundary that a hit can use (a later prompt must compute at least
+        its last token), and the chunk's end when it lies on a block boundary at or past the prompt's end (where the
+        next turn of a conversation resumes: the end of the prompt when it fills its last block, then each block
+        boundary reached while decoding; a finished sequence keeps the end of its last full block)."""
         if self.kv.checkpoints is None:
-            return None, False
+            return []
         bs = self.block_size
         prompt_boundary = (seq.num_prompt_tokens - 1) // bs * bs
-        if c.start < prompt_boundary <= c.context_len:
-            return prompt_boundary, False
-        if c.context_len % bs == 0 and c.context_len > seq.num_prompt_tokens:
-            return c.context_len, True
-        return None, False
+        boundaries = [(prompt_boundary, False)] if c.start < prompt_boundary <= c.context_len else []
+        if c.context_len % bs == 0 and c.context_len >= seq.num_prompt_tokens:
+            boundaries.append((c.context_len, True))
+        return boundaries
 
     def _tile_calls(self, chunks: list[_Chunk]) -> list[list]:
         """Batch-invariant attention: per layer group, the query tiles of every chunk (engine/attention_tiles.py)."""

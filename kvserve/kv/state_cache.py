@@ -85,7 +85,7 @@ class StateStep:
     decode_rows: torch.Tensor  # [D] rows of the flat batch that are decodes
     decode_slots: torch.Tensor  # [D] their slots
     # (rows, slot, fresh, checkpoint): checkpoint (n, slot) saves the state after the chunk's first n tokens
-    prompt_chunks: list[tuple[slice, int, bool, tuple[int, int] | None]] = field(default_factory=list)
+    prompt_chunks: list[tuple[slice, int, bool, list[tuple[int, int]]]] = field(default_factory=list)
     decode_checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (slot, checkpoint slot) after the step
     drafts: DraftStates | None = None  # speculative decoding: drafted sequences, verified one token at a time
 

@@ -102,16 +102,19 @@ class GatedDeltaNetLayer:
                 step.save(self.index, slot, checkpoint)
         for rows, slot in step.drafts.rows if step.drafts is not None else ():
             out[rows] = self._mix_drafted(qkv[rows], g[rows], beta[rows], step, slot)
-        for rows, slot, fresh, checkpoint in step.prompt_chunks:
-            # a checkpoint inside the chunk splits it there: the state at that block boundary is saved
-            cut = rows.start + checkpoint[0] if checkpoint is not None else rows.stop
-            for part in (slice(rows.start, cut), slice(cut, rows.stop)):
-                if part.stop > part.start:
+        for rows, slot, fresh, checkpoints in step.prompt_chunks:
+            # each checkpoint splits the chunk where it lies: the state at that block boundary is saved
+            start = rows.start
+            cuts = [(rows.start + n, checkpoint) for n, checkpoint in checkpoints] + [(rows.stop, None)]
+            for end, checkpoint in cuts:
+                if end > start:
+                    part = slice(start, end)
                     out[part] = self._mix(qkv[part][None], g[part][None], beta[part][None], step,
                                           torch.tensor([slot], device=x.device), chunked_gated_delta_rule,
-                                          fresh and part.start == rows.start)[0]
-                if checkpoint is not None and part.start == rows.start:
-                    step.save(self.index, slot, checkpoint[1])
+                                          fresh and start == rows.start)[0]
+                if checkpoint is not None:
+                    step.save(self.index, slot, checkpoint)
+                start = end
         z = z.view(-1, lc.num_value_heads, lc.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1).to(x.dtype))
 

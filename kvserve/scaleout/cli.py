@@ -52,6 +52,7 @@ def config_from_args(args: argparse.Namespace) -> ScaleOutConfig:
         api_key=args.api_key, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         shutdown_timeout_s=args.shutdown_timeout_s, access_log=args.access_log, max_body_bytes=args.max_body_bytes,
         allowed_hosts=tuple(args.allowed_hosts), chat_content_special_tokens=args.chat_content_special_tokens,
+        tool_call_parser=args.tool_call_parser, auto_tool_choice=args.auto_tool_choice,
     )
 
 

@@ -28,6 +28,8 @@ class ScaleOutConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # each replica's app, as the single server's options
     allowed_hosts: tuple[str, ...] = ()
     chat_content_special_tokens: bool = False
+    tool_call_parser: str = "auto"  # each replica's tool-call format, as the single server's --tool-call-parser
+    auto_tool_choice: bool = True  # tool_choice "auto" served (--enable-auto-tool-choice)
     shutdown_timeout_s: float = 30.0
     access_log: bool = True
     app_name: str = "kvserve"

@@ -54,7 +54,8 @@ class EngineReplica:
         self._blocks = PublishedBlocks(engine.kv.pool)
         self._capacity_blocks = engine.kv.pool.num_blocks
         self._app = build_app(engine, config.served_model_name, config.api_key, config.max_waiting,
-                              config.max_body_bytes, config.allowed_hosts, config.chat_content_special_tokens)
+                              config.max_body_bytes, config.allowed_hosts, config.chat_content_special_tokens,
+                              tool_call_parser=config.tool_call_parser, auto_tool_choice=config.auto_tool_choice)
         self._lifespan = self._app.router.lifespan_context(self._app)
         await self._lifespan.__aenter__()
         self._id = serve.get_replica_context().replica_id.unique_id

@@ -213,6 +213,25 @@ def test_a_returning_conversation_resumes_from_a_state_checkpoint(tmp_path):
     assert_nothing_held(llm.engine)
 
 
+def test_a_prompt_that_fills_its_last_block_keeps_the_state_at_its_end(tmp_path):
+    # a 32-token prompt and a 5-token answer: no block boundary is reached while decoding, so the end of the
+    # finished request's last full block is the prompt's end, saved as the prompt chunk passes it
+    path = make_hybrid_model(tmp_path, "qwen3_5")
+    llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    sampled = recording(llm)
+    first = random_prompt(32, seed=9)
+    turn1 = llm.generate({"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=5))[0]
+    second = first + turn1.outputs[0].token_ids + random_prompt(10, seed=10)
+    turn2 = llm.generate({"prompt_token_ids": second}, GREEDY)[0]
+    assert turn2.num_cached_tokens == 32 and llm.engine.kv.checkpoints.num_hits == 1
+    logits, generated = reference(path, second)
+    assert_matches(logits, generated, second, turn2.outputs[0].token_ids, sampled[turn2.request_id])
+    # the same first prompt again still resumes at its last block boundary a hit may use (16)
+    again = llm.generate({"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=5))[0]
+    assert again.num_cached_tokens == 16 and again.outputs[0].token_ids == turn1.outputs[0].token_ids
+    assert_nothing_held(llm.engine)
+
+
 def test_a_checkpoint_without_its_kv_blocks_is_never_used(tmp_path):
     path = make_hybrid_model(tmp_path, "qwen3_next")
     llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)

@@ -30,7 +30,8 @@ def test_serve_lets_each_replica_queue_what_the_single_server_queues():
 
 
 def test_each_replica_gets_the_single_servers_app_options(monkeypatch):
-    """--allowed-hosts, --chat-content-special-tokens and --max-body-size reach every replica's build_app."""
+    """--allowed-hosts, --chat-content-special-tokens, --max-body-size and the tool-call flags reach every replica's
+    build_app."""
     from kvserve.scaleout import cli as scaleout_cli
 
     seen = {}
@@ -41,8 +42,9 @@ def test_each_replica_gets_the_single_servers_app_options(monkeypatch):
 
     monkeypatch.setattr("kvserve.scaleout.cli.run_on_ray", run_on_ray)
     assert main(["serve", "--replicas", "2", "--allowed-hosts", "kv.example.com", "--chat-content-special-tokens",
-                 "--max-body-size", "1MiB"]) == 0
+                 "--max-body-size", "1MiB", "--tool-call-parser", "hermes", "--no-enable-auto-tool-choice"]) == 0
     config = seen["config"]
+    assert config.tool_call_parser == "hermes" and not config.auto_tool_choice
     assert config.allowed_hosts == ("kv.example.com",) and config.chat_content_special_tokens
     assert config.max_body_bytes == 2**20
 

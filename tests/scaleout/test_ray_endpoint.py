@@ -154,6 +154,29 @@ def test_streaming_through_the_router_gives_the_same_answer(server):
     assert chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+ADD = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_constrained_requests_through_the_replicas_validate(server):
+    """A named tool call and a JSON-schema output, served by a replica: both parse and fit their schemas."""
+    sampled = {"temperature": 1.0, "max_tokens": 150, "ignore_eos": False, "seed": 3}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+    called = chat(server, [{"role": "user", "content": "add two numbers"}], tools=tools,
+                  tool_choice={"type": "function", "function": {"name": "add"}}, **sampled).json()
+    choice = called["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", called
+    [call] = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "add" and set(arguments) == {"a", "b"}
+    assert all(isinstance(v, int) and 0 <= v <= 99 for v in arguments.values())
+    answer = chat(server, [{"role": "user", "content": "a JSON object"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "add", "schema": ADD, "strict": True}}, **sampled).json()
+    assert answer["choices"][0]["finish_reason"] == "stop", answer
+    assert set(json.loads(answer["choices"][0]["message"]["content"])) == {"a", "b"}
+
+
 def test_auth_and_errors_are_the_single_servers(server):
     unauthorized = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
     assert unauthorized.status_code == 401 and unauthorized.json()["error"]["code"] == "invalid_api_key"

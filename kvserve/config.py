@@ -19,6 +19,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 KV_EVICTION_POLICIES = ("none", "streaming", "h2o", *HEAD_STREAM_POLICIES)
 QUANTIZATIONS = ("none", "int8")  # weights: as the model dtype, or int8 with per-output-channel scales
+# compiled decode steps are the default; this variable set to 1 makes eager steps the default instead (an explicit
+# compile_decode still decides): for a test suite, whose hundreds of short-lived engines would each compile
+EAGER_STEPS_VARIABLE = "KVSERVE_EAGER_STEPS"
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: holds ~23K SmolLM2 tokens in float32 on a CPU box
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
@@ -183,24 +186,56 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """How steps run. enforce_eager: never torch.compile (int8/int4 KV decode attention, kv/formats/compiled.py).
-    compile_decode: decode steps as one graph compiled at start (compile/steps.py; minutes on a small CPU, so off by
-    default: docs/benchmarks.md). compile_gemms: with compile_decode, the weights frozen into the graph and multiplied
-    by Inductor's C++ GEMM template over its own packed copy (faster decode, more memory, a start Inductor cannot
-    cache). batch_invariant: logits bitwise independent of the batch (kvserve/batch_invariant.py)."""
+    """How steps run. enforce_eager: never torch.compile (neither the decode steps nor the int8/int4/nuq KV formats'
+    decode attention, kv/formats/compiled.py). compile_decode: decode steps as graphs compiled at start (compile/
+    steps.py); None, the default, compiles them wherever the model family and settings allow (`decode_steps`), True
+    asks for them, False runs them eagerly. A first start compiles for tens of seconds on a small CPU and saves the
+    graphs; later starts load them (docs/benchmarks.md, `kvserve bench startup`). compile_gemms: with compiled steps,
+    the weights frozen into the graph and multiplied by Inductor's C++ GEMM template over its own packed copy (faster
+    decode, more memory, a start Inductor cannot cache). batch_invariant: logits bitwise independent of the batch
+    (kvserve/batch_invariant.py)."""
 
     enforce_eager: bool
-    compile_decode: bool
+    compile_decode: bool | None
     compile_gemms: bool
     batch_invariant: bool
 
     def __post_init__(self) -> None:
-        for name in ("enforce_eager", "batch_invariant", "compile_decode", "compile_gemms"):
+        for name in ("enforce_eager", "batch_invariant", "compile_gemms"):
             _check_bool(name, getattr(self, name))
+        if self.compile_decode is not None:
+            _check_bool("compile_decode", self.compile_decode)
         if self.compile_decode and self.enforce_eager:
             raise ValueError("compile_decode=True contradicts enforce_eager=True (which compiles nothing); choose one")
-        if self.compile_gemms and not self.compile_decode:
-            raise ValueError("compile_gemms=True applies to the compiled decode step; set compile_decode=True too")
+        if self.compile_gemms and (self.compile_decode is False or self.enforce_eager):
+            raise ValueError("compile_gemms=True applies to the compiled decode step, which "
+                             f"{self.eager_reason} turns off; drop one of the two")
+
+    @property
+    def decode_steps(self) -> bool:
+        """Whether decode steps are to run compiled: asked for (compile_decode, compile_gemms), or by default
+        (compile_decode None) unless enforce_eager or the environment's default (EAGER_STEPS_VARIABLE) says otherwise. The engine still runs
+        them eagerly where no graph supports its model or settings (compile/steps.py, `unsupported`), saying why."""
+        if self.compile_decode is not None:
+            return self.compile_decode
+        if self.enforce_eager:
+            return False
+        return self.compile_gemms or os.environ.get(EAGER_STEPS_VARIABLE, "0") != "1"
+
+    @property
+    def asked(self) -> bool:
+        """Compiled steps asked for (compile_decode=True, or compile_gemms=True which needs them), rather than taken
+        by default."""
+        return self.compile_decode is True or (self.compile_decode is None and self.compile_gemms)
+
+    @property
+    def eager_reason(self) -> str:
+        """What turned compiled decode steps off (meaningful when `decode_steps` is False)."""
+        if self.compile_decode is False:
+            return "--no-compile-decode"
+        if self.enforce_eager:
+            return "--enforce-eager"
+        return f"{EAGER_STEPS_VARIABLE}=1 in the environment"
 
 
 @dataclass(frozen=True)
@@ -287,7 +322,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     enforce_eager: bool = False  # compile
-    compile_decode: bool = False  # compile
+    compile_decode: bool | None = None  # compile: None = compiled where supported (CompileConfig)
     compile_gemms: bool = False  # compile
     batch_invariant: bool = False  # compile
     kv_disk_cache: str | None = None  # tier

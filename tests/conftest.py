@@ -1,6 +1,7 @@
 """Tiny random-weight models built in the test from transformers' config classes: no download."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,11 @@ from transformers import PreTrainedTokenizerFast
 # One thread: tiny models gain nothing from two, and a second OpenMP thread on a busy 2-core machine (the
 # server tests run an engine thread beside the client) makes every op wait for it.
 torch.set_num_threads(1)
+# Engines run eager decode steps unless a test asks for compiled ones (compile_decode=True): compiled is the default
+# for users (kvserve/config.py, CompileConfig), but the suite starts hundreds of engines whose models differ, each of
+# which would compile at start. Set here, before any engine, so the servers the tests start as processes inherit it;
+# tests/engine/test_compile_default.py checks the default itself with the variable removed.
+os.environ["KVSERVE_EAGER_STEPS"] = "1"
 
 TINY_KINDS = {
     "llama-mha": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=4)),

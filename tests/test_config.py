@@ -50,7 +50,6 @@ def test_the_groups_survive_pickling_and_follow_replace():
     (CacheConfig, CACHE, "kv_cache_memory", "2XB", "cannot read '2XB' as a size"),
     (SchedulerConfig, SCHEDULER, "max_num_seqs", 0, "max_num_seqs must be a positive integer"),
     (SchedulerConfig, SCHEDULER, "max_model_len", 1.5, "max_model_len must be a positive integer"),
-    (CompileConfig, COMPILE, "compile_gemms", True, "compile_gemms=True applies to the compiled decode step"),
     (CompileConfig, COMPILE, "batch_invariant", 1, "batch_invariant must be True or False, got 1"),
     (EvictionConfig, EVICTION, "kv_eviction", "lru", "kv_eviction='lru' is not supported"),
     (EvictionConfig, EVICTION, "kv_sink_tokens", -1, "kv_sink_tokens must be a non-negative integer"),
@@ -61,6 +60,27 @@ def test_each_group_refuses_its_own_bad_values(group, defaults, option, value, m
         group(**{**defaults, option: value})
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{option: value})
+
+
+def test_compiled_steps_are_the_default_and_each_way_out_is_named(monkeypatch):
+    monkeypatch.delenv("KVSERVE_EAGER_STEPS", raising=False)
+    assert EngineConfig().compile.decode_steps and not EngineConfig().compile.asked
+    assert EngineConfig(compile_decode=True).compile.asked and EngineConfig(compile_gemms=True).compile.asked
+    for options, reason in [(dict(enforce_eager=True), "--enforce-eager"),
+                            (dict(compile_decode=False), "--no-compile-decode")]:
+        compile = EngineConfig(**options).compile
+        assert not compile.decode_steps and compile.eager_reason == reason
+        with pytest.raises(ValueError, match=f"compile_gemms=True applies to the compiled decode step, which {reason} "
+                                             "turns off"):
+            EngineConfig(**options, compile_gemms=True)
+    with pytest.raises(ValueError, match="compile_decode=True contradicts enforce_eager=True"):
+        EngineConfig(compile_decode=True, enforce_eager=True)
+    with pytest.raises(ValueError, match="compile_decode must be True or False, got 'yes'"):
+        EngineConfig(compile_decode="yes")
+    monkeypatch.setenv("KVSERVE_EAGER_STEPS", "1")  # the suite's default (tests/conftest.py): eager unless asked
+    assert not EngineConfig().compile.decode_steps
+    assert EngineConfig().compile.eager_reason == "KVSERVE_EAGER_STEPS=1 in the environment"
+    assert EngineConfig(compile_decode=True).compile.decode_steps and EngineConfig(compile_gemms=True).compile.decode_steps
 
 
 def test_int4_needs_an_even_block_size():

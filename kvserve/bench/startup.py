@@ -1,5 +1,5 @@
-"""`kvserve bench startup`: what `--compile-decode` adds to an engine's start, first on an empty compile cache and
-then cached, each start timed beside an eager one.
+"""`kvserve bench startup`: what the default compiled decode steps add to an engine's start over `--enforce-eager`,
+first on an empty compile cache and then cached, each start timed beside an eager one.
 
 A start is a process of its own running `kvserve generate PROMPT --max-tokens 4`, timed from launch to exit, as a
 user sees it (Python and torch imports, weights, the compile, the first tokens). For each quantization, in a new
@@ -21,9 +21,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from kvserve.config import EAGER_STEPS_VARIABLE
+
 PROMPT = "Hello"
 FIRST_START_GOAL_S = 60.0  # issue 29: the first compiled start at most this much over an eager one
-CACHED_START_GOAL_S = 5.0  # and a cached one at most this much
+CACHED_START_GOAL_S = 3.0  # issue 62: a cached one at most this much
 COMPILED_LINE = re.compile(r"decode steps: (.*?), in ([\d.]+) s(?: \(([^)]*)\))?")
 
 
@@ -44,16 +46,17 @@ def add_startup_parser(bench_subparsers) -> None:
 
 
 def start_command(model: str | None, quantization: str, compiled: bool) -> list[str]:
-    """The process a start runs: `kvserve generate` of a few tokens."""
+    """The process a start runs: `kvserve generate` of a few tokens, with the default (compiled) steps or
+    --enforce-eager."""
     return [sys.executable, "-m", "kvserve", "generate", PROMPT, "--max-tokens", "4", "--quantization", quantization,
-            *(["--model", model] if model else []), *(["--compile-decode"] if compiled else [])]
+            *(["--model", model] if model else []), *([] if compiled else ["--enforce-eager"])]
 
 
 def run_start(command: list[str], cache_dir: str) -> Start:
     """One start, timed; raises if it failed (its error's last lines)."""
     begun = time.perf_counter()
-    done = subprocess.run(command, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}, capture_output=True,
-                          text=True)
+    env = {k: v for k, v in os.environ.items() if k != EAGER_STEPS_VARIABLE}  # the user's default, not a suite's
+    done = subprocess.run(command, env={**env, "TORCHINDUCTOR_CACHE_DIR": cache_dir}, capture_output=True, text=True)
     seconds = time.perf_counter() - begun
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command[2:])} exited with {done.returncode}: {done.stderr[-1500:]}")
@@ -74,7 +77,7 @@ def measure(model: str | None, quantization: str, rounds: int) -> dict[str, list
             starts["cached"].append(run_start(compiled, cache_dir))
     for start in starts["first"] + starts["cached"]:
         if start.compile_seconds is None:
-            raise RuntimeError(f"--quantization {quantization} --compile-decode compiled no decode graph (run "
+            raise RuntimeError(f"--quantization {quantization}: the default start compiled no decode graph (run "
                                f"`{' '.join(compiled[2:])}` to see its start-up line)")
     return starts
 
@@ -97,15 +100,15 @@ def report(quantization: str, starts: dict[str, list[Start]]) -> list[str]:
         f"  cached compiled start: {statistics.median(s.seconds for s in starts['cached']):.1f} s, "
         f"+{cached_over:.1f} s over the eager start beside it (each pair: "
         f"{', '.join(f'{p:+.1f}' for p in pairs)}; compile {cached_compile:.1f} s"
-        f"{f', the last: {last_phases}' if last_phases else ''}); goal under "
-        f"+{CACHED_START_GOAL_S:.0f} s: {'met' if cached_over < CACHED_START_GOAL_S else 'NOT met'}",
+        f"{f', the last: {last_phases}' if last_phases else ''}); goal at most "
+        f"+{CACHED_START_GOAL_S:.0f} s: {'met' if cached_over <= CACHED_START_GOAL_S else 'NOT met'}",
     ]
 
 
 def run_startup(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    print(f"start-up, `kvserve generate {PROMPT} --max-tokens 4` launch to exit, eager and --compile-decode; each "
+    print(f"start-up, `kvserve generate {PROMPT} --max-tokens 4` launch to exit, --enforce-eager and the default; each "
           "quantization in a new compile cache")
     for quantization in args.quantization:
         try:

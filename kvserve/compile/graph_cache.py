@@ -160,18 +160,62 @@ def first_line(exc: Exception | str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class GraphKey:
-    """What a saved graph's code depends on and its guards do not check: the file name is its digest."""
+    """What a saved graph's code depends on and its guards do not check: the file name is its digest. `family`
+    leaves kvserve's source out: the same engine on the same machine after an upgrade, whose last compile time
+    tells how long the next will take (CompileTimes)."""
 
     directory: Path
     digest: str
+    family: str = ""
 
     @classmethod
     def of(cls, *parts: Any) -> GraphKey:
-        text = json.dumps([environment(), [describe(part) for part in parts]], sort_keys=True)
-        return cls(graph_directory(), hashlib.sha256(text.encode()).hexdigest()[:40])
+        env, described = environment(), [describe(part) for part in parts]
+        text = json.dumps([env, described], sort_keys=True)
+        family = json.dumps([{k: v for k, v in env.items() if k != "kvserve"}, described], sort_keys=True)
+        return cls(graph_directory(), hashlib.sha256(text.encode()).hexdigest()[:40],
+                   hashlib.sha256(family.encode()).hexdigest()[:40])
 
     def path(self, name: str) -> Path:
         return self.directory / f"{name}-{self.digest}.bin"
+
+
+class CompileTimes:
+    """How long the last compile of an engine's graphs took on this machine, by GraphKey.family: a JSON file beside
+    the graphs (numbers only, never code), so a start that must compile can say beforehand about how long it will
+    take. A file that cannot be read, or holds anything but numbers, counts as empty and is written over."""
+
+    FILE_NAME = "compile-seconds.json"
+
+    def __init__(self, directory: Path):
+        self.path = directory / self.FILE_NAME
+
+    def read(self) -> dict[str, float]:
+        try:
+            if _not_private(self.path) is not None:
+                return {}
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: float(v) for k, v in data.items() if isinstance(k, str) and isinstance(v, (int, float))
+                and not isinstance(v, bool) and 0 <= v < 1e6}
+
+    def last(self, key: GraphKey) -> float | None:
+        return self.read().get(key.family)
+
+    def remember(self, key: GraphKey, seconds: float) -> None:
+        times = self.read()
+        times[key.family] = round(seconds, 1)
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(times, sort_keys=True))
+            partial.chmod(0o600)
+            partial.replace(self.path)
+        except OSError as exc:  # a read-only cache: the next start says less, nothing else changes
+            logger.warning(f"compile time not remembered in {self.path} ({first_line(exc)})")
 
 
 def graph_directory() -> Path:

@@ -13,11 +13,11 @@ import logging
 import time
 import types
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvserve.compile.graph_cache import GraphKey, GraphMiss, GraphSet, engine_objects, first_line
+from kvserve.compile.graph_cache import CompileTimes, GraphKey, GraphMiss, GraphSet, engine_objects, first_line
 from kvserve.compile.inductor import (COMPILE_PHASES, freezing, phase_seconds, quiet_autotuning, resident_bytes,
                                       step_guards)
 from kvserve.compile.shapes import at_least_two_blocks, mark_dynamic, mark_sequences, two_rows
@@ -132,6 +132,16 @@ def head_in_graph(model) -> bool:
     (one_row_in_graph). An int8 head's call is the same kernel in a graph and out of one."""
     head = model.lm_head
     return isinstance(head, Linear) and head.weight is not None and head.dtype in GRAPH_MATRIX_VECTOR_DTYPES
+
+
+@dataclass(frozen=True)
+class PendingGraphs:
+    """What a start's warm-up is about to do: load the graphs an earlier start saved, compile the others."""
+
+    saved: int  # graphs an earlier start of this engine saved: loaded
+    to_compile: int
+    kept: bool  # compiled graphs are saved for later starts (not with --compile-gemms's frozen weights)
+    last_seconds: float | None  # the last compile of this engine on this machine (any kvserve version), if known
 
 
 class _ModelSlot:
@@ -303,6 +313,24 @@ class CompiledSteps:
         self._fail(exc)  # an Inductor or compiler failure on this machine: eager from now on
         return None
 
+    def _whole_sizes(self) -> tuple[int, ...]:
+        """The whole graph's start-up batches: one sequence and two (the number a symbol: any number above one);
+        with --compile-gemms only two, which one sequence runs as two rows (two_rows)."""
+        return ((2,) if self.gemms else (1, 2)) if self.whole else ()
+
+    def _outside_sizes(self) -> tuple[int, ...]:
+        return (2,) if self.whole else (1, 2)
+
+    def pending(self) -> PendingGraphs:
+        """What warm_up will load and compile, before it does: the start-up line says it first."""
+        graphs = [(self._whole, f"whole-{n}") for n in self._whole_sizes()]
+        graphs += [(self._outside, f"outside-{n}") for n in self._outside_sizes()]
+        graphs += [(self._head, "head")] if self._head is not None else []
+        saved = sum(1 for graph_set, name in graphs if graph_set.save and graph_set.key.path(name).exists())
+        key = self._outside.key
+        return PendingGraphs(saved, len(graphs) - saved, not self.gemms and self._outside.save,
+                             CompileTimes(key.directory).last(key))
+
     def warm_up(self) -> bool:
         """Compile (or load) at start, and run once: the whole graph for a decode step of one sequence and one of
         two (the number a symbol: any number above one; with --compile-gemms only the latter, which one sequence
@@ -313,7 +341,7 @@ class CompiledSteps:
         block = self._warm_up_slot() // self.cache.block_size
         saved = self.cache.export_block(block) if self.whole else None  # the one block it writes, put back after
         try:
-            for num_seqs in ((2,) if self.gemms else (1, 2)) if self.whole else ():
+            for num_seqs in self._whole_sizes():
                 input_ids, meta = self._warm_up_step(num_seqs)
                 meta = replace(meta, layer_regions=self._regions)
                 self.cache.begin_step([], [], meta.slot_mappings)
@@ -321,7 +349,7 @@ class CompiledSteps:
                     mark = lambda: mark_dynamic(input_ids, meta)  # noqa: E731
                     self._whole.add(f"whole-{num_seqs}", (input_ids, meta, self.cache), mark)
                     self._whole(input_ids, meta, self.cache, mark=mark)
-            for num_seqs in (2,) if self.whole else (1, 2):
+            for num_seqs in self._outside_sizes():
                 input_ids, meta = self._warm_up_step(num_seqs)
                 stand_in = self._stand_in(meta)
                 with torch.no_grad(), attention_outside_graph(zero_attention):
@@ -344,6 +372,9 @@ class CompiledSteps:
         self.compile_seconds = time.perf_counter() - started
         self.compile_phases = {name: seconds - phases.get(name, 0.0) for name, seconds in phase_seconds().items()}
         self.resident_growth = resident_bytes() - resident
+        if self.failed is None and self.graphs_compiled and not self.graphs_loaded and \
+                not torch._inductor.config.force_disable_caches:  # caches off: nothing written beside the graphs
+            CompileTimes(self._outside.key.directory).remember(self._outside.key, self.compile_seconds)
         return self.failed is None
 
     def compile_phases_line(self) -> str:

@@ -91,9 +91,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     sequence_factory = SequenceFactory(eos_token_ids, validator.tokenizer)
     if torch.device(config.device).type == "cpu":
         logger.info(keep_freed_heap())  # each step's temporaries live on the C heap
-    # --compile-decode: why no decode step can run compiled, if none can
-    eager_decode_reason = unsupported(MODEL_CLASSES[setup.model_config.architecture], config.batch_invariant,
-                                      setup.eviction.unbounded_length) if config.compile_decode else None
+    eager_decode_reason = eager_steps_reason(config, setup)
     model = load_model(config, setup, eager_decode_reason)
     check_model_windows(setup)
     tiles = RowTiles(TILE_ROWS if config.batch_invariant else None)
@@ -231,7 +229,7 @@ def load_model(config: EngineConfig, setup: EngineSetup, eager_decode_reason: st
     mc = setup.model_config
     weights = load_weights(setup.model_path, config.torch_dtype)
     policy = WeightsPolicy(config.torch_dtype, config.device, config.quantization, config.batch_invariant,
-                           dense_in_graph=config.compile_decode and eager_decode_reason is None)
+                           dense_in_graph=eager_decode_reason is None)
     model = build_model(mc, weights, setup.max_model_len, policy)
     logger.info(startup.weights_line(weights_facts(config, model)))
     return model
@@ -266,7 +264,7 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
     cache = make_kv_cache(KVCacheSpec(config.kv_cache_format, layout, plan.num_blocks, plan.block_size,
                                       mc.num_kv_heads, mc.head_dim, config.torch_dtype, config.device,
                                       config.max_num_seqs, compile=not (config.enforce_eager or config.batch_invariant),
-                                      tiles=tiles, decode_in_place=config.compile_decode,
+                                      tiles=tiles, decode_in_place=config.compile.decode_steps,
                                       latent_rope_dim=mc.deepseek.qk_rope_head_dim if mc.deepseek else None))
     started = time.perf_counter()
     cache.warm_up(mc.num_heads)
@@ -328,11 +326,21 @@ def attention_scores(config: EngineConfig, setup: EngineSetup) -> AttentionScore
 
 
 # ---- compiled steps ----------------------------------------------------------------------------------------
+def eager_steps_reason(config: EngineConfig, setup: EngineSetup) -> str | None:
+    """Why this engine's decode steps run eagerly (None: they run compiled): turned off, or no graph supports the
+    model or its settings. Asked before the model is built: only then does it keep the dense weights the graph's
+    one-row loops read (model/linear.py)."""
+    if not config.compile.decode_steps:
+        return config.compile.eager_reason
+    if setup.eviction.per_head:  # asked for explicitly, head_build refuses it
+        return f"kv_eviction={config.kv_eviction!r} reads per-head KV streams eagerly"
+    return unsupported(MODEL_CLASSES[setup.model_config.architecture], config.batch_invariant,
+                       setup.eviction.unbounded_length)
+
+
 def compile_decode_steps(config: EngineConfig, model, cache: PagedKVCache, eviction: EvictionPolicy,
                          eager_decode_reason: str | None) -> CompiledSteps | None:
-    """Decode steps as one compiled graph, compiled now (compile/steps.py); None: they run eagerly."""
-    if not config.compile_decode:
-        return None
+    """Decode steps as compiled graphs, compiled or loaded now (compile/steps.py); None: they run eagerly."""
     if eager_decode_reason is not None:
         logger.info(startup.eager_steps_line(eager_decode_reason))
         return None
@@ -342,6 +350,7 @@ def compile_decode_steps(config: EngineConfig, model, cache: PagedKVCache, evict
         logger.info(startup.gemms_not_applied_line(unused))
         gemms = False
     compiled = CompiledSteps(model, cache, gemms=gemms, whole=outside is None)
+    logger.info(startup.compiling_steps_line(compiled.pending()))
     if not compiled.warm_up():
         return None
     facts = startup.CompiledStepsFacts(outside, WHOLE_GRAPH_KV_BYTES, compiled.compile_seconds,

@@ -73,17 +73,18 @@ def _add_eviction_flags(g: _FlagsExcept, defaults: EngineConfig) -> None:
 
 def _add_compile_flags(g: _FlagsExcept) -> None:
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never compile with torch.compile (decode attention over an int8, int4, nuq4 or nuq3 KV cache "
-                        "then runs as plain PyTorch ops, slower)")
+                   help="never compile with torch.compile: decode steps run eagerly, and so does decode attention over "
+                        "an int8, int4, nuq4 or nuq3 KV cache (plain PyTorch ops, slower)")
     g.add_argument("--compile-gemms", action="store_true",
-                   help="with --compile-decode: freeze the weights into the decode graph and multiply them with "
+                   help="with compiled decode steps: freeze the weights into the decode graph and multiply them with "
                         "Inductor's C++ GEMM template over its own packed copy (faster decode; more memory; every "
                         "start compiles again: docs/benchmarks.md)")
-    g.add_argument("--compile-decode", action="store_true",
-                   help="run decode steps as graphs compiled by torch.compile at start (one sequence as one whole "
-                        "graph, several with attention outside it; minutes to compile the first time, then cached on "
-                        "disk; float weights packed for oneDNN are kept dense too, for the single stream's one-row "
-                        "loops: more memory, said at start; docs/benchmarks.md)")
+    g.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps as graphs compiled by torch.compile at start (default: on wherever the model "
+                        "family and settings allow, said at start; a first start compiles for tens of seconds and "
+                        "saves the graphs, later ones load them; float weights packed for oneDNN are kept dense too, "
+                        "for the single stream's one-row loops: more memory, said at start; docs/benchmarks.md). "
+                        "--no-compile-decode runs them eagerly and still compiles a KV format's decode attention")
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's logits bitwise independent of its batch, chunking, prefix hits and preemption "
                         "(fixed token tiles, attention per query tile; costs speed: docs/benchmarks.md)")

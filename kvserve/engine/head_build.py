@@ -17,7 +17,7 @@ def check_head_settings(config: EngineConfig) -> None:
     eviction policy by EngineConfig)."""
     refused = {
         "kv_cache_dtype": config.kv_cache_format not in FLOAT_FORMATS,  # only float formats own a head-stream read
-        "compile_decode": config.compile_decode,  # no compiled step reads head streams
+        "compile_decode": config.compile.asked,  # no compiled step reads head streams (by default: eager)
         "kv_disk_cache": config.kv_disk_cache is not None,  # nothing enters the prefix index to save
     }
     names = [name for name, on in refused.items() if on]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.batch_invariant import TILE_ROWS
+from kvserve.compile.steps import PendingGraphs
 from kvserve.config import SpeculativeConfig
 from kvserve.planner.capacity import KVCachePlan
 
@@ -72,7 +73,7 @@ def weights_line(facts: WeightsFacts) -> str:
                           "the tied embedding table: lookups read the table, the output head its packed copy")
         if facts.dense_copy_nbytes:
             copies.append(f"{facts.dense_copy_nbytes / 1e6:,.1f} MB the dense weights kept beside "
-                          f"{facts.matmul_name}'s packed copies for --compile-decode: the single stream's graph "
+                          f"{facts.matmul_name}'s packed copies for compiled decode steps: the single stream's graph "
                           "multiplies them in loops of its own")
         if copies:
             form += f" (of which {'; '.join(copies)})"
@@ -116,8 +117,24 @@ def speculation_line(config: SpeculativeConfig) -> str:
 
 
 def eager_steps_line(reason: str) -> str:
-    """--compile-decode asked for, but no decode step can run compiled."""
+    """No decode step runs compiled: turned off, or not supported for this model or its settings."""
     return f"decode steps: eager ({reason})"
+
+
+def compiling_steps_line(pending: PendingGraphs) -> str:
+    """Said before the warm-up: what it loads, what it compiles and about how long that takes."""
+    if not pending.to_compile:
+        return f"decode steps: loading {pending.saved} saved compiled graphs (--enforce-eager skips compiling)"
+    if pending.last_seconds is not None:
+        how_long = f"the last compile of this engine on this machine took {pending.last_seconds:.0f} s"
+    else:
+        how_long = ("none compiled for this engine on this machine before: expect tens of seconds on a small CPU, "
+                    "minutes with --compile-gemms (docs/benchmarks.md, `kvserve bench startup`)")
+    later = ("later starts load them" if pending.kept else
+             "--compile-gemms's frozen weights cannot be saved: every start compiles them")
+    loaded = f", loading {pending.saved} saved" if pending.saved else ""
+    return (f"decode steps: compiling {pending.to_compile} graphs now{loaded} ({how_long}; {later}; nothing compiles "
+            "while serving; --enforce-eager skips this)")
 
 
 def gemms_not_applied_line(reason: str) -> str:
@@ -127,12 +144,12 @@ def gemms_not_applied_line(reason: str) -> str:
 def compiled_steps_line(facts: CompiledStepsFacts) -> str:
     """Which graphs decode steps run in, and what compiling them took."""
     if facts.attention_outside is None:
-        graphs = ("compiled (torch.compile, --compile-decode): one sequence in a whole graph, several in "
+        graphs = ("compiled (torch.compile; --enforce-eager turns it off): one sequence in a whole graph, several in "
                   "another while their K/V padded to the longest is at most "
                   f"{facts.whole_graph_kv_bytes / 2**20:,.0f} MiB, the others (any number, any context lengths) in one "
                   "with attention outside it")
     else:
-        graphs = (f"one compiled graph with attention outside it (torch.compile, --compile-decode; "
+        graphs = (f"one compiled graph with attention outside it (torch.compile, --enforce-eager turns it off; "
                   f"{facts.attention_outside})")
     return (f"decode steps: {graphs}, in {facts.compile_s:.1f} s{facts.phases}{facts.gemms}; prefill and mixed steps "
             "in the graph with attention outside it too")

@@ -123,7 +123,7 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     ("--workloads", "chat", "unknown workload 'chat'; choose from decode, prefill, long-context, rewrite"),
     ("--speculative", "eagle", "--speculative takes off, ngram, suffix"),
     ("--num-speculative-tokens", "0", "num_speculative_tokens must be a positive integer"),
-    ("--compile-decode", "maybe", "--compile-decode takes off, on and/or gemms, got ['maybe']"),
+    ("--compile-decode", "maybe", "--compile-decode takes default, off, on and/or gemms, got ['maybe']"),
     ("--block-size", "0", "block_size must be a positive integer, got 0"),
 ])
 def test_bad_values_are_named_before_anything_loads(option, value, message):

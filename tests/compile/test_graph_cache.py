@@ -108,3 +108,32 @@ def test_with_inductors_caches_off_the_graphs_are_traced_and_nothing_is_saved(tm
     assert compiled.num_misses == 0
     assert compiled.num_outside_steps > 0
     assert not graph_cache.graph_directory().exists()
+
+
+def test_the_family_leaves_kvserves_source_out_and_nothing_else(tmp_path, monkeypatch):
+    """GraphKey.family names the same engine on the same machine across kvserve versions: its last compile time
+    tells the next start how long compiling will take."""
+    engine = LLM(str(make_tiny_model(tmp_path)), **COMMON, enforce_eager=True).engine
+    base = GraphKey.of(engine.model, engine.cache, {"whole": True})
+    monkeypatch.setattr(graph_cache, "source_digest", lambda: "another kvserve")
+    upgraded = GraphKey.of(engine.model, engine.cache, {"whole": True})
+    assert upgraded.digest != base.digest and upgraded.family == base.family
+    monkeypatch.setattr(graph_cache.torch, "__version__", "9.9.9")
+    assert GraphKey.of(engine.model, engine.cache, {"whole": True}).family != base.family
+    assert GraphKey.of(engine.model, engine.cache, {"whole": False}).family != base.family
+
+
+def test_compile_times_are_numbers_and_a_bad_file_counts_as_empty(tmp_path, caplog):
+    times = graph_cache.CompileTimes(tmp_path / "graphs")
+    key = GraphKey(tmp_path, "d" * 40, "f" * 40)
+    assert times.last(key) is None  # no file yet
+    times.remember(key, 21.44)
+    assert times.last(key) == 21.4 and (times.path.stat().st_mode & 0o777) == 0o600
+    times.path.write_text('{"' + "f" * 40 + '": "import os", "x": true, "y": -1, "z": 3}')
+    assert times.read() == {"z": 3.0}  # only numbers in range; the rest is dropped
+    times.path.write_text("{not json")
+    assert times.last(key) is None
+    times.remember(key, 5.0)  # written over
+    assert times.read() == {"f" * 40: 5.0}
+    times.path.chmod(0o666)  # others may write it: not read
+    assert times.last(key) is None

@@ -321,6 +321,9 @@ def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     (dict(kv_cache_dtype="int8"), "the int8 KV cache attends with its own compiled decode kernel", LOSSY_KV_TOLERANCE),
     (dict(kv_cache_dtype="int4"), "the int4 KV cache attends with its own compiled decode kernel", LOSSY_KV_TOLERANCE),
     (dict(kv_cache_dtype="fp8"), "the fp8_e4m3 KV cache attends eagerly", LOSSY_KV_TOLERANCE),
+    (dict(kv_cache_dtype="fp8_e5m2"), "the fp8_e5m2 KV cache attends eagerly", LOSSY_KV_TOLERANCE),
+    (dict(kv_cache_dtype="nuq4"), "the nuq4 KV cache attends with its own compiled decode kernel", LOSSY_KV_TOLERANCE),
+    (dict(kv_cache_dtype="nuq3"), "the nuq3 KV cache attends with its own compiled decode kernel", LOSSY_KV_TOLERANCE),
     (dict(kv_eviction="h2o", kv_budget_tokens=64, kv_recent_tokens=32), "H2O's attention scores", LOGPROB_TOLERANCE),
 ])
 def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(tmp_path, caplog, options, reason,
@@ -331,7 +334,8 @@ def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(
     eager = LLM(str(path), **COMMON, enforce_eager=True, **options)
     with caplog.at_level(logging.INFO, logger="kvserve"):
         compiled = LLM(str(path), **COMMON, **COMPILED, **options)
-    assert f"one compiled graph with attention outside it (torch.compile, --compile-decode; {reason}" in caplog.text
+    assert f"one compiled graph with attention outside it (torch.compile, --enforce-eager turns it off; {reason}" in \
+        caplog.text
     runner = compiled.engine.runner
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     deviations = []
@@ -343,9 +347,22 @@ def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(
     # int8 and int4 attend with their own compiled kernel, called from the graph's attention op: those calls must fit
     # the kernel's graphs (built in inference mode, as eager steps call it), or it fails and attends eagerly for good
     fused = compiled.engine.cache.fused_decode  # float32 (H2O's) reads blocks in place where it attends unscored
-    assert (fused is not None) == (options.get("kv_cache_dtype", "auto") in ("int8", "int4", "auto"))
+    assert (fused is not None) == (options.get("kv_cache_dtype", "auto") in ("int8", "int4", "nuq4", "nuq3", "auto"))
     assert fused is None or fused.failed is None, fused.failed
     print(f"\n{reason}: largest logprob deviation from eager {max(deviations):.1e} nats over {len(deviations)}")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_half_precision_pools_run_inside_the_whole_graph_as_eager(tmp_path, kv_cache_dtype):
+    """The float formats other than float32's: attention inside the whole graph for a single stream, logprobs
+    within the lossy formats' tolerance of eager over the same pool (both round K/V the same way when stored)."""
+    path = make_tiny_model(tmp_path)
+    eager = LLM(str(path), **COMMON, enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
+    compiled = LLM(str(path), **COMMON, **COMPILED, kv_cache_dtype=kv_cache_dtype)
+    assert compiled.engine.runner.compiled.whole
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    compare(eager, compiled, PROMPTS[:1], params, tolerance=LOSSY_KV_TOLERANCE)
+    compare(eager, compiled, PROMPTS, params, tolerance=LOSSY_KV_TOLERANCE)
 
 
 @pytest.mark.parametrize("options, reason", [

@@ -1,9 +1,11 @@
 """The start-up lines, word for word, from made-up facts (no model is built): what the weights, the KV cache, batch
 invariance, compiled attention and steps, and speculative decoding say at start."""
+from kvserve.compile.steps import PendingGraphs
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.startup import (CacheFacts, CompiledAttentionFacts, CompiledStepsFacts, WeightsFacts,
                                     batch_invariance_line, capacity_line, compiled_attention_line, compiled_steps_line,
-                                    eager_steps_line, gemms_not_applied_line, speculation_line, weights_line)
+                                    compiling_steps_line, eager_steps_line, gemms_not_applied_line, speculation_line,
+                                    weights_line)
 from kvserve.planner.capacity import plan_kv_cache
 from kvserve.planner.model_spec import ModelSpec
 
@@ -19,7 +21,7 @@ def test_float_weights_name_their_dtype_and_any_copies_a_kernel_keeps():
     assert weights_line(copies) == (
         "weights: 2.0 MB float32 (of which 0.1 MB is oneDNN linear's packed copy of the tied embedding table: lookups "
         "read the table, the output head its packed copy; 1.5 MB the dense weights kept beside oneDNN linear's packed "
-        "copies for --compile-decode: the single stream's graph multiplies them in loops of its own)")
+        "copies for compiled decode steps: the single stream's graph multiplies them in loops of its own)")
 
 
 def test_int8_weights_name_their_scales_the_fallback_kernel_and_the_tied_copy():
@@ -63,14 +65,26 @@ def test_compiled_attention_and_steps_lines():
         "--compile-gemms: not applied (int8 weights); the decode step compiles without it")
     whole = CompiledStepsFacts(None, 64 * 2**20, 3.04, " (2 graphs compiled)", "")
     assert compiled_steps_line(whole) == (
-        "decode steps: compiled (torch.compile, --compile-decode): one sequence in a whole graph, several in another "
-        "while their K/V padded to the longest is at most 64 MiB, the others (any number, any context lengths) in one "
+        "decode steps: compiled (torch.compile; --enforce-eager turns it off): one sequence in a whole graph, several "
+        "in another while their K/V padded to the longest is at most 64 MiB, the others (any number, any context lengths) in one "
         "with attention outside it, in 3.0 s (2 graphs compiled); prefill and mixed steps in the graph with attention "
         "outside it too")
     outside = CompiledStepsFacts("int4 blocks are gathered", 64 * 2**20, 1.0, "", ", weights frozen")
     assert compiled_steps_line(outside) == (
-        "decode steps: one compiled graph with attention outside it (torch.compile, --compile-decode; int4 blocks are "
-        "gathered), in 1.0 s, weights frozen; prefill and mixed steps in the graph with attention outside it too")
+        "decode steps: one compiled graph with attention outside it (torch.compile, --enforce-eager turns it off; int4 "
+        "blocks are gathered), in 1.0 s, weights frozen; prefill and mixed steps in the graph with attention outside it too")
+
+
+def test_compiling_line_says_what_it_loads_compiles_and_how_long_before_it_starts():
+    assert compiling_steps_line(PendingGraphs(4, 0, True, 12.0)) == (
+        "decode steps: loading 4 saved compiled graphs (--enforce-eager skips compiling)")
+    assert compiling_steps_line(PendingGraphs(0, 4, True, 21.4)) == (
+        "decode steps: compiling 4 graphs now (the last compile of this engine on this machine took 21 s; later "
+        "starts load them; nothing compiles while serving; --enforce-eager skips this)")
+    first = compiling_steps_line(PendingGraphs(1, 2, False, None))
+    assert first.startswith("decode steps: compiling 2 graphs now, loading 1 saved (none compiled for this engine "
+                            "on this machine before: expect tens of seconds")
+    assert "every start compiles them" in first
 
 
 def test_speculation_line_names_the_method_and_its_bounds():

@@ -40,9 +40,10 @@ def add_throughput_parser(bench_subparsers) -> None:
     p.add_argument("--batch-invariant", nargs="+", default=["off"], metavar="MODE",
                    help="kvserve's --batch-invariant: off, on, or off on (one run per value) to price the mode "
                         "against the default in the same run (default: off)")
-    p.add_argument("--compile-decode", nargs="+", default=["off"], metavar="MODE",
-                   help="kvserve's --compile-decode: off (eager decode steps), on (one compiled graph), gemms (the "
-                        "graph with --compile-gemms), or several: a row each in the same run (default: off)")
+    p.add_argument("--compile-decode", nargs="+", default=["default"], metavar="MODE",
+                   help="kvserve's decode steps: default (the engine's: compiled where supported), off (eager, "
+                        "--no-compile-decode), on (compiled, --compile-decode), gemms (compiled with --compile-gemms), "
+                        "or several: a row each in the same run (default: default)")
     p.add_argument("--speculative", nargs="+", default=["off"], metavar="METHOD",
                    help="kvserve's --speculative-config method: off, ngram, suffix (one run per value; default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvserve.config import DEFAULT_BLOCK_SIZE, DEFAULT_DISABLE_BY_BATCH_SIZE, EngineConfig
+from kvserve.config import DEFAULT_BLOCK_SIZE, DEFAULT_DISABLE_BY_BATCH_SIZE, CompileConfig, EngineConfig
 
 SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+COMPILE_MODES = {"default": None, "off": False, "on": True, "gemms": True}  # --compile-decode's values
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class KvserveConfig:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    compile_decode: bool = False
+    compile_decode: bool | None = None  # None: the engine's default (compiled unless KVSERVE_EAGER_STEPS=1)
     compile_gemms: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
 
@@ -32,8 +33,13 @@ class KvserveConfig:
             ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else []) + \
             ([f"off above {self.disable_by_batch_size}"] if self.disable_by_batch_size != DEFAULT_DISABLE_BY_BATCH_SIZE
              and self.speculative != "off" else []) + \
-            (["compiled decode"] if self.compile_decode else []) + (["compiled GEMMs"] if self.compile_gemms else [])
+            (["compiled decode"] if self.compiled else []) + (["compiled GEMMs"] if self.compile_gemms else [])
         return f"kvserve ({', '.join([self.dtype, *extras])})"
+
+    @property
+    def compiled(self) -> bool:
+        """Whether its decode steps are to run compiled (the engine may still run them eagerly and say why)."""
+        return CompileConfig(False, self.compile_decode, self.compile_gemms, self.batch_invariant).decode_steps
 
     @property
     def speculative_config(self) -> dict | None:
@@ -51,8 +57,8 @@ def option_values(values: list[str]) -> list[str]:
 def kvserve_configs(args: argparse.Namespace) -> list[KvserveConfig]:
     """Every combination of the options' values, in row order; a bad value exits naming the choices."""
     modes, compile_modes, methods = _checked_modes(args)
-    configs = [KvserveConfig(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit, compiled != "off",
-                             compiled == "gemms", block)
+    configs = [KvserveConfig(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit,
+                             COMPILE_MODES[compiled], compiled == "gemms", block)
                for d in args.dtypes for q in option_values(args.quantization)
                for kv in option_values(args.kv_cache_dtype)
                for block in dict.fromkeys(args.block_size) for mode in modes for method in methods
@@ -69,8 +75,8 @@ def _checked_modes(args: argparse.Namespace) -> tuple[list[str], list[str], list
     if set(modes) - {"off", "on"}:
         raise SystemExit(f"kvserve bench throughput: --batch-invariant takes off and/or on, got {args.batch_invariant}")
     compile_modes = option_values(args.compile_decode)
-    if not compile_modes or set(compile_modes) - {"off", "on", "gemms"}:
-        raise SystemExit(f"kvserve bench throughput: --compile-decode takes off, on and/or gemms, got "
+    if not compile_modes or set(compile_modes) - set(COMPILE_MODES):
+        raise SystemExit(f"kvserve bench throughput: --compile-decode takes default, off, on and/or gemms, got "
                          f"{args.compile_decode}")
     methods = option_values(args.speculative)
     if set(methods) - set(SPECULATIVE_METHODS):

@@ -387,8 +387,9 @@ def test_what_the_graph_does_not_cover_runs_eagerly_and_says_why(tmp_path, caplo
 def test_compile_decode_and_enforce_eager_contradict(tmp_path):
     with pytest.raises(ValueError, match="compile_decode=True contradicts enforce_eager=True"):
         LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_decode=True, enforce_eager=True)
-    with pytest.raises(ValueError, match="compile_gemms=True applies to the compiled decode step"):
-        LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_gemms=True)
+    with pytest.raises(ValueError, match="compile_gemms=True applies to the compiled decode step, which "
+                                         "--no-compile-decode turns off"):
+        LLM(str(make_tiny_model(tmp_path)), **COMMON, compile_gemms=True, compile_decode=False)
 
 
 def _graphs_of(monkeypatch, cls, method: str) -> list[int]:

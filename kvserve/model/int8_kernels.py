@@ -2,9 +2,9 @@
 
 Every route returns the same thing, the integer sums sum_k qx[m, k] qw[n, k] as float32, so the choice changes
 speed and never results. Which one is fast depends on the CPU (AMX, AVX-512 VNNI or AVX2 only: see
-docs/benchmarks.md), so a short probe times each on one matrix against a float32 matmul, once per process, and
-the fastest wins; when none beats float32 the codes are multiplied as float32 (same numbers, float32's speed)
-and the start-up log says so."""
+docs/benchmarks.md), so a short probe times each on one matrix against a float32 matmul and the fastest wins; when
+none beats float32 the codes are multiplied as float32 (same numbers, float32's speed). The choice is remembered
+for later starts on the same machine (route_cache.py), and the start-up log says which route runs and why."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from kvserve.model import route_cache
 
 logger = logging.getLogger("kvserve")
 
@@ -123,6 +125,27 @@ def _frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(tensor, requires_grad=False)
 
 
+class FbgemmKernel(Int8Kernel):
+    """FBGEMM's quantized linear (PyTorch's x86 quantized backend): the activation codes shifted to uint8 by a zero
+    point of 128, multiplied by the weight's codes (unit scales) with int32 sums."""
+
+    name = "fbgemm linear"
+    library = "FBGEMM u8s8 linear (torch.ops.quantized, x86)"
+
+    def pack(self, weight: torch.Tensor):
+        n = weight.shape[0]
+        codes = torch._make_per_channel_quantized_tensor(weight, torch.ones(n, dtype=torch.double),
+                                                         torch.zeros(n, dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(codes, None)
+
+    def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x.float(), 1.0, 128, packed)
+
+    def storages(self, packed) -> dict[int, int]:
+        weight, _ = packed.unpack()
+        return {id(packed): weight.numel()}
+
+
 # K columns whose int8 products add up exactly in float32, in any order: 1040 * 127^2 < 2^24
 EXACT_FLOAT_COLUMNS = 1040
 
@@ -156,27 +179,48 @@ class FloatKernel(Int8Kernel):
 
 
 KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel())
+CANDIDATES: tuple[Int8Kernel, ...] = (FbgemmKernel(),)  # measured by kvserve.bench.int8_routes, not probed
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     kernel: Int8Kernel
     speedup_by_rows: dict[int, float] = field(default_factory=dict)  # the winner's float32 time / its time
+    probed_at: str | None = None  # when the remembered probe ran (route_cache.py); None: probed by this process
 
     def describe(self) -> str:
+        why = "probed now" if self.probed_at is None else f"remembered from the probe of {self.probed_at}"
         if isinstance(self.kernel, FloatKernel):
-            return f"int8 matmuls: {self.kernel.name} ({self.kernel.library} on this CPU)"
+            return f"int8 matmuls: {self.kernel.name} ({self.kernel.library} on this CPU; {why})"
         speeds = ", ".join(f"{s:.1f}x float32 at {m} token{'s' if m > 1 else ''}"
                            for m, s in self.speedup_by_rows.items())
-        return f"int8 matmuls: {self.kernel.name}, {self.kernel.library}; start-up probe: {speeds}"
+        return f"int8 matmuls: {self.kernel.name}, {self.kernel.library}; {why}: {speeds}"
 
 
 @functools.cache
 def choose_kernel() -> Int8Kernel:
-    """The fastest available route on this CPU (probed once per process); the fallback if none beats float32."""
-    choice = probe_kernels()
+    """The fastest available route on this CPU (remembered, or probed once per process); the fallback if none beats
+    float32."""
+    choice = remembered_or_probed()
     logger.info(choice.describe())
     return choice.kernel
+
+
+def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
+    """The choice the route file remembers for this machine (route_cache.py), if its kernel still passes
+    available(); else probe_kernels', written to the file for the next start."""
+    routes = {kernel.name: kernel for kernel in kernels}
+    fallback = FloatKernel()
+    key = route_cache.probe_key("int8", {"shape": PROBE_SHAPE, "rows": PROBE_ROWS, "kernels": sorted(routes)})
+    found = route_cache.recall("int8", key, {*routes, fallback.name})
+    if found is not None:
+        kernel = routes.get(found.route, fallback)
+        if kernel is fallback or kernel.available():
+            return KernelChoice(kernel, found.speedup_by_rows, found.probed_at)
+        logger.warning(f"remembered int8 matmul route {kernel.name} failed its check here; probing again")
+    choice = probe_kernels(kernels)
+    route_cache.remember("int8", key, choice.kernel.name, choice.speedup_by_rows)
+    return choice
 
 
 def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:

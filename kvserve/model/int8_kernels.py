@@ -8,8 +8,11 @@ for later starts on the same machine (route_cache.py), and the start-up log says
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -127,23 +130,76 @@ def _frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
 
 class FbgemmKernel(Int8Kernel):
     """FBGEMM's quantized linear (PyTorch's x86 quantized backend): the activation codes shifted to uint8 by a zero
-    point of 128, multiplied by the weight's codes (unit scales) with int32 sums."""
+    point of 128, times the weight's codes with unit scales, summed in int32. Its packed weight is a TorchScript
+    object, which a compiled graph cannot hold: a layer holds a handle instead (a tensor of the weight's N rows, one
+    number repeated), and an op of kvserve's own (_fbgemm_sums) finds the packed weight by that number."""
 
     name = "fbgemm linear"
-    library = "FBGEMM u8s8 linear (torch.ops.quantized, x86)"
+    library = "FBGEMM's u8s8 linear (torch.ops.quantized, x86)"
 
-    def pack(self, weight: torch.Tensor):
-        n = weight.shape[0]
-        codes = torch._make_per_channel_quantized_tensor(weight, torch.ones(n, dtype=torch.double),
-                                                         torch.zeros(n, dtype=torch.long), 0)
-        return torch.ops.quantized.linear_prepack(codes, None)
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors: the probe drops a route that goes
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            codes = torch._make_per_channel_quantized_tensor(weight, torch.ones(n, dtype=torch.double),
+                                                             torch.zeros(n, dtype=torch.long), 0)
+        number = next(_FBGEMM_NUMBERS)
+        # a tensor of its own over one element, not a view: a compiled graph wraps a view's base as well
+        handle = torch.empty(0, dtype=torch.long).set_(torch.tensor([number]).untyped_storage(), 0, (n,), (0,))
+        _FBGEMM_WEIGHTS[number] = (torch.ops.quantized.linear_prepack(codes, None), n * k)
+        weakref.finalize(handle, _FBGEMM_WEIGHTS.pop, number, None)  # the packed weight lives as long as its layer
+        return handle
 
-    def matmul(self, x: torch.Tensor, packed) -> torch.Tensor:
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x.float(), 1.0, 128, packed)
+    def matmul(self, x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        return _fbgemm_sums(x, handle) if torch.compiler.is_compiling() else _fbgemm_sums_eager(x, handle)
 
-    def storages(self, packed) -> dict[int, int]:
-        weight, _ = packed.unpack()
-        return {id(packed): weight.numel()}
+    def storages(self, handle: torch.Tensor) -> dict[int, int]:
+        packed, nbytes = _FBGEMM_WEIGHTS[int(handle[0])]
+        return {id(packed): nbytes}  # opaque: one byte per weight, keyed by the object
+
+
+_FBGEMM_WEIGHTS: dict[int, tuple] = {}  # handle number -> (FBGEMM's packed weight, its bytes)
+_FBGEMM_NUMBERS = itertools.count()
+
+
+@torch.library.custom_op("kvserve::fbgemm_int8_sums", mutates_args=())
+def _fbgemm_sums(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    """FBGEMM's linear as an op of kvserve's own inside a compiled graph: Inductor calls it as is."""
+    return _fbgemm_sums_eager(x, handle)
+
+
+@_fbgemm_sums.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], handle.shape[0]), dtype=torch.float32)
+
+
+def _fbgemm_sums_eager(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    packed, _ = _FBGEMM_WEIGHTS[int(handle[0])]
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x.float(), 1.0, 128, packed)
+
+
+class RowSplitKernel(Int8Kernel):
+    """One row (a single stream's decode step) by `one_row`, more rows by `rows`: the probe's choice where a route
+    wins at one row but not in batches. Both pack every weight, so the int8 weights are held twice."""
+
+    def __init__(self, one_row: Int8Kernel, rows: Int8Kernel):
+        self.one_row, self.rows = one_row, rows
+        self.name = f"{one_row.name} at one row, {rows.name} at more"
+        self.library = f"{one_row.library}; {rows.library}; the int8 weights held by both"
+        self.inductor_template = rows.inductor_template  # --compile-gemms runs one row as two (compile/shapes.py)
+
+    def available(self) -> bool:
+        return self.one_row.available() and self.rows.available()
+
+    def pack(self, weight: torch.Tensor) -> tuple:
+        return self.one_row.pack(weight), self.rows.pack(weight)
+
+    def matmul(self, x: torch.Tensor, packed: tuple) -> torch.Tensor:
+        # a compiled graph's rows are 1 or a symbol of at least 2: this picks one route as the graph traces
+        return self.one_row.matmul(x, packed[0]) if x.shape[0] == 1 else self.rows.matmul(x, packed[1])
+
+    def storages(self, packed: tuple) -> dict[int, int]:
+        return {**self.one_row.storages(packed[0]), **self.rows.storages(packed[1])}
 
 
 # K columns whose int8 products add up exactly in float32, in any order: 1040 * 127^2 < 2^24
@@ -179,7 +235,10 @@ class FloatKernel(Int8Kernel):
 
 
 KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel())
-CANDIDATES: tuple[Int8Kernel, ...] = (FbgemmKernel(),)  # measured by kvserve.bench.int8_routes, not probed
+# timed at one row against the probe's winner: one that beats it by ONE_ROW_MARGIN takes the one-row calls
+# (RowSplitKernel; the margin, since it holds the weights twice)
+ONE_ROW_KERNELS: tuple[Int8Kernel, ...] = (FbgemmKernel(),)
+ONE_ROW_MARGIN = 1.1
 
 
 @dataclass(frozen=True)
@@ -206,25 +265,31 @@ def choose_kernel() -> Int8Kernel:
     return choice.kernel
 
 
-def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
+def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS,
+                         one_row_kernels: tuple[Int8Kernel, ...] = ONE_ROW_KERNELS) -> KernelChoice:
     """The choice the route file remembers for this machine (route_cache.py), if its kernel still passes
     available(); else probe_kernels', written to the file for the next start."""
-    routes = {kernel.name: kernel for kernel in kernels}
     fallback = FloatKernel()
-    key = route_cache.probe_key("int8", {"shape": PROBE_SHAPE, "rows": PROBE_ROWS, "kernels": sorted(routes)})
-    found = route_cache.recall("int8", key, {*routes, fallback.name})
+    routes = {kernel.name: kernel for kernel in (*kernels, fallback)}
+    routes.update({split.name: split for split in (RowSplitKernel(one, kernel) for one in one_row_kernels
+                                                   for kernel in routes.values())})
+    shapes = {"shape": PROBE_SHAPE, "rows": PROBE_ROWS, "kernels": sorted(routes), "one_row_margin": ONE_ROW_MARGIN}
+    key = route_cache.probe_key("int8", shapes)
+    found = route_cache.recall("int8", key, set(routes))
     if found is not None:
-        kernel = routes.get(found.route, fallback)
-        if kernel is fallback or kernel.available():
+        kernel = routes[found.route]
+        if kernel.available():
             return KernelChoice(kernel, found.speedup_by_rows, found.probed_at)
         logger.warning(f"remembered int8 matmul route {kernel.name} failed its check here; probing again")
-    choice = probe_kernels(kernels)
+    choice = probe_kernels(kernels, one_row_kernels)
     route_cache.remember("int8", key, choice.kernel.name, choice.speedup_by_rows)
     return choice
 
 
-def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
-    """Time each kernel and float32 on PROBE_SHAPE at PROBE_ROWS tokens; the winner has the best mean speedup."""
+def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS,
+                  one_row_kernels: tuple[Int8Kernel, ...] = ONE_ROW_KERNELS) -> KernelChoice:
+    """Time each kernel and float32 on PROBE_SHAPE at PROBE_ROWS tokens; the winner has the best mean speedup. Then
+    the one-row kernels at one row against the winner (with_one_row_route)."""
     n, k = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
@@ -246,7 +311,24 @@ def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
         mean = sum(speedups.values()) / len(speedups)
         if min(speedups.values()) > 1.0 and (best is None or mean > _mean(best)):
             best = KernelChoice(kernel, speedups)
-    return best or KernelChoice(FloatKernel())
+    return with_one_row_route(best or KernelChoice(FloatKernel()), weight, one_row_kernels)
+
+
+def with_one_row_route(choice: KernelChoice, weight: torch.Tensor, kernels: tuple[Int8Kernel, ...]) -> KernelChoice:
+    """`choice`, or a RowSplitKernel of it and the fastest of `kernels` at one row where that beats it by
+    ONE_ROW_MARGIN (docs/benchmarks.md, "The matmul route per CPU")."""
+    x = torch.randint(-127, 128, (1, weight.shape[1]), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    packed = choice.kernel.pack(weight)
+    base_s = best_time(lambda: choice.kernel.matmul(x, packed))
+    winner, winner_s = None, base_s / ONE_ROW_MARGIN
+    for kernel in (kn for kn in kernels if kn.available()):
+        packed = kernel.pack(weight)
+        if (seconds := best_time(lambda: kernel.matmul(x, packed))) < winner_s:
+            winner, winner_s = kernel, seconds
+    if winner is None:
+        return choice
+    speedups = {**choice.speedup_by_rows, 1: choice.speedup_by_rows.get(1, 1.0) * base_s / winner_s}
+    return KernelChoice(RowSplitKernel(winner, choice.kernel), dict(sorted(speedups.items())))
 
 
 def _mean(choice: KernelChoice) -> float:

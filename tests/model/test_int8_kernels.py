@@ -1,8 +1,15 @@
 """The start-up probe picks an int8 route only when it beats float32, and otherwise falls back, saying so."""
+import gc
+
+import pytest
 import torch
 
-from kvserve.model import int8_kernels
+from kvserve.engine.llm import LLM
+from kvserve.model import int8_kernels, linear
 from kvserve.model.int8_kernels import FloatKernel, Int8Kernel, KernelChoice, probe_kernels
+from kvserve.sampling_params import SamplingParams
+from tests.compile.test_steps import COMMON, INT8_LOGPROB_TOLERANCE, PROMPTS, compare
+from tests.conftest import make_tiny_model
 
 
 class Broken(Int8Kernel):
@@ -28,7 +35,7 @@ class Slow(Int8Kernel):
 
 def test_unavailable_and_slow_kernels_fall_back_to_float32_with_a_reason():
     assert not Broken().available()
-    choice = probe_kernels((Broken(), Slow()))
+    choice = probe_kernels((Broken(), Slow()), one_row_kernels=())
     assert isinstance(choice.kernel, FloatKernel)
     assert "fallback: no int8 kernel beat float32" in choice.describe()
 
@@ -90,7 +97,100 @@ def test_a_kernel_slower_than_float32_at_one_token_is_not_timed_at_more_tokens()
             calls.append(x.shape[0])
             return super().matmul(x, packed)
 
-    choice = probe_kernels((Counted(),))
+    choice = probe_kernels((Counted(),), one_row_kernels=())
     assert isinstance(choice.kernel, FloatKernel)
     # available()'s check (2 rows), then at 1 token the untimed first call and five timed ones; none at 64
     assert calls == [2] + [1] * 6
+
+
+FBGEMM = int8_kernels.FbgemmKernel()
+needs_fbgemm = pytest.mark.skipif(not FBGEMM.available(), reason="FBGEMM's exact u8s8 linear is x86 with VNNI only")
+
+
+@needs_fbgemm
+def test_fbgemm_returns_the_exact_sums_bitwise_as_the_other_kernels_do():
+    """Full-range codes, K past 1040 (sums beyond 2^24 round to float32 as the int32 sums of the others do)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randint(-127, 128, (96, 1536), dtype=torch.int8, generator=gen)
+    w[0], w[1] = 127, -127
+    others = [kernel for kernel in (*int8_kernels.KERNELS, FloatKernel()) if kernel.available()]
+    for rows in (1, 2, 33):
+        x = torch.randint(-127, 128, (rows, 1536), dtype=torch.int8, generator=gen)
+        x[0] = 127
+        sums = FBGEMM.matmul(x, FBGEMM.pack(w))
+        assert torch.equal(sums, (x.long() @ w.long().T).float())
+        assert all(torch.equal(sums, kernel.matmul(x, kernel.pack(w))) for kernel in others)
+
+
+@needs_fbgemm
+def test_fbgemm_in_a_compiled_graph_gives_the_eager_sums():
+    w = torch.randint(-127, 128, (24, 64), dtype=torch.int8)
+    x = torch.randint(-127, 128, (1, 64), dtype=torch.int8)
+    handle = FBGEMM.pack(w)
+    compiled = torch.compile(lambda x: FBGEMM.matmul(x, handle) * 2, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), (x.long() @ w.long().T).float() * 2)
+
+
+@needs_fbgemm
+def test_fbgemm_weights_live_as_long_as_their_handle():
+    handle = FBGEMM.pack(torch.ones(8, 16, dtype=torch.int8))
+    number = int(handle[0])
+    assert number in int8_kernels._FBGEMM_WEIGHTS and FBGEMM.storages(handle) != {}
+    del handle
+    gc.collect()
+    assert number not in int8_kernels._FBGEMM_WEIGHTS
+
+
+class Tagged(Int8Kernel):
+    """Exact sums plus its tag, to see which route a call took."""
+
+    def __init__(self, tag):
+        self.name, self.tag = f"tagged {tag}", tag
+
+    def pack(self, weight):
+        return weight.t()
+
+    def matmul(self, x, packed):
+        return (x.long() @ packed.long()).float() + self.tag
+
+
+def test_a_row_split_kernel_sends_one_row_to_its_one_row_route():
+    split = int8_kernels.RowSplitKernel(Tagged(1000), Tagged(0))
+    w = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
+    packed = split.pack(w)
+    for rows, tag in ((1, 1000), (2, 0), (5, 0)):
+        x = torch.randint(-127, 128, (rows, 16), dtype=torch.int8)
+        assert torch.equal(split.matmul(x, packed), (x.long() @ w.long().T).float() + tag)
+    assert not split.available()  # a route with wrong sums fails the split's check
+
+
+def test_a_one_row_route_is_added_only_where_it_beats_the_winner_by_the_margin(monkeypatch):
+    """Fake timings, in the order with_one_row_route times them (the winner, then each one-row kernel): the rule,
+    not this CPU."""
+    winner = KernelChoice(Slow(), {1: 2.0, 64: 3.0})
+    weight = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
+    for one_row_s, split in ((0.5, True), (1 / int8_kernels.ONE_ROW_MARGIN + 0.01, False), (2.0, False)):
+        times = iter([1.0, one_row_s])
+        monkeypatch.setattr(int8_kernels, "best_time", lambda fn: next(times))
+        choice = int8_kernels.with_one_row_route(winner, weight, (Tagged(0),))
+        assert isinstance(choice.kernel, int8_kernels.RowSplitKernel) == split, one_row_s
+        if split:
+            assert choice.speedup_by_rows == {1: 4.0, 64: 3.0}
+            assert "tagged 0 at one row, slow at more" in choice.describe()
+
+
+@needs_fbgemm
+def test_a_saved_graph_multiplies_by_the_fbgemm_weights_of_the_engine_that_loads_it(tmp_path, monkeypatch):
+    """A graph holds FBGEMM handles as its inputs, not their numbers: another model of the same sizes loads the
+    saved graph and runs its own weights, after the engine that saved it and its packed weights are gone."""
+    monkeypatch.setattr(linear, "choose_kernel", lambda: FBGEMM)
+    first = LLM(str(make_tiny_model(tmp_path / "a")), **COMMON, quantization="int8", compile_decode=True)
+    assert first.engine.runner.compiled.graphs_compiled > 0
+    del first
+    gc.collect()
+    other = make_tiny_model(tmp_path / "b", seed=1)
+    loaded = LLM(str(other), **COMMON, quantization="int8", compile_decode=True)
+    assert loaded.engine.runner.compiled.graphs_compiled == 0 and loaded.engine.runner.compiled.graphs_loaded > 0
+    eager = LLM(str(other), **COMMON, quantization="int8", enforce_eager=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    compare(eager, loaded, PROMPTS[:2], params, tolerance=INT8_LOGPROB_TOLERANCE)

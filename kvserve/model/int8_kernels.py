@@ -185,7 +185,7 @@ class RowSplitKernel(Int8Kernel):
     def __init__(self, one_row: Int8Kernel, rows: Int8Kernel):
         self.one_row, self.rows = one_row, rows
         self.name = f"{one_row.name} at one row, {rows.name} at more"
-        self.library = f"{one_row.library}; {rows.library}; the int8 weights held by both"
+        self.library = f"one row: {one_row.library}; more: {rows.library}; each holds the weights in its form"
         self.inductor_template = rows.inductor_template  # --compile-gemms runs one row as two (compile/shapes.py)
 
     def available(self) -> bool:

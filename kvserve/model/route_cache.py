@@ -10,11 +10,15 @@ names what changed; so does one that finds the file truncated, of the wrong type
 or not private (owned by another user, or writable by others: then it is not trusted, and not written over)."""
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import logging
 import os
 import platform
+import re
+import sys
+import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,9 +46,21 @@ class Remembered:
 
 
 def route_file() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_root() / DIRECTORY_NAME / FILE_NAME
 
-    return Path(cache_dir()) / DIRECTORY_NAME / FILE_NAME
+
+def cache_root() -> Path:
+    """Inductor's cache directory, found as Inductor finds it (TORCHINDUCTOR_CACHE_DIR, else torchinductor_<user>
+    in the temporary directory) without importing Inductor, which costs an eager start seconds."""
+    if "torch._inductor.runtime.cache_dir_utils" in sys.modules:
+        return Path(sys.modules["torch._inductor.runtime.cache_dir_utils"].cache_dir())
+    if directory := os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return Path(directory).absolute()
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def probe_key(entry: str, shapes: dict) -> dict:

@@ -4,6 +4,8 @@ trusted. The probes here are counted fakes (which route wins is the probe's rule
 import json
 import logging
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +168,17 @@ def test_saved_graphs_are_named_by_the_routes_their_layers_run():
 
     float_keys = {graph_cache.GraphKey.of(Linear(weight, matmul=m)).digest for m in (float_kernels.BLAS, OtherMatmul())}
     assert len(float_keys) == 2
+
+
+@pytest.mark.parametrize("environment", [None, "cache-here"])
+def test_the_cache_root_is_inductors_without_importing_inductor(monkeypatch, tmp_path, environment):
+    """Found as Inductor finds it (an eager start does not import Inductor: that costs seconds)."""
+    from torch._inductor.runtime import cache_dir_utils
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache-here"))  # restored after the test
+    if environment is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    with monkeypatch.context() as patch:
+        patch.delitem(sys.modules, "torch._inductor.runtime.cache_dir_utils")
+        found = route_cache.cache_root()
+    assert found == Path(cache_dir_utils.cache_dir())

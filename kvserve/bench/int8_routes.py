@@ -17,7 +17,7 @@ import torch
 
 from kvserve.compile.inductor import freezing, quiet_autotuning
 from kvserve.compile.steps import GEMM_OPTIONS
-from kvserve.model.int8_kernels import KERNELS, ONE_ROW_KERNELS, FloatKernel, Int8Kernel, OneDNNKernel
+from kvserve.model.int8_kernels import KERNELS, FloatKernel, Int8Kernel, OneDNNKernel
 
 # SmolLM2-135M's linears as [out, in]: q/k/v fused, o, gate/up fused, down; 30 layers; the tied head
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -27,8 +27,8 @@ ROWS = (1, 2, 8, 32)
 
 
 def routes() -> list[Int8Kernel]:
-    """Every route available on this CPU: the probe's kernels, its one-row kernels, float32."""
-    return [kernel for kernel in (*KERNELS, *ONE_ROW_KERNELS) if kernel.available()] + [FloatKernel("reference")]
+    """Every route available on this CPU: the probe's kernels and float32."""
+    return [kernel for kernel in KERNELS if kernel.available()] + [FloatKernel("reference")]
 
 
 def model_weights(num_layers: int) -> list[torch.Tensor]:

@@ -178,30 +178,6 @@ def _fbgemm_sums_eager(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x.float(), 1.0, 128, packed)
 
 
-class RowSplitKernel(Int8Kernel):
-    """One row (a single stream's decode step) by `one_row`, more rows by `rows`: the probe's choice where a route
-    wins at one row but not in batches. Both pack every weight, so the int8 weights are held twice."""
-
-    def __init__(self, one_row: Int8Kernel, rows: Int8Kernel):
-        self.one_row, self.rows = one_row, rows
-        self.name = f"{one_row.name} at one row, {rows.name} at more"
-        self.library = f"one row: {one_row.library}; more: {rows.library}; each holds the weights in its form"
-        self.inductor_template = rows.inductor_template  # --compile-gemms runs one row as two (compile/shapes.py)
-
-    def available(self) -> bool:
-        return self.one_row.available() and self.rows.available()
-
-    def pack(self, weight: torch.Tensor) -> tuple:
-        return self.one_row.pack(weight), self.rows.pack(weight)
-
-    def matmul(self, x: torch.Tensor, packed: tuple) -> torch.Tensor:
-        # a compiled graph's rows are 1 or a symbol of at least 2: this picks one route as the graph traces
-        return self.one_row.matmul(x, packed[0]) if x.shape[0] == 1 else self.rows.matmul(x, packed[1])
-
-    def storages(self, packed: tuple) -> dict[int, int]:
-        return {**self.one_row.storages(packed[0]), **self.rows.storages(packed[1])}
-
-
 # K columns whose int8 products add up exactly in float32, in any order: 1040 * 127^2 < 2^24
 EXACT_FLOAT_COLUMNS = 1040
 
@@ -234,11 +210,7 @@ class FloatKernel(Int8Kernel):
         return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in packed}
 
 
-KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel())
-# timed at one row against the probe's winner: one that beats it by ONE_ROW_MARGIN takes the one-row calls
-# (RowSplitKernel; the margin, since it holds the weights twice)
-ONE_ROW_KERNELS: tuple[Int8Kernel, ...] = (FbgemmKernel(),)
-ONE_ROW_MARGIN = 1.1
+KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel(), FbgemmKernel())
 
 
 @dataclass(frozen=True)
@@ -265,15 +237,12 @@ def choose_kernel() -> Int8Kernel:
     return choice.kernel
 
 
-def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS,
-                         one_row_kernels: tuple[Int8Kernel, ...] = ONE_ROW_KERNELS) -> KernelChoice:
+def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
     """The choice the route file remembers for this machine (route_cache.py), if its kernel still passes
     available(); else probe_kernels', written to the file for the next start."""
     fallback = FloatKernel()
     routes = {kernel.name: kernel for kernel in (*kernels, fallback)}
-    routes.update({split.name: split for split in (RowSplitKernel(one, kernel) for one in one_row_kernels
-                                                   for kernel in routes.values())})
-    shapes = {"shape": PROBE_SHAPE, "rows": PROBE_ROWS, "kernels": sorted(routes), "one_row_margin": ONE_ROW_MARGIN}
+    shapes = {"shape": PROBE_SHAPE, "rows": PROBE_ROWS, "kernels": sorted(routes)}
     key = route_cache.probe_key("int8", shapes)
     found = route_cache.recall("int8", key, set(routes))
     if found is not None:
@@ -281,15 +250,13 @@ def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS,
         if kernel.available():
             return KernelChoice(kernel, found.speedup_by_rows, found.probed_at)
         logger.warning(f"remembered int8 matmul route {kernel.name} failed its check here; probing again")
-    choice = probe_kernels(kernels, one_row_kernels)
+    choice = probe_kernels(kernels)
     route_cache.remember("int8", key, choice.kernel.name, choice.speedup_by_rows)
     return choice
 
 
-def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS,
-                  one_row_kernels: tuple[Int8Kernel, ...] = ONE_ROW_KERNELS) -> KernelChoice:
-    """Time each kernel and float32 on PROBE_SHAPE at PROBE_ROWS tokens; the winner has the best mean speedup. Then
-    the one-row kernels at one row against the winner (with_one_row_route)."""
+def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
+    """Time each kernel and float32 on PROBE_SHAPE at PROBE_ROWS tokens; the winner has the best mean speedup."""
     n, k = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
@@ -311,24 +278,7 @@ def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS,
         mean = sum(speedups.values()) / len(speedups)
         if min(speedups.values()) > 1.0 and (best is None or mean > _mean(best)):
             best = KernelChoice(kernel, speedups)
-    return with_one_row_route(best or KernelChoice(FloatKernel()), weight, one_row_kernels)
-
-
-def with_one_row_route(choice: KernelChoice, weight: torch.Tensor, kernels: tuple[Int8Kernel, ...]) -> KernelChoice:
-    """`choice`, or a RowSplitKernel of it and the fastest of `kernels` at one row where that beats it by
-    ONE_ROW_MARGIN (docs/benchmarks.md, "The matmul route per CPU")."""
-    x = torch.randint(-127, 128, (1, weight.shape[1]), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
-    packed = choice.kernel.pack(weight)
-    base_s = best_time(lambda: choice.kernel.matmul(x, packed))
-    winner, winner_s = None, base_s / ONE_ROW_MARGIN
-    for kernel in (kn for kn in kernels if kn.available()):
-        packed = kernel.pack(weight)
-        if (seconds := best_time(lambda: kernel.matmul(x, packed))) < winner_s:
-            winner, winner_s = kernel, seconds
-    if winner is None:
-        return choice
-    speedups = {**choice.speedup_by_rows, 1: choice.speedup_by_rows.get(1, 1.0) * base_s / winner_s}
-    return KernelChoice(RowSplitKernel(winner, choice.kernel), dict(sorted(speedups.items())))
+    return best or KernelChoice(FloatKernel())
 
 
 def _mean(choice: KernelChoice) -> float:

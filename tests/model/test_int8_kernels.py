@@ -35,7 +35,7 @@ class Slow(Int8Kernel):
 
 def test_unavailable_and_slow_kernels_fall_back_to_float32_with_a_reason():
     assert not Broken().available()
-    choice = probe_kernels((Broken(), Slow()), one_row_kernels=())
+    choice = probe_kernels((Broken(), Slow()))
     assert isinstance(choice.kernel, FloatKernel)
     assert "fallback: no int8 kernel beat float32" in choice.describe()
 
@@ -97,7 +97,7 @@ def test_a_kernel_slower_than_float32_at_one_token_is_not_timed_at_more_tokens()
             calls.append(x.shape[0])
             return super().matmul(x, packed)
 
-    choice = probe_kernels((Counted(),), one_row_kernels=())
+    choice = probe_kernels((Counted(),))
     assert isinstance(choice.kernel, FloatKernel)
     # available()'s check (2 rows), then at 1 token the untimed first call and five timed ones; none at 64
     assert calls == [2] + [1] * 6
@@ -139,44 +139,6 @@ def test_fbgemm_weights_live_as_long_as_their_handle():
     del handle
     gc.collect()
     assert number not in int8_kernels._FBGEMM_WEIGHTS
-
-
-class Tagged(Int8Kernel):
-    """Exact sums plus its tag, to see which route a call took."""
-
-    def __init__(self, tag):
-        self.name, self.tag = f"tagged {tag}", tag
-
-    def pack(self, weight):
-        return weight.t()
-
-    def matmul(self, x, packed):
-        return (x.long() @ packed.long()).float() + self.tag
-
-
-def test_a_row_split_kernel_sends_one_row_to_its_one_row_route():
-    split = int8_kernels.RowSplitKernel(Tagged(1000), Tagged(0))
-    w = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
-    packed = split.pack(w)
-    for rows, tag in ((1, 1000), (2, 0), (5, 0)):
-        x = torch.randint(-127, 128, (rows, 16), dtype=torch.int8)
-        assert torch.equal(split.matmul(x, packed), (x.long() @ w.long().T).float() + tag)
-    assert not split.available()  # a route with wrong sums fails the split's check
-
-
-def test_a_one_row_route_is_added_only_where_it_beats_the_winner_by_the_margin(monkeypatch):
-    """Fake timings, in the order with_one_row_route times them (the winner, then each one-row kernel): the rule,
-    not this CPU."""
-    winner = KernelChoice(Slow(), {1: 2.0, 64: 3.0})
-    weight = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
-    for one_row_s, split in ((0.5, True), (1 / int8_kernels.ONE_ROW_MARGIN + 0.01, False), (2.0, False)):
-        times = iter([1.0, one_row_s])
-        monkeypatch.setattr(int8_kernels, "best_time", lambda fn: next(times))
-        choice = int8_kernels.with_one_row_route(winner, weight, (Tagged(0),))
-        assert isinstance(choice.kernel, int8_kernels.RowSplitKernel) == split, one_row_s
-        if split:
-            assert choice.speedup_by_rows == {1: 4.0, 64: 3.0}
-            assert "tagged 0 at one row, slow at more" in choice.describe()
 
 
 @needs_fbgemm

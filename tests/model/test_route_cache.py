@@ -44,7 +44,7 @@ def int8_probes(monkeypatch):
     """The int8 probe, counted: it picks the first kernel, 2x float32 at one token."""
     calls = []
 
-    def probe(kernels, one_row_kernels):
+    def probe(kernels):
         calls.append(kernels)
         return KernelChoice(kernels[0], {1: 2.0, 64: 1.5})
 
@@ -64,9 +64,9 @@ def test_a_remembered_int8_route_is_used_without_probing(route_file, int8_probes
 
 
 def test_a_remembered_fallback_names_its_reason(route_file, monkeypatch):
-    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels, one_row: KernelChoice(FloatKernel()))
+    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels: KernelChoice(FloatKernel()))
     int8_kernels.remembered_or_probed((Exact(),))
-    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels, one_row: pytest.fail("probed again"))
+    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels: pytest.fail("probed again"))
     choice = int8_kernels.remembered_or_probed((Exact(),))
     assert isinstance(choice.kernel, FloatKernel) and "no int8 kernel beat float32 here" in choice.describe()
 

@@ -139,7 +139,9 @@ class FbgemmKernel(Int8Kernel):
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape
-        with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors: the probe drops a route that goes
+        # torch 2.13 deprecates quantized tensors (a warning at every start); once they are gone, available() fails
+        # and the probe passes this route by
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
             codes = torch._make_per_channel_quantized_tensor(weight, torch.ones(n, dtype=torch.double),
                                                              torch.zeros(n, dtype=torch.long), 0)

@@ -67,7 +67,8 @@ def token_table(kernels: list[Int8Kernel], weights: list[torch.Tensor], rounds: 
                  for k in kernels}
         best = interleaved(calls, rounds, reps)
         ref = best[kernels[0].name]
-        lines.append(f"{rows:>5} {ref * 1e3:>12.2f}  " + "  ".join(f"{ref / best[k.name]:>21.2f}x" for k in kernels[1:]))
+        ratios = "  ".join(f"{ref / best[k.name]:>21.2f}x" for k in kernels[1:])
+        lines.append(f"{rows:>5} {ref * 1e3:>12.2f}  {ratios}")
     return lines
 
 

@@ -6,8 +6,9 @@ the weights at about half the memory bandwidth that two cores reach; oneDNN's li
 own kernels, what Inductor's freezing packs float weights for) over its packed copy used both, at every batch size
 measured (docs/benchmarks.md, "oneDNN's float linear"). Which is faster depends on the CPU, so a short probe times
 both on a few weights per dtype; oneDNN is used only where it wins at one token and at 64. The choice is remembered
-for later starts on the same machine (route_cache.py), and the start-up log says which route runs and why. The two add their sums in another order (a few float32 ulps apart); --batch-invariant keeps
-the BLAS call, whose fixed tiles its bitwise guarantee was measured with."""
+for later starts on the same machine (route_cache.py), and the start-up log says which route runs and why. The two
+add their sums in another order (a few float32 ulps apart); --batch-invariant keeps the BLAS call, whose fixed tiles
+its bitwise guarantee was measured with."""
 from __future__ import annotations
 
 import functools

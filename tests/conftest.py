@@ -136,6 +136,17 @@ def session_graph_directory(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def session_route_file(tmp_path_factory):
+    """The matmul routes the probes remember (model/route_cache.py): this run's file, not the machine's."""
+    from kvserve.model import route_cache
+
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("routes") / route_cache.FILE_NAME
+        patch.setattr(route_cache, "route_file", lambda: path)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def own_graph_directory(monkeypatch, tmp_path):
     """Each test saves and loads compiled decode graphs in a directory of its own (compile/graph_cache.py): a graph

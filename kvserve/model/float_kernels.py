@@ -5,9 +5,10 @@ packed for it once at load, chosen by a start-up probe.
 the weights at about half the memory bandwidth that two cores reach; oneDNN's linear (`torch.ops.mkldnn`, PyTorch's
 own kernels, what Inductor's freezing packs float weights for) over its packed copy used both, at every batch size
 measured (docs/benchmarks.md, "oneDNN's float linear"). Which is faster depends on the CPU, so a short probe times
-both on a few weights once per process and dtype; oneDNN is used only where it wins at one token and at 64, and the
-start-up log says which. The two add their sums in another order (a few float32 ulps apart); --batch-invariant keeps
-the BLAS call, whose fixed tiles its bitwise guarantee was measured with."""
+both on a few weights per dtype; oneDNN is used only where it wins at one token and at 64. The choice is remembered
+for later starts on the same machine (route_cache.py), and the start-up log says which route runs and why. The two
+add their sums in another order (a few float32 ulps apart); --batch-invariant keeps the BLAS call, whose fixed tiles
+its bitwise guarantee was measured with."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import route_cache
 from kvserve.model.int8_kernels import best_time
 
 logger = logging.getLogger("kvserve")
@@ -104,22 +106,43 @@ class MatmulChoice:
     matmul: FloatMatmul
     dtype: torch.dtype
     speedup_by_rows: dict[int, float] = field(default_factory=dict)  # F.linear's time / the winner's
+    probed_at: str | None = None  # when the remembered probe ran (route_cache.py); None: probed by this process
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        why = "probed now" if self.probed_at is None else f"remembered from the probe of {self.probed_at}"
         if not self.speedup_by_rows:
-            return f"{dtype} matmuls: {self.matmul.name}, {self.matmul.library} (nothing else beat it here)"
+            return f"{dtype} matmuls: {self.matmul.name}, {self.matmul.library} (nothing else beat it here; {why})"
         speeds = ", ".join(f"{s:.1f}x F.linear at {m} token{'s' if m > 1 else ''}"
                            for m, s in self.speedup_by_rows.items())
-        return f"{dtype} matmuls: {self.matmul.name}, {self.matmul.library}; start-up probe: {speeds}"
+        return f"{dtype} matmuls: {self.matmul.name}, {self.matmul.library}; {why}: {speeds}"
 
 
 @functools.cache
 def choose_matmul(dtype: torch.dtype) -> FloatMatmul:
-    """The fastest route for float weights of `dtype` on this CPU (probed once per process and dtype)."""
-    choice = probe_matmuls(dtype)
+    """The fastest route for float weights of `dtype` on this CPU (remembered, or probed once per process and
+    dtype)."""
+    choice = remembered_or_probed(dtype)
     logger.info(choice.describe())
     return choice.matmul
+
+
+def remembered_or_probed(dtype: torch.dtype, matmuls=MATMULS) -> MatmulChoice:
+    """The choice the route file remembers for this machine and dtype (route_cache.py), if its route is still
+    available; else probe_matmuls', written to the file for the next start."""
+    routes = {matmul.name: matmul for matmul in (BLAS, *matmuls)}
+    entry = str(dtype).removeprefix("torch.")
+    shapes = {"shape": PROBE_SHAPE, "weights": PROBE_WEIGHTS, "rows": PROBE_ROWS, "routes": sorted(routes)}
+    key = route_cache.probe_key(entry, shapes)
+    found = route_cache.recall(entry, key, set(routes))
+    if found is not None:
+        matmul = routes[found.route]
+        if matmul.available(dtype):
+            return MatmulChoice(matmul, dtype, found.speedup_by_rows, found.probed_at)
+        logger.warning(f"remembered {entry} matmul route {matmul.name} is not available here; probing again")
+    choice = probe_matmuls(dtype, matmuls)
+    route_cache.remember(entry, key, choice.matmul.name, choice.speedup_by_rows)
+    return choice
 
 
 def probe_matmuls(dtype: torch.dtype, matmuls=MATMULS) -> MatmulChoice:

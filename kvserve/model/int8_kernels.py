@@ -2,17 +2,22 @@
 
 Every route returns the same thing, the integer sums sum_k qx[m, k] qw[n, k] as float32, so the choice changes
 speed and never results. Which one is fast depends on the CPU (AMX, AVX-512 VNNI or AVX2 only: see
-docs/benchmarks.md), so a short probe times each on one matrix against a float32 matmul, once per process, and
-the fastest wins; when none beats float32 the codes are multiplied as float32 (same numbers, float32's speed)
-and the start-up log says so."""
+docs/benchmarks.md), so a short probe times each on one matrix against a float32 matmul and the fastest wins; when
+none beats float32 the codes are multiplied as float32 (same numbers, float32's speed). The choice is remembered
+for later starts on the same machine (route_cache.py), and the start-up log says which route runs and why."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from kvserve.model import route_cache
 
 logger = logging.getLogger("kvserve")
 
@@ -123,6 +128,58 @@ def _frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(tensor, requires_grad=False)
 
 
+class FbgemmKernel(Int8Kernel):
+    """FBGEMM's quantized linear (PyTorch's x86 quantized backend): the activation codes shifted to uint8 by a zero
+    point of 128, times the weight's codes with unit scales, summed in int32. Its packed weight is a TorchScript
+    object, which a compiled graph cannot hold: a layer holds a handle instead (a tensor of the weight's N rows, one
+    number repeated), and an op of kvserve's own (_fbgemm_sums) finds the packed weight by that number."""
+
+    name = "fbgemm linear"
+    library = "FBGEMM's u8s8 linear (torch.ops.quantized, x86)"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        # torch 2.13 deprecates quantized tensors (a warning at every start); once they are gone, available() fails
+        # and the probe passes this route by
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            codes = torch._make_per_channel_quantized_tensor(weight, torch.ones(n, dtype=torch.double),
+                                                             torch.zeros(n, dtype=torch.long), 0)
+        number = next(_FBGEMM_NUMBERS)
+        # a tensor of its own over one element, not a view: a compiled graph wraps a view's base as well
+        handle = torch.empty(0, dtype=torch.long).set_(torch.tensor([number]).untyped_storage(), 0, (n,), (0,))
+        _FBGEMM_WEIGHTS[number] = (torch.ops.quantized.linear_prepack(codes, None), n * k)
+        weakref.finalize(handle, _FBGEMM_WEIGHTS.pop, number, None)  # the packed weight lives as long as its layer
+        return handle
+
+    def matmul(self, x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        return _fbgemm_sums(x, handle) if torch.compiler.is_compiling() else _fbgemm_sums_eager(x, handle)
+
+    def storages(self, handle: torch.Tensor) -> dict[int, int]:
+        packed, nbytes = _FBGEMM_WEIGHTS[int(handle[0])]
+        return {id(packed): nbytes}  # opaque: one byte per weight, keyed by the object
+
+
+_FBGEMM_WEIGHTS: dict[int, tuple] = {}  # handle number -> (FBGEMM's packed weight, its bytes)
+_FBGEMM_NUMBERS = itertools.count()
+
+
+@torch.library.custom_op("kvserve::fbgemm_int8_sums", mutates_args=())
+def _fbgemm_sums(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    """FBGEMM's linear as an op of kvserve's own inside a compiled graph: Inductor calls it as is."""
+    return _fbgemm_sums_eager(x, handle)
+
+
+@_fbgemm_sums.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], handle.shape[0]), dtype=torch.float32)
+
+
+def _fbgemm_sums_eager(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    packed, _ = _FBGEMM_WEIGHTS[int(handle[0])]
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x.float(), 1.0, 128, packed)
+
+
 # K columns whose int8 products add up exactly in float32, in any order: 1040 * 127^2 < 2^24
 EXACT_FLOAT_COLUMNS = 1040
 
@@ -155,28 +212,49 @@ class FloatKernel(Int8Kernel):
         return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in packed}
 
 
-KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel())
+KERNELS: tuple[Int8Kernel, ...] = (IntMMKernel(), OneDNNKernel(), FbgemmKernel())
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     kernel: Int8Kernel
     speedup_by_rows: dict[int, float] = field(default_factory=dict)  # the winner's float32 time / its time
+    probed_at: str | None = None  # when the remembered probe ran (route_cache.py); None: probed by this process
 
     def describe(self) -> str:
+        why = "probed now" if self.probed_at is None else f"remembered from the probe of {self.probed_at}"
         if isinstance(self.kernel, FloatKernel):
-            return f"int8 matmuls: {self.kernel.name} ({self.kernel.library} on this CPU)"
+            return f"int8 matmuls: {self.kernel.name} ({self.kernel.library} on this CPU; {why})"
         speeds = ", ".join(f"{s:.1f}x float32 at {m} token{'s' if m > 1 else ''}"
                            for m, s in self.speedup_by_rows.items())
-        return f"int8 matmuls: {self.kernel.name}, {self.kernel.library}; start-up probe: {speeds}"
+        return f"int8 matmuls: {self.kernel.name}, {self.kernel.library}; {why}: {speeds}"
 
 
 @functools.cache
 def choose_kernel() -> Int8Kernel:
-    """The fastest available route on this CPU (probed once per process); the fallback if none beats float32."""
-    choice = probe_kernels()
+    """The fastest available route on this CPU (remembered, or probed once per process); the fallback if none beats
+    float32."""
+    choice = remembered_or_probed()
     logger.info(choice.describe())
     return choice.kernel
+
+
+def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
+    """The choice the route file remembers for this machine (route_cache.py), if its kernel still passes
+    available(); else probe_kernels', written to the file for the next start."""
+    fallback = FloatKernel()
+    routes = {kernel.name: kernel for kernel in (*kernels, fallback)}
+    shapes = {"shape": PROBE_SHAPE, "rows": PROBE_ROWS, "kernels": sorted(routes)}
+    key = route_cache.probe_key("int8", shapes)
+    found = route_cache.recall("int8", key, set(routes))
+    if found is not None:
+        kernel = routes[found.route]
+        if kernel.available():
+            return KernelChoice(kernel, found.speedup_by_rows, found.probed_at)
+        logger.warning(f"remembered int8 matmul route {kernel.name} failed its check here; probing again")
+    choice = probe_kernels(kernels)
+    route_cache.remember("int8", key, choice.kernel.name, choice.speedup_by_rows)
+    return choice
 
 
 def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:

@@ -298,7 +298,8 @@ def test_preemption_mid_decode_matches_eager(tmp_path):
 
 
 @pytest.mark.parametrize("kernel", [int8_kernels.IntMMKernel(), int8_kernels.OneDNNKernel(),
-                                    int8_kernels.FloatKernel()], ids=lambda k: k.name)
+                                    int8_kernels.FloatKernel(), int8_kernels.FbgemmKernel()],
+                         ids=lambda k: k.name)
 def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     """W8A8 weights in the graph, with each route a CPU's probe may pick: the rotations of the activations (and of a
     tied table's rows) are Inductor's own loops there (kvserve/rotation.py), rounded otherwise than eager's BLAS

@@ -1,8 +1,15 @@
 """The start-up probe picks an int8 route only when it beats float32, and otherwise falls back, saying so."""
+import gc
+
+import pytest
 import torch
 
-from kvserve.model import int8_kernels
+from kvserve.engine.llm import LLM
+from kvserve.model import int8_kernels, linear
 from kvserve.model.int8_kernels import FloatKernel, Int8Kernel, KernelChoice, probe_kernels
+from kvserve.sampling_params import SamplingParams
+from tests.compile.test_steps import COMMON, INT8_LOGPROB_TOLERANCE, PROMPTS, compare
+from tests.conftest import make_tiny_model
 
 
 class Broken(Int8Kernel):
@@ -94,3 +101,58 @@ def test_a_kernel_slower_than_float32_at_one_token_is_not_timed_at_more_tokens()
     assert isinstance(choice.kernel, FloatKernel)
     # available()'s check (2 rows), then at 1 token the untimed first call and five timed ones; none at 64
     assert calls == [2] + [1] * 6
+
+
+FBGEMM = int8_kernels.FbgemmKernel()
+needs_fbgemm = pytest.mark.skipif(not FBGEMM.available(), reason="FBGEMM's exact u8s8 linear is x86 with VNNI only")
+
+
+@needs_fbgemm
+def test_fbgemm_returns_the_exact_sums_bitwise_as_the_other_kernels_do():
+    """Full-range codes, K past 1040 (sums beyond 2^24 round to float32 as the int32 sums of the others do)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randint(-127, 128, (96, 1536), dtype=torch.int8, generator=gen)
+    w[0], w[1] = 127, -127
+    others = [kernel for kernel in (*int8_kernels.KERNELS, FloatKernel()) if kernel.available()]
+    for rows in (1, 2, 33):
+        x = torch.randint(-127, 128, (rows, 1536), dtype=torch.int8, generator=gen)
+        x[0] = 127
+        sums = FBGEMM.matmul(x, FBGEMM.pack(w))
+        assert torch.equal(sums, (x.long() @ w.long().T).float())
+        assert all(torch.equal(sums, kernel.matmul(x, kernel.pack(w))) for kernel in others)
+
+
+@needs_fbgemm
+def test_fbgemm_in_a_compiled_graph_gives_the_eager_sums():
+    w = torch.randint(-127, 128, (24, 64), dtype=torch.int8)
+    x = torch.randint(-127, 128, (1, 64), dtype=torch.int8)
+    handle = FBGEMM.pack(w)
+    compiled = torch.compile(lambda x: FBGEMM.matmul(x, handle) * 2, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), (x.long() @ w.long().T).float() * 2)
+
+
+@needs_fbgemm
+def test_fbgemm_weights_live_as_long_as_their_handle():
+    handle = FBGEMM.pack(torch.ones(8, 16, dtype=torch.int8))
+    number = int(handle[0])
+    assert number in int8_kernels._FBGEMM_WEIGHTS and FBGEMM.storages(handle) != {}
+    del handle
+    gc.collect()
+    assert number not in int8_kernels._FBGEMM_WEIGHTS
+
+
+@needs_fbgemm
+def test_a_saved_graph_multiplies_by_the_fbgemm_weights_of_the_engine_that_loads_it(tmp_path, monkeypatch):
+    """A graph holds FBGEMM handles as its inputs, not their numbers: another model of the same sizes loads the
+    saved graph and runs its own weights, after the engine that saved it and its packed weights are gone."""
+    monkeypatch.setattr(linear, "choose_kernel", lambda: FBGEMM)
+    first = LLM(str(make_tiny_model(tmp_path / "a")), **COMMON, quantization="int8", compile_decode=True)
+    assert first.engine.runner.compiled.graphs_compiled > 0
+    del first
+    gc.collect()
+    other = make_tiny_model(tmp_path / "b", seed=1)
+    loaded = LLM(str(other), **COMMON, quantization="int8", compile_decode=True)
+    assert loaded.engine.runner.compiled.graphs_compiled == 0 and loaded.engine.runner.compiled.graphs_loaded > 0
+    eager = LLM(str(other), **COMMON, quantization="int8", enforce_eager=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    compare(eager, loaded, PROMPTS[:2], params, tolerance=INT8_LOGPROB_TOLERANCE)

@@ -18,8 +18,8 @@ from kvserve.kv.draft_states import DraftStates
 STATE_DTYPE = torch.float32
 STATE_DTYPE_BYTES = 4
 # prompt pieces computed in one call hold at most this much recurrent state per layer: the chunked rule reads each
-# state several times, and a batch that overflows the CPU's L2 cache reads it from memory each time (at Qwen3.5's
-# 1 MiB per sequence, 32 sequences in one call were 1.5-2x slower than 2 to 4 at a time; tiny states batch freely)
+# state several times, and a batch that outgrows the CPU's L2 cache reads it from memory each time, slower than a
+# few sequences at a time (`python -m kvserve.bench.delta_rule`, "prompt batching"); small states batch freely
 PROMPT_BATCH_STATE_BYTES = 4 << 20
 
 

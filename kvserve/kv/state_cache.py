@@ -20,7 +20,7 @@ STATE_DTYPE_BYTES = 4
 # prompt pieces computed in one call hold at most this much recurrent state per layer: the chunked rule reads each
 # state several times, and a batch that outgrows the CPU's L2 cache reads it from memory each time, slower than a
 # few sequences at a time (`python -m kvserve.bench.delta_rule`, "prompt batching"); small states batch freely
-PROMPT_BATCH_STATE_BYTES = 4 << 20
+PROMPT_BATCH_STATE_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule a block of `chunk_tokens` at a time (the last block may be shorter); same shapes as
     recurrent_gated_delta_rule. Heads go first inside: [B, H, T, D]. `lengths` [B]: sequences of different lengths
-    in one call, each padded to T; a padded token decays and updates nothing (g and beta taken as 0 there), its
-    output is 0, and a block is computed only for the sequences that reach into it."""
+    in one call, each padded to T; a padded token decays and updates nothing (g and beta taken as 0 there) and its
+    output means nothing; a block is computed only for the sequences that reach into it (0 for the others)."""
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))
     state = state.float()

@@ -9,7 +9,9 @@ inputs, fixed seed; medians of --repeat runs, the candidates taking turns).
 - Batch invariance: how far apart a prompt's outputs and final state come when its chunks are cut at another
   place (the scheduler cuts by the step's token budget, which other requests share), recurrent decode of one
   sequence batched and alone, and what running a prompt token by token (the one cut-independent form) costs
-  against the chunked form."""
+  against the chunked form.
+- Prompt batching: a step's prompt chunks through the chunked form in calls of 1, 2, 4 and all of them (the
+  engine's calls hold at most kv/state_cache.py's PROMPT_BATCH_STATE_BYTES of state)."""
 from __future__ import annotations
 
 import argparse
@@ -105,18 +107,36 @@ def invariance(shape: tuple[int, int, int, int], prompt: int, repeat: int) -> No
           f"({ms['by token'] / ms['chunked']:.1f}x)")
 
 
+def prompt_batching(shape: tuple[int, int, int, int], sequences: int, tokens: int, repeat: int) -> None:
+    _, heads, dk, dv = shape
+    x = inputs(sequences, tokens, heads, dk, dv, seed=2)
+    sizes = sorted({1, 2, 4, sequences})
+    ms = medians_ms({n: (lambda n=n: [chunked_gated_delta_rule(*(t[i : i + n] for t in x))
+                                      for i in range(0, sequences, n)]) for n in sizes}, max(1, repeat // 4))
+    print(f"prompt batching, {sequences} prompts of {tokens} tokens, one layer ({heads * dk * dv * 4 / 2**20:.1f} MiB "
+          "of state per sequence):")
+    for n in sizes:
+        print(f"  {n:>3} per call: {ms[n]:.1f} ms ({ms[n] / ms[1]:.2f}x one per call)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvserve.bench.delta_rule", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-next-80b-a3b", help="planner preset (default %(default)s)")
     p.add_argument("--draft", type=int, default=4, help="draft tokens (default %(default)s)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default %(default)s)")
     p.add_argument("--repeat", type=int, default=20, help="timed runs (default %(default)s)")
+    p.add_argument("--value-heads", type=int, default=None, help="instead of the preset's (Qwen3.5-0.8B: 16)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts batched (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="tokens of each (default %(default)s)")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     shape = layer_shape(args.preset)
+    if args.value_heads is not None:
+        shape = (shape[0], args.value_heads, *shape[2:])
     print(f"{args.preset}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     verification(shape, args.draft, args.repeat)
     invariance(shape, args.prompt, args.repeat)
+    prompt_batching(shape, args.prompts, args.prompt_tokens, args.repeat)
     return 0
 
 

@@ -173,7 +173,7 @@ def check_settings(config: EngineConfig, model_config: ModelConfig, layout: KVLa
 HYBRID_NOT_BATCH_INVARIANT = (
     "the linear-attention layers' chunked delta rule rounds a sequence's outputs and state by where its prompt is "
     "cut into chunks, and the scheduler cuts prompts by the step's token budget, which the other requests share "
-    "(the form that does not depend on cuts, one token at a time, runs a prompt about 10x slower), and their "
+    "(the form that does not depend on cuts, one token at a time, runs a prompt about 3x slower), and their "
     "per-token work is not cut in fixed tiles")
 
 

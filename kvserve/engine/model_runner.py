@@ -153,18 +153,17 @@ class ModelRunner:
         return self._tensor(tokens), meta, chunks
 
     def _state_step(self, out: SchedulerOutput, chunks: list[_Chunk]) -> StateStep:
-        """Each sequence's state slot for the linear layers (decodes batched, drafted sequences and prompt chunks
-        one by one), and the block boundaries where its state is saved as a checkpoint (a drafted sequence's once
+        """Each sequence's state slot for the linear layers (decodes batched, prompt chunks batched by StateStep,
+        drafted sequences one by one), and the block boundaries where its state is saved as a checkpoint (a drafted sequence's once
         its draft is verified: keep_drafted_state)."""
         cache = self.state_cache
         drafts = DraftStates(cache.conv, cache.recurrent) if out.drafts else None
-        step = StateStep(cache, self._tensor([]), self._tensor([]), drafts=drafts)
-        self.drafted_states = step.drafts
-        decode_rows, decode_slots = [], []
+        self.drafted_states = drafts
+        decode_rows, decode_slots, decode_checkpoints, prompt_chunks = [], [], [], []
         for seq, c in zip(out.seqs, chunks):
             slot = self.kv.state.slot(seq.request_id)
             if seq.request_id in out.drafts:
-                step.drafts.add(seq.request_id, slice(c.offset, c.offset + c.num_tokens), slot, c.start)
+                drafts.add(seq.request_id, slice(c.offset, c.offset + c.num_tokens), slot, c.start)
                 continue
             checkpoints = [(boundary - c.start, checkpoint)
                            for boundary, decoding in self._checkpoint_boundaries(seq, c)
@@ -172,11 +171,10 @@ class ModelRunner:
             if c.num_tokens == 1 and c.start > 0:
                 decode_rows.append(c.offset)
                 decode_slots.append(slot)
-                step.decode_checkpoints += [(slot, checkpoint) for _, checkpoint in checkpoints]
+                decode_checkpoints += [(slot, checkpoint) for _, checkpoint in checkpoints]
             else:
-                step.prompt_chunks.append((slice(c.offset, c.offset + c.num_tokens), slot, c.start == 0, checkpoints))
-        step.decode_rows, step.decode_slots = self._tensor(decode_rows), self._tensor(decode_slots)
-        return step
+                prompt_chunks.append((slice(c.offset, c.offset + c.num_tokens), slot, c.start == 0, checkpoints))
+        return StateStep.of(cache, decode_rows, decode_slots, self.device, prompt_chunks, decode_checkpoints, drafts)
 
     def keep_drafted_state(self, seq: Sequence) -> None:
         """After verifying `seq`'s draft (its computed tokens now end at the last accepted one): its state slot as

@@ -8,8 +8,8 @@ the conv's inputs (its tail before the step, then the new ones), of which the ta
 Once the draft is verified, `keep` sets the slot to the state after the accepted tokens (recomputed from the
 state before the step over those tokens alone, only when some were rejected), and writes a checkpoint when the
 accepted tokens passed a block boundary: a slot or checkpoint never holds a state that saw a rejected token.
-Keeping every token's state instead would hold 1 + k states per layer and needs the token-by-token form, several
-times slower at real sizes (`python -m kvserve.bench.delta_rule`; docs/architecture.md, "Hybrid models")."""
+Keeping every token's state instead would hold 1 + k states per layer, made by the token-by-token form
+(`python -m kvserve.bench.delta_rule`; docs/architecture.md, "Hybrid models")."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -7,6 +7,7 @@ which sequence owns which slot — taken at admission, freed when the sequence f
 step's linear layers where each sequence's tokens and slot are."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,10 @@ from kvserve.kv.draft_states import DraftStates
 
 STATE_DTYPE = torch.float32
 STATE_DTYPE_BYTES = 4
+# prompt pieces computed in one call hold at most this much recurrent state per layer: the chunked rule reads each
+# state several times, and a batch that outgrows the CPU's L2 cache reads it from memory each time, slower than a
+# few sequences at a time (`python -m kvserve.bench.delta_rule`, "prompt batching"); small states batch freely
+PROMPT_BATCH_STATE_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -76,18 +81,112 @@ class StateCache:
         self.recurrent[:, dst] = self.recurrent[:, src]
 
 
+@dataclass(frozen=True)
+class SlotBatch:
+    """Sequences' state slots in ascending order. Slots that form one run (first, first + 1, ...) are read and written
+    in place through a view of the pool; others through index_select and index_copy_."""
+
+    slots: torch.Tensor  # [B] ascending
+    first: int | None  # the run's first slot, None if the slots are not one run
+
+    @classmethod
+    def of(cls, slots: list[int], device: str | torch.device) -> SlotBatch:
+        """`slots` ascending and distinct."""
+        run = bool(slots) and slots[-1] - slots[0] + 1 == len(slots)
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), slots[0] if run else None)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def read(self, pool: torch.Tensor) -> torch.Tensor:
+        """These slots of one layer's pool [slots, ...]: a view of it when they are one run, else a copy."""
+        if self.first is None:
+            return pool.index_select(0, self.slots)
+        return pool[self.first : self.first + len(self.slots)]
+
+    def write(self, pool: torch.Tensor, values: torch.Tensor) -> None:
+        """Store `values` into these slots (nothing to copy when `values` is read's view, updated in place)."""
+        if self.first is None:
+            pool.index_copy_(0, self.slots, values)
+        elif values.data_ptr() != pool[self.first].data_ptr():
+            pool[self.first : self.first + len(self.slots)].copy_(values)
+
+
+@dataclass(frozen=True)
+class PromptRound:
+    """Prompt pieces the linear layers compute in one call, at most one per sequence, in slot order: each padded
+    to the longest (padding repeats the piece's last row), the state saved into checkpoints after them."""
+
+    slots: SlotBatch
+    rows: torch.Tensor  # [B, L] rows of the step's flat batch
+    lengths: torch.Tensor  # [B] real tokens of each piece
+    fresh: torch.Tensor  # [B, 1, 1] bool: the piece starts its sequence (from zero states)
+    real: torch.Tensor  # [B, L] bool: rows that are not padding
+    checkpoints: list[tuple[int, int]]  # (slot, checkpoint slot): saved after the round
+
+
+def prompt_rounds(chunks: list[tuple[slice, int, bool, list[tuple[int, int]]]], max_batch: int,
+                  device: str | torch.device) -> list[PromptRound]:
+    """Cut each prompt chunk at its checkpoints into pieces, and put every sequence's i-th piece in round i, in
+    calls of at most `max_batch` pieces."""
+    rounds: list[list[tuple[int, int, int, bool, int | None]]] = []  # (slot, start row, end row, fresh, checkpoint)
+    for rows, slot, fresh, checkpoints in chunks:
+        cuts = [(rows.start + n, checkpoint) for n, checkpoint in checkpoints] + [(rows.stop, None)]
+        start = rows.start
+        for i, (end, checkpoint) in enumerate(cuts):
+            if i == len(rounds):
+                rounds.append([])
+            rounds[i].append((slot, start, end, fresh and start == rows.start, checkpoint))
+            start = end
+    return [_round(pieces[i : i + max_batch], device) for pieces in map(sorted, rounds)
+            for i in range(0, len(pieces), max_batch)]
+
+
+def _round(pieces: list[tuple[int, int, int, bool, int | None]], device: str | torch.device) -> PromptRound:
+    computed = [p for p in pieces if p[2] > p[1]]  # a checkpoint at a piece's start computes nothing before it
+    width = max((end - start for _, start, end, _, _ in computed), default=0)
+    steps = torch.arange(width)
+    starts, ends = (torch.tensor([p[i] for p in computed], dtype=torch.long).view(-1, 1) for i in (1, 2))
+    rows = torch.minimum(starts + steps, ends - 1)
+    return PromptRound(SlotBatch.of([p[0] for p in computed], device), rows.to(device),
+                       (ends - starts).view(-1).to(device),
+                       torch.tensor([p[3] for p in computed], dtype=torch.bool, device=device).view(-1, 1, 1),
+                       (starts + steps < ends).to(device),
+                       [(p[0], p[4]) for p in pieces if p[4] is not None])
+
+
 @dataclass
 class StateStep:
     """One step's sequences as the linear layers see them: decodes (one token continuing a state) in one batch,
-    prompt chunks one at a time, each with its slot; a chunk that starts its sequence (fresh) starts from zeros."""
+    prompt chunks in rounds of pieces batched across sequences, each with its slot; a chunk that starts its
+    sequence (fresh) starts from zeros."""
 
     cache: StateCache
-    decode_rows: torch.Tensor  # [D] rows of the flat batch that are decodes
-    decode_slots: torch.Tensor  # [D] their slots
+    decode_rows: torch.Tensor  # [D] rows of the flat batch that are decodes, in slot order
+    decodes: SlotBatch  # their slots
     # (rows, slot, fresh, checkpoint): checkpoint (n, slot) saves the state after the chunk's first n tokens
     prompt_chunks: list[tuple[slice, int, bool, list[tuple[int, int]]]] = field(default_factory=list)
     decode_checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (slot, checkpoint slot) after the step
     drafts: DraftStates | None = None  # speculative decoding: drafted sequences, verified one token at a time
+
+    @classmethod
+    def of(cls, cache: StateCache, decode_rows: list[int], decode_slots: list[int], device: str | torch.device,
+           prompt_chunks: list | None = None, decode_checkpoints: list | None = None,
+           drafts: DraftStates | None = None) -> StateStep:
+        """A step whose decodes are in `decode_rows` of the flat batch, with their slots (any order)."""
+        order = sorted(range(len(decode_slots)), key=decode_slots.__getitem__)
+        rows = torch.tensor([decode_rows[i] for i in order], dtype=torch.long, device=device)
+        return cls(cache, rows, SlotBatch.of([decode_slots[i] for i in order], device), prompt_chunks or [],
+                   decode_checkpoints or [], drafts)
+
+    @functools.cached_property
+    def prompt_rounds(self) -> list[PromptRound]:
+        """prompt_chunks as rounds (every layer reads them; planned once), each call's states within
+        PROMPT_BATCH_STATE_BYTES."""
+        s = self.cache.shape
+        per_sequence = s.num_value_heads * s.key_head_dim * s.value_head_dim * STATE_DTYPE_BYTES
+        return prompt_rounds(self.prompt_chunks, max(1, PROMPT_BATCH_STATE_BYTES // per_sequence),
+                             self.cache.conv.device)
 
     def save(self, layer: int, slot: int, checkpoint: int) -> None:
         """Copy one layer's state of `slot` into checkpoint slot `checkpoint`."""

@@ -13,12 +13,25 @@ import torch.nn.functional as F
 CHUNK_TOKENS = 64  # the chunked form's block of tokens: one triangular solve and a few matmuls each
 
 
-def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [B, C, T] new inputs, tail: [B, C, K-1] the inputs before them (zeros at a sequence's start), weight:
-    [C, K]. Returns silu(conv) [B, C, T] and the new tail [B, C, K-1]."""
+    [C, K]. Returns silu(conv) [B, C, T] and the new tail [B, C, K-1]. `lengths` [B]: each sequence's real inputs,
+    the rest of its T padding (its outputs there are not meant; its tail ends at its last real input)."""
     full = torch.cat([tail.to(x.dtype), x], dim=-1)
     out = F.conv1d(full, weight.unsqueeze(1).to(x.dtype), groups=weight.shape[0])
-    return F.silu(out), full[..., full.shape[-1] - tail.shape[-1] :]
+    kept = tail.shape[-1]
+    if lengths is None:
+        return F.silu(out), full[..., full.shape[-1] - kept :]
+    ends = (lengths[:, None] + torch.arange(kept, device=x.device))[:, None, :].expand(-1, x.shape[1], -1)
+    return F.silu(out), full.gather(-1, ends)
+
+
+def conv_step_(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One token per sequence: x [B, C], tail [B, C, K-1] updated in place to end at x. Returns silu(conv) [B, C]."""
+    out = torch.einsum("bck,ck->bc", tail, weight[:, :-1]).addcmul_(x, weight[:, -1])
+    tail.copy_(torch.cat([tail[..., 1:], x[..., None]], dim=-1))
+    return F.silu(out)
 
 
 def qk_norm_and_scale(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,36 +45,55 @@ def qk_norm_and_scale(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token at a time. q, k: [B, T, H, Dk] (normalized and scaled), v: [B, T, H, Dv], g, beta: [B, T, H],
-    state: [B, H, Dk, Dv]. Returns o [B, T, H, Dv] and the final state, all float32. A decode step's cost is
-    reading the states (many MiB per sequence): each token reads them four times (decay, S^T k, the rank-one update
-    in place, S^T q), as batched matmuls rather than broadcast products with temporaries of the states' size."""
+    state: [B, H, Dk, Dv]. Returns o [B, T, H, Dv] and the final state, all float32; the caller's state is kept."""
+    state = state.float().clone()
+    return recurrent_gated_delta_rule_(q, k, v, g, beta, state), state
+
+
+def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """recurrent_gated_delta_rule updating `state` (float32, contiguous: e.g. a view of the state cache's slots) in
+    place; returns o. A decode step's cost is reading the states (many MiB per sequence), so each token reads them
+    three times rather than once per term: S^T k and S^T q in one batched matmul before the decay
+    (o = exp(g) S^T q + (k.q) u), then the decay and the rank-one update in place."""
     batch, heads, dk, dv = state.shape
-    flat = state.float().reshape(batch * heads, dk, dv)
+    flat = state.view(batch * heads, dk, dv)
     outs = []
     for t in range(q.shape[1]):
         decay = g[:, t].float().exp().reshape(-1, 1, 1)
-        flat = flat * decay if t == 0 else flat.mul_(decay)  # the first writes a new tensor: the caller's is kept
-        k_t = k[:, t].float().reshape(-1, 1, dk)
-        predicted = torch.bmm(k_t, flat)  # S'^T k: [B*H, 1, Dv]
-        update = (v[:, t].float().reshape(-1, 1, dv) - predicted) * beta[:, t].float().reshape(-1, 1, 1)
-        flat.baddbmm_(k_t.transpose(1, 2), update)  # S = S' + k u^T
-        outs.append(torch.bmm(q[:, t].float().reshape(-1, 1, dk), flat).view(batch, heads, dv))
-    return torch.stack(outs, dim=1), flat.view(batch, heads, dk, dv)
+        k_t, q_t = k[:, t].float().reshape(-1, 1, dk), q[:, t].float().reshape(-1, 1, dk)
+        read = torch.bmm(torch.cat([k_t, q_t], dim=1), flat)  # [B*H, 2, Dv]: S^T k, S^T q
+        update = (v[:, t].float().reshape(-1, 1, dv) - decay * read[:, :1]) * beta[:, t].float().reshape(-1, 1, 1)
+        k_dot_q = (k_t * q_t).sum(-1, keepdim=True)
+        outs.append((decay * read[:, 1:]).addcmul_(k_dot_q, update).view(batch, heads, dv))
+        flat.mul_(decay).baddbmm_(k_t.transpose(1, 2), update)  # S = exp(g) S + k u^T
+    return torch.stack(outs, dim=1)
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             beta: torch.Tensor, state: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS,
+                             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule a block of `chunk_tokens` at a time (the last block may be shorter); same shapes as
-    recurrent_gated_delta_rule. Heads go first inside: [B, H, T, D]."""
+    recurrent_gated_delta_rule. Heads go first inside: [B, H, T, D]. `lengths` [B]: sequences of different lengths
+    in one call, each padded to T; a padded token decays and updates nothing (g and beta taken as 0 there) and its
+    output means nothing; a block is computed only for the sequences that reach into it (0 for the others)."""
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))
     state = state.float()
+    if lengths is not None:
+        real = (torch.arange(q.shape[2], device=q.device) < lengths[:, None])[:, None, :]  # [B, 1, T]
+        g, beta = g * real, beta * real
     outs = []
     for start in range(0, q.shape[2], chunk_tokens):
         block = slice(start, start + chunk_tokens)
-        out, state = _chunk(q[:, :, block], k[:, :, block], v[:, :, block], g[:, :, block], beta[:, :, block],
-                            state)
+        parts = (q[:, :, block], k[:, :, block], v[:, :, block], g[:, :, block], beta[:, :, block])
+        if lengths is None or bool((lengths > start).all()):
+            out, state = _chunk(*parts, state)
+        else:  # the sequences that end before this block keep their state
+            active = (lengths > start).nonzero().squeeze(1)
+            state = state.clone() if start == 0 else state  # the caller's is kept
+            out = parts[2].new_zeros(parts[2].shape)
+            out[active], state[active] = _chunk(*(x[active] for x in parts), state[active])
         outs.append(out)
     return torch.cat(outs, dim=2).transpose(1, 2), state
 

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.kv_cache import PagedKVCache
-from kvserve.kv.state_cache import StateStep
+from kvserve.kv.state_cache import PromptRound, StateStep
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import LINEAR_ATTENTION, HybridMoEConfig, LinearAttentionConfig, ModelConfig
 from kvserve.model.deepseek import MLP
-from kvserve.model.gated_delta import (causal_conv, chunked_gated_delta_rule, qk_norm_and_scale,
-                                       recurrent_gated_delta_rule)
+from kvserve.model.gated_delta import (causal_conv, chunked_gated_delta_rule, conv_step_, qk_norm_and_scale,
+                                       recurrent_gated_delta_rule_)
 from kvserve.model.gemma3 import Gemma3Norm as ZeroCenteredNorm
 from kvserve.model.linear import Linears, WeightsPolicy, load_linears, tensor_storages, weights_nbytes
 from kvserve.model.rotary import RotaryEmbedding
@@ -94,65 +94,80 @@ class GatedDeltaNetLayer:
         beta = b.float().sigmoid()
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         out = torch.empty(x.shape[0], lc.num_value_heads, lc.value_head_dim, dtype=torch.float32, device=x.device)
-        decodes = step.decode_rows
-        if len(decodes):
-            out[decodes] = self._mix(qkv[decodes][:, None], g[decodes][:, None], beta[decodes][:, None],
-                                     step, step.decode_slots, recurrent_gated_delta_rule)[:, 0]
+        if len(step.decodes):
+            out[step.decode_rows] = self._decode(qkv, g, beta, step)
             for slot, checkpoint in step.decode_checkpoints:
                 step.save(self.index, slot, checkpoint)
         for rows, slot in step.drafts.rows if step.drafts is not None else ():
             out[rows] = self._mix_drafted(qkv[rows], g[rows], beta[rows], step, slot)
-        for rows, slot, fresh, checkpoints in step.prompt_chunks:
-            # each checkpoint splits the chunk where it lies: the state at that block boundary is saved
-            start = rows.start
-            cuts = [(rows.start + n, checkpoint) for n, checkpoint in checkpoints] + [(rows.stop, None)]
-            for end, checkpoint in cuts:
-                if end > start:
-                    part = slice(start, end)
-                    out[part] = self._mix(qkv[part][None], g[part][None], beta[part][None], step,
-                                          torch.tensor([slot], device=x.device), chunked_gated_delta_rule,
-                                          fresh and start == rows.start)[0]
-                if checkpoint is not None:
-                    step.save(self.index, slot, checkpoint)
-                start = end
+        for prompts in step.prompt_rounds:
+            if len(prompts.slots):
+                out[prompts.rows[prompts.real]] = self._prompts(qkv, g, beta, step, prompts)[prompts.real]
+            for slot, checkpoint in prompts.checkpoints:  # the state at a block boundary inside a chunk
+                step.save(self.index, slot, checkpoint)
         z = z.view(-1, lc.num_value_heads, lc.value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1).to(x.dtype))
 
-    def _mix_drafted(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep,
-                     slot: int) -> torch.Tensor:
-        """A drafted sequence's last token and draft ([T, C]) as a chunk, leaving with the rollback
-        (kv/draft_states.py) the conv inputs and how to recompute the state after any of its first tokens."""
-        conv_input = torch.cat([step.cache.conv[self.index, slot], qkv.float().T], dim=-1)
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep) -> torch.Tensor:
+        """The decodes' one token each, their conv tails and states updated where they lie in the pool (a view when
+        their slots are one run). Returns [D, Hv, Dv] float32."""
+        decodes, rows = step.decodes, step.decode_rows
+        conv, state = step.cache.conv[self.index], step.cache.recurrent[self.index]
+        tails, states = decodes.read(conv), decodes.read(state)
+        mixed = conv_step_(qkv[rows].float(), tails, self.conv_weight)
+        q, k, v = self._heads(mixed[:, None])
+        out = recurrent_gated_delta_rule_(q, k, v, g[rows][:, None], beta[rows][:, None], states)
+        decodes.write(conv, tails)
+        decodes.write(state, states)
+        return out[:, 0]
 
-        def rule(q, k, v, g, beta, state):  # state: the slot's before the step, a copy
-            def resume(n: int) -> torch.Tensor:
-                return chunked_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state)[1][0]
+    def _prompts(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep,
+                 prompts: PromptRound) -> torch.Tensor:
+        """A round of prompt pieces, one per sequence padded to the longest, in one chunked call from their slots'
+        states (zeros for a piece that starts its sequence). Returns [B, L, Hv, Dv] float32."""
+        conv, state = step.cache.conv[self.index], step.cache.recurrent[self.index]
+        fresh = prompts.fresh
+        tails = torch.where(fresh, 0.0, prompts.slots.read(conv))
+        states = torch.where(fresh[..., None], 0.0, prompts.slots.read(state))
+        mixed, tails = causal_conv(qkv[prompts.rows].float().transpose(1, 2), tails, self.conv_weight,
+                                   prompts.lengths)
+        q, k, v = self._heads(mixed.transpose(1, 2))
+        rows = prompts.rows
+        out, states = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows], states, lengths=prompts.lengths)
+        prompts.slots.write(conv, tails)
+        prompts.slots.write(state, states)
+        return out
 
-            step.drafts.record(self.index, slot, conv_input, resume)
-            return chunked_gated_delta_rule(q, k, v, g, beta, state)
-
-        return self._mix(qkv[None], g[None], beta[None], step, torch.tensor([slot], device=qkv.device), rule)[0]
-
-    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep, slots: torch.Tensor,
-             rule, fresh: bool = False) -> torch.Tensor:
-        """qkv: [B, T, C] of B sequences in `slots`; conv, then the delta rule from their states (zeros if
-        `fresh`: the chunk starts the sequence); writes the new states back. Returns [B, T, Hv, Dv] float32."""
-        lc, cache = self.lc, step.cache
-        conv_tail, state = cache.conv[self.index][slots], cache.recurrent[self.index][slots]
-        if fresh:
-            conv_tail, state = torch.zeros_like(conv_tail), torch.zeros_like(state)
-        mixed, conv_tail = causal_conv(qkv.float().transpose(1, 2), conv_tail, self.conv_weight)
-        q, k, v = mixed.transpose(1, 2).split([lc.key_dim, lc.key_dim, lc.value_dim], dim=-1)
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [B, T, C] as q, k (normalized, q scaled, one per value head) and v, by head."""
+        lc = self.lc
+        q, k, v = mixed.split([lc.key_dim, lc.key_dim, lc.value_dim], dim=-1)
         batch, tokens = q.shape[:2]
         q, k = (t.reshape(batch, tokens, lc.num_key_heads, lc.key_head_dim) for t in (q, k))
         q, k = qk_norm_and_scale(q, k)
         per_group = lc.num_value_heads // lc.num_key_heads
         if per_group > 1:  # each key head serves per_group consecutive value heads
             q, k = q.repeat_interleave(per_group, dim=2), k.repeat_interleave(per_group, dim=2)
-        out, state = rule(q, k, v.reshape(batch, tokens, lc.num_value_heads, lc.value_head_dim), g, beta, state)
-        cache.conv[self.index][slots] = conv_tail
-        cache.recurrent[self.index][slots] = state
-        return out
+        return q, k, v.reshape(batch, tokens, lc.num_value_heads, lc.value_head_dim)
+
+    def _mix_drafted(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep,
+                     slot: int) -> torch.Tensor:
+        """A drafted sequence's last token and draft ([T, C]) as a chunk, leaving with the rollback
+        (kv/draft_states.py) the conv inputs and how to recompute the state after any of its first tokens."""
+        conv, state = step.cache.conv[self.index], step.cache.recurrent[self.index]
+        conv_input = torch.cat([conv[slot], qkv.float().T], dim=-1)
+        mixed, tail = causal_conv(qkv.float().T[None], conv[slot][None], self.conv_weight)
+        conv[slot] = tail[0]
+        q, k, v = self._heads(mixed.transpose(1, 2))
+        before = state[slot][None].clone()  # the slot's state before the step, which the rollback recomputes from
+
+        def resume(n: int) -> torch.Tensor:
+            return chunked_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[None, :n], beta[None, :n], before)[1][0]
+
+        step.drafts.record(self.index, slot, conv_input, resume)
+        out, after = chunked_gated_delta_rule(q, k, v, g[None], beta[None], before)
+        state[slot] = after[0]
+        return out[0]
 
     def weight_parts(self) -> list:
         return [self.in_proj, self.out_proj, self.conv_weight, self.neg_a, self.dt_bias, self.norm]

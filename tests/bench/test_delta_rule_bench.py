@@ -7,11 +7,12 @@ from kvserve.model.gated_delta import chunked_gated_delta_rule, recurrent_gated_
 
 
 def test_it_prints_every_measurement(capsys):
-    assert delta_rule.main(["--prompt", "70", "--repeat", "1"]) == 0
+    assert delta_rule.main(["--prompt", "70", "--repeat", "1", "--prompts", "4", "--prompt-tokens", "5"]) == 0
     out = capsys.readouterr().out
     for line in ("chunked form (the engine)", "its rollback, 3 tokens again", "token by token, every state made",
                  "36 linear layers: the state before the step 72.0 MiB; every token's state 360.0 MiB",
-                 "whole vs cut at 23", "recurrent decode of 8 sequences vs each alone", "chunked form"):
+                 "whole vs cut at 23", "recurrent decode of 8 sequences vs each alone", "chunked form",
+                 "4 prompts of 5 tokens", "  2 per call", "  4 per call"):
         assert line in out
 
 

@@ -1,12 +1,13 @@
 """State slots of hybrid models: taken with a sequence's first blocks, refused when none is free, freed on free,
 copied for a fork; the storage's bytes are the planner's. Checkpoints: evicted by value (hits and depth), one whose
 block the pool lost first, never one waiting for its step or one an admission still copies; given back when their
-block never came (freed first, trimmed)."""
+block never came (freed first, trimmed). A step's slots: read and written in place when they are one run, through
+copies otherwise; prompt chunks cut at their checkpoints into rounds of at most a batch's pieces."""
 import pytest
 import torch
 
 from kvserve.kv.kv_cache_manager import KVCacheManager
-from kvserve.kv.state_cache import StateCache, StateCheckpoints, StateShape, StateSlots
+from kvserve.kv.state_cache import SlotBatch, StateCache, StateCheckpoints, StateShape, StateSlots, prompt_rounds
 from kvserve.planner.capacity import plan_kv_cache
 from kvserve.planner.model_spec import ModelSpec
 from tests.kv.sequences import Seq
@@ -185,3 +186,26 @@ def test_a_checkpoint_an_admission_restores_is_not_overwritten_before_its_copy()
     assert kv.plan_checkpoint(Seq("c", list(range(100, 140))), 32, decoding=False) is None  # no slot to take
     assert kv.state.take_copies() == [(slot, kv.state.slot("b"))]
     assert kv.checkpoints.victim() is not None  # copied: it may go now
+
+
+@pytest.mark.parametrize("slots, in_place", [([1, 2, 3], True), ([0, 2, 3], False)])
+def test_a_run_of_slots_is_updated_in_place_and_others_through_copies(slots, in_place):
+    pool = torch.arange(5.0).view(5, 1).repeat(1, 2)
+    batch = SlotBatch.of(slots, "cpu")
+    states = batch.read(pool)
+    assert (states.data_ptr() == pool[slots[0]].data_ptr()) == in_place
+    states.mul_(10)  # an update in place, as the decode step makes it
+    batch.write(pool, states)
+    assert pool[:, 0].tolist() == [s * 10.0 if s in slots else float(s) for s in range(5)]
+
+
+def test_prompt_chunks_are_cut_at_their_checkpoints_into_rounds_of_at_most_a_batch():
+    # (rows of the flat batch, slot, fresh, [(tokens before the checkpoint, checkpoint slot)])
+    chunks = [(slice(0, 20), 3, True, [(16, 9)]), (slice(20, 25), 0, False, []), (slice(25, 57), 1, True, [(16, 8)])]
+    rounds = prompt_rounds(chunks, max_batch=2, device="cpu")
+    assert [r.slots.slots.tolist() for r in rounds] == [[0, 1], [3], [1, 3]]  # slot order; a run of 2, then 1
+    assert [r.lengths.tolist() for r in rounds] == [[5, 16], [16], [16, 4]]
+    assert [r.fresh.view(-1).tolist() for r in rounds] == [[False, True], [True], [False, False]]
+    assert rounds[0].rows[0].tolist() == [20, 21, 22, 23, 24] + [24] * 11  # padding repeats the last real row
+    assert rounds[0].real.sum(1).tolist() == [5, 16]
+    assert [r.checkpoints for r in rounds] == [[(1, 8)], [(3, 9)], []]  # saved after the piece before them

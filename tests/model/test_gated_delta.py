@@ -1,12 +1,13 @@
 """The gated delta rule's two forms agree with each other and with transformers' torch fallbacks, from a zero and a
 nonzero state, over lengths that do and do not fill the 64-token chunks; split runs continue exactly where one
-run would; the causal conv continues from its tail."""
+run would; sequences of different lengths padded into one call agree with each run alone; the in-place forms
+agree with the copying ones; the causal conv continues from its tail."""
 import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from kvserve.model.gated_delta import (causal_conv, chunked_gated_delta_rule, qk_norm_and_scale,
-                                       recurrent_gated_delta_rule)
+from kvserve.model.gated_delta import (causal_conv, chunked_gated_delta_rule, conv_step_, qk_norm_and_scale,
+                                       recurrent_gated_delta_rule, recurrent_gated_delta_rule_)
 
 B, H, DK, DV = 2, 3, 16, 8
 
@@ -65,3 +66,46 @@ def test_causal_conv_continues_from_its_tail():
     assert torch.equal(end_tail, whole_tail) and torch.equal(whole_tail, x[..., -3:])
     theirs = hf.causal_conv1d_fn(x, weight, None, activation="silu")
     assert torch.allclose(whole, theirs, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", [[130, 5, 64, 70], [3, 3], [1, 64, 65]])
+def test_sequences_of_different_lengths_in_one_call_agree_with_each_alone(lengths):
+    q, k, v, g, beta, state = (torch.cat(x) for x in zip(*(inputs(max(lengths), seed=s)
+                                                           for s in range(len(lengths) // 2 + 1))))
+    q, k, v, g, beta, state = (x[: len(lengths)] for x in (q, k, v, g, beta, state))
+    q, k = qk_norm_and_scale(q, k)
+    kept = state.clone()
+    together, together_state = chunked_gated_delta_rule(q, k, v, g, beta, state, lengths=torch.tensor(lengths))
+    assert torch.equal(state, kept)  # the caller's states are kept
+    for i, n in enumerate(lengths):
+        alone, alone_state = chunked_gated_delta_rule(*(x[i : i + 1, :n] for x in (q, k, v, g, beta)),
+                                                      state[i : i + 1])
+        assert (together[i : i + 1, :n] - alone).abs().max() <= 1e-5
+        assert (together_state[i : i + 1] - alone_state).abs().max() <= 1e-5
+        assert not together[i, -(-n // 64) * 64 :].any()  # blocks past a sequence's end are not computed
+
+
+def test_the_in_place_recurrent_rule_updates_the_state_it_is_given():
+    q, k, v, g, beta, state = inputs(3, seed=3)
+    q, k = qk_norm_and_scale(q, k)
+    out, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    in_place = state.clone()
+    assert (recurrent_gated_delta_rule_(q, k, v, g, beta, in_place) - out).abs().max() <= 1e-6
+    assert (in_place - new_state).abs().max() <= 1e-6
+    assert not torch.equal(in_place, state)
+
+
+def test_padded_conv_and_the_one_token_step_continue_like_the_plain_conv():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 12, 9, generator=gen)
+    weight = torch.randn(12, 4, generator=gen)
+    tails = torch.randn(2, 12, 3, generator=gen)
+    padded, padded_tails = causal_conv(x, tails, weight, lengths=torch.tensor([9, 5]))
+    for i, n in enumerate([9, 5]):
+        alone, alone_tail = causal_conv(x[i : i + 1, :, :n], tails[i : i + 1], weight)
+        assert torch.allclose(padded[i : i + 1, :, :n], alone, atol=1e-6)
+        assert torch.equal(padded_tails[i : i + 1], alone_tail)
+    step_tails = tails.clone()
+    step = conv_step_(x[..., 0], step_tails, weight)
+    whole, whole_tail = causal_conv(x[..., :1], tails, weight)
+    assert torch.allclose(step, whole[..., 0], atol=1e-6) and torch.equal(step_tails, whole_tail)

@@ -1,7 +1,7 @@
 """Our Qwen3-Next / Qwen3.5 decoder (hybrid: Gated DeltaNet layers beside full attention) against transformers' on
 the same random weights, float32, max abs diff <= 1e-4: every prompt position and 20 greedy decode steps, with the
 prompt whole, chunked (chunks that do and do not divide the delta rule's 64), batched beside other sequences,
-preempted and recomputed, forked (n = 2), and resumed from a state checkpoint after a prefix hit; every block and
+preempted and recomputed, forked (n = 2), decoding from slots that are and are not one run, and resumed from a state checkpoint after a prefix hit; every block and
 state slot back afterwards; the settings hybrid models do not run with yet refused by name."""
 import logging
 
@@ -128,6 +128,26 @@ def test_batched_chunked_decodes_match_transformers(tmp_path, kind):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for prompt, output in zip(prompts, outputs):
         logits, generated = reference(path, prompt)
+        assert_matches(logits, generated, prompt, output.outputs[0].token_ids, sampled[output.request_id])
+    assert_nothing_held(llm.engine)
+
+
+def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path):
+    path = make_hybrid_model(tmp_path, "qwen3_next")
+    llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)
+    sampled = recording(llm)
+    runs = []  # per decode step: whether its slots were one run (read and written in place)
+    state_step = llm.engine.runner._state_step
+    llm.engine.runner._state_step = lambda *a: (step := state_step(*a), runs.append(step.decodes.first is not None))[0]
+    prompts = [random_prompt(n, seed=20 + n) for n in (12, 30, 7)]
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)  # frees the middle slot early
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], [GREEDY, short, GREEDY])
+    assert True in runs and False in runs  # slots 0, 1, 2 in place, then 0 and 2 through copies
+    for prompt, output in zip(prompts, outputs):
+        logits, generated = reference(path, prompt)
+        if output is outputs[1]:
+            assert output.outputs[0].token_ids == generated[:3]
+            continue
         assert_matches(logits, generated, prompt, output.outputs[0].token_ids, sampled[output.request_id])
     assert_nothing_held(llm.engine)
 

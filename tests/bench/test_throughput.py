@@ -251,3 +251,17 @@ def test_transformers_runs_at_the_end_of_each_round_and_each_round_is_divided_by
     line = next(x for x in out.splitlines() if x.strip().startswith("kvserve (float32):") and "x (" in x)
     ratios = [float(x) for x in re.findall(r"([\d.]+)x", line)]
     assert len(ratios) == 4 and ratios[0] > 10 * ratios[1] and ratios[2] > 2 * ratios[1]
+
+
+def test_transformers_runs_the_dtype_asked_for(monkeypatch, capsys, tmp_path):
+    """--hf-dtype: the baseline's weights in bfloat16 where its torch fallback is faster that way (hybrids)."""
+    loaded = []
+    real = runners.load_transformers
+    monkeypatch.setattr(runners, "load_transformers", lambda path, dtype: loaded.append(dtype) or real(path, dtype))
+    argv = [*TINY_RUN[:-2], "llama.cpp", "single", "roofline", "--hf-dtype", "bfloat16", "--hf-batch-size", "2",
+            "--model", str(make_tiny_model(tmp_path))]
+    assert main(argv) == 0
+    import torch
+
+    assert loaded == [torch.bfloat16]
+    assert "transformers: bfloat16 weights (--hf-dtype)" in capsys.readouterr().out

@@ -29,7 +29,10 @@ def add_throughput_parser(bench_subparsers) -> None:
                    help=f"of {', '.join(WORKLOADS)} (default: decode prefill); long-context runs kvserve only")
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
-                   help="kvserve runs once per dtype (transformers always runs float32: its fastest on CPU)")
+                   help="kvserve runs once per dtype (transformers runs --hf-dtype)")
+    p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="transformers' weights (default float32, its fastest on CPU for plain decoders; a hybrid "
+                        "model's torch fallback can be faster in bfloat16: compare both)")
     p.add_argument("--quantization", nargs="+", default=["none"], metavar="Q",
                    help="kvserve's weights, e.g. none int8 (or none,int8); one run per value (default: none)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], metavar="FORMAT",
@@ -91,7 +94,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     run_llama = "llama.cpp" not in args.skip and runners.llama_cpp_ready(console)
     runs = runners.KvserveRuns(args, workloads, kv_cache_memory(args.kv_cache_memory, workloads), console,
                                paired_llama_cpp=run_llama)
-    hf = runners.TransformersRuns(workloads if "transformers" not in args.skip else {}, args.phases)
+    hf = runners.TransformersRuns(workloads if "transformers" not in args.skip else {}, args.phases, args.hf_dtype)
+    if args.hf_dtype != "float32" and "transformers" not in args.skip:
+        console.print(f"transformers: {args.hf_dtype} weights (--hf-dtype)", highlight=False)
     for _ in range(args.repeat):
         for config in configs:
             runs.run(config)

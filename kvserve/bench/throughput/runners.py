@@ -285,8 +285,9 @@ class TransformersRuns:
     Long-context runs kvserve only; with no workload left, transformers does not run (`model` stays None). With
     `phases`, each run also times its prefill apart (run_transformers)."""
 
-    def __init__(self, workloads: dict[str, Workload], phases: bool = False):
+    def __init__(self, workloads: dict[str, Workload], phases: bool = False, dtype: str = "float32"):
         self.workloads = {name: w for name, w in workloads.items() if name != "long-context"}
+        self.dtype = dtype  # transformers' weights (--hf-dtype)
         self.rounds: dict[str, list[RunResult]] = {name: [] for name in self.workloads}
         self.model = None
         self.pad_id = 0
@@ -299,7 +300,7 @@ class TransformersRuns:
         if self.model is None:
             import torch
 
-            self.model, self.pad_id = load_transformers(kvserve.model_path, torch.float32), kvserve.pad_id
+            self.model, self.pad_id = load_transformers(kvserve.model_path, getattr(torch, self.dtype)), kvserve.pad_id
             run_transformers(self.model, kvserve.prompts[next(iter(self.rounds))][:2], 4, 2, self.pad_id)  # warm-up
         for name, runs in self.rounds.items():
             runs.append(run_transformers(self.model, kvserve.prompts[name], self.workloads[name].output_len,

@@ -44,7 +44,7 @@ class KVDtype:
     key_scale_scope: str | None = None  # keys scaled differently from values (KIVI: PER_CHANNEL)
     key_scale_bytes: int | None = None  # the keys' own scale and zero point bytes (None: the values')
     key_zero_point_bytes: int | None = None
-    codebook: bool = False  # codes index a fixed non-uniform codebook of rotated coordinates (nuq4, nuq3)
+    codebook: bool = False  # value codes index a fixed non-uniform codebook of rotated coordinates (nuq4, nuq3)
 
     @property
     def scales(self) -> str:

@@ -113,7 +113,7 @@ class NonUniformKVCache(StagedBlockKVCache):
         flat, H, D = block_tables.reshape(-1), self.num_kv_heads, self.head_dim
         k_codes, k_offset, k_scale, v_codes, v_scale = (self._select_blocks(t, row, flat) for t in
                                                         (self.k, self.k_offset, self.k_scale, self.v, self.v_scale))
-        rotated = dequantize_blocks(k_codes, k_offset, k_scale, self.key_levels, v_codes, v_scale, self.value_levels,
+        rotated = dequantize_blocks(k_codes, k_offset, k_scale, v_codes, v_scale, self.value_levels,
                                     (self.key_bits, self.value_bits), (self.block_size, H, D))
         for out, x in zip((k_out, v_out), rotated):
             back = self.tiles.map(lambda t: t.to(self.dtype) @ self._basis_t, x.flatten(0, 1))
@@ -127,7 +127,7 @@ class NonUniformKVCache(StagedBlockKVCache):
         N = self.num_blocks
         staged_k, staged_v = self._staged(row, own_blocks)
         args = (queries @ self.basis, self.k[row].view(N, -1), self.k_offset[row].view(N, -1),
-                self.k_scale[row].view(N, -1), self.key_levels, self.v[row].view(N, -1), self.v_scale[row].view(N, -1),
+                self.k_scale[row].view(N, -1), self.v[row].view(N, -1), self.v_scale[row].view(N, -1),
                 self.value_levels, block_tables, torch.cat([staged_k, new_k], dim=1) @ self.basis,
                 torch.cat([staged_v, new_v], dim=1) @ self.basis, mask)
         dynamic = [(t, 0) for t in args if t.dim() > 1] + [(block_tables, 1), (mask, 3)] \
@@ -153,15 +153,18 @@ def decode_half_range(stored: torch.Tensor) -> torch.Tensor:
     return stored.float().clamp(min=MIN_SCALE)
 
 
-def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor, key_levels: torch.Tensor,
-                      v_codes: torch.Tensor, v_scale: torch.Tensor, value_levels: torch.Tensor, bits: tuple[int, int],
+def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                      v_scale: torch.Tensor, value_levels: torch.Tensor, bits: tuple[int, int],
                       shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """n selected blocks' rows (one flat row per block, as _select_blocks gives them) -> rotated K and V [n,
     block_size, heads, dim] in float32; `shape` is (block_size, heads, dim). Plain tensor ops, so the compiled decode
     attention fuses them."""
     n, (bs, heads, dim) = k_codes.shape[0], shape
-    keys = key_levels[unpack(k_codes.view(n, bs, heads, -1), bits[0], dim).long()]
-    keys = keys * decode_half_range(k_scale).view(n, 1, heads, dim) + k_offset.float().view(n, 1, heads, dim)
+    half = decode_half_range(k_scale).view(n, 1, heads, dim)
+    # level i of the even grid is -1 + i * step: arithmetic, not a gather, which the compiled loops vectorize
+    step = 2 / (2 ** bits[0] - 1)
+    keys = unpack(k_codes.view(n, bs, heads, -1), bits[0], dim).float() * (half * step)
+    keys = keys + (k_offset.float().view(n, 1, heads, dim) - half)
     values = value_levels[unpack(v_codes.view(n, bs, heads, -1), bits[1], dim).long()]
     return keys, values * v_scale.float().view(n, bs, heads, 1)
 
@@ -171,8 +174,8 @@ def fused_decode_attention(block_size: int, key_bits: int, value_bits: int) -> C
     looking up their levels, scaling, shifting and attending become a few generated loops; block size and bits are
     constants of them. Each cache gets its own; the graphs are kept with the function's code, shared by every copy."""
     def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
-                                    k_scale: torch.Tensor, key_levels: torch.Tensor, v_codes: torch.Tensor,
-                                    v_scale: torch.Tensor, value_levels: torch.Tensor, block_tables: torch.Tensor,
+                                    k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                                    value_levels: torch.Tensor, block_tables: torch.Tensor,
                                     own_k: torch.Tensor, own_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [S, kv_heads, heads per kv head, head_dim], rotated and multiplied by the softmax scale; own_k and own_v
         [S, block_size + 1, kv_heads, head_dim]: the own block's staged tokens and the new one, rotated."""
@@ -180,7 +183,7 @@ def fused_decode_attention(block_size: int, key_bits: int, value_bits: int) -> C
         H, D = q.shape[1], q.shape[3]
         blocks = block_tables.reshape(-1)
         keys, values = dequantize_blocks(k_codes.index_select(0, blocks), k_offset.index_select(0, blocks),
-                                         k_scale.index_select(0, blocks), key_levels, v_codes.index_select(0, blocks),
+                                         k_scale.index_select(0, blocks), v_codes.index_select(0, blocks),
                                          v_scale.index_select(0, blocks), value_levels, (key_bits, value_bits),
                                          (block_size, H, D))
         keys = torch.cat([keys.view(S, B * block_size, H, D), own_k.float()], dim=1)

@@ -9,8 +9,9 @@ storage formats in kvserve/kv/ allocate exactly this, and a test holds them to i
 - int4 (KIVI): 2 elements per byte; values carry an fp16 scale and an fp16 zero point per token and head
   vector; keys carry them per channel per block (one pair for each of head_dim channels, shared by the
   block's tokens): head_dim x 4 / block_size bytes per token and head. For MLA the latent is treated as a value.
-- nuq4 / nuq3 (rotated non-uniform codebook, kv/formats/nonuniform.py): head_dim x 4 or x 3 bits of codes plus
-  one fp16 scale per token, layer and head vector, for K and for V alike.
+- nuq4 / nuq3 (kv/formats/nonuniform.py): head_dim x 4 or x 3 bits of codes for K and for V; values carry one fp16
+  scale per token, layer and head vector; keys an fp16 midpoint and a half range (fp16 for nuq4, 1 byte for nuq3)
+  per channel per block: head_dim x 4 (nuq3: x 3) / block_size bytes per token and head.
 
 `--kv-scales per-tensor` plans fp8, fp8_e5m2 or int8 as an engine that keeps one scale per layer for K and one
 for V instead (vLLM's FP8 KV cache): no scale bytes per token, exactly half of bf16.
@@ -41,7 +42,9 @@ class KVDtype:
     scale_bytes: int = 0
     zero_point_bytes: int = 0
     key_scale_scope: str | None = None  # keys scaled differently from values (KIVI: PER_CHANNEL)
-    codebook: bool = False  # codes index a fixed non-uniform codebook of rotated coordinates (nuq4, nuq3)
+    key_scale_bytes: int | None = None  # the keys' own scale and zero point bytes (None: the values')
+    key_zero_point_bytes: int | None = None
+    codebook: bool = False  # value codes index a fixed non-uniform codebook of rotated coordinates (nuq4, nuq3)
 
     @property
     def scales(self) -> str:
@@ -53,10 +56,16 @@ class KVDtype:
     def scope(self, key: bool) -> str:
         return self.key_scale_scope if key and self.key_scale_scope else self.scale_scope
 
+    def stat_bytes(self, key: bool) -> tuple[int, int]:
+        """Bytes of one scale and of one zero point of keys (key=True) or values."""
+        if key and self.key_scale_bytes is not None:
+            return self.key_scale_bytes, self.key_zero_point_bytes or 0
+        return self.scale_bytes, self.zero_point_bytes
+
     def vector_bytes(self, elements: int, block_size: int = DEFAULT_BLOCK_SIZE, key: bool = False) -> int:
         """Bytes one stored vector of `elements` values takes per token, scales included."""
         data = -(-elements * self.element_bits // 8)
-        per_scale = self.scale_bytes + self.zero_point_bytes
+        per_scale = sum(self.stat_bytes(key))
         scope = self.scope(key)
         if scope == PER_VECTOR:
             return data + per_scale
@@ -75,8 +84,10 @@ FP8_E4M3 = KVDtype("fp8", 8, PER_VECTOR, scale_bytes=2)
 FP8_E5M2 = KVDtype("fp8_e5m2", 8, PER_VECTOR, scale_bytes=2)
 INT8 = KVDtype("int8", 8, PER_VECTOR, scale_bytes=2)
 INT4 = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2, key_scale_scope=PER_CHANNEL)
-NUQ4 = KVDtype("nuq4", 4, PER_VECTOR, scale_bytes=2, codebook=True)
-NUQ3 = KVDtype("nuq3", 3, PER_VECTOR, scale_bytes=2, codebook=True)
+NUQ4 = KVDtype("nuq4", 4, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=2,
+               key_zero_point_bytes=2, codebook=True)
+NUQ3 = KVDtype("nuq3", 3, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=1,
+               key_zero_point_bytes=2, codebook=True)
 
 KV_DTYPES = {
     "bf16": BF16, "bfloat16": BF16,

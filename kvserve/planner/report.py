@@ -111,8 +111,9 @@ def kv_formula(spec: ModelSpec, dtype: KVDtype, block_size: int) -> str:
 def _vector_bytes(vector: str, elements: int, dtype: KVDtype, block_size: int, key: bool) -> str:
     element = f"{dtype.element_bits / 8:g} B ({dtype.name})"
     scope = dtype.scope(key)
-    per_scale = dtype.scale_bytes + dtype.zero_point_bytes
-    what = "scale" if not dtype.zero_point_bytes else "scale + zero point"
+    scale_bytes, zero_point_bytes = dtype.stat_bytes(key)
+    per_scale = scale_bytes + zero_point_bytes
+    what = "scale" if not zero_point_bytes else "scale + zero point"
     if scope == PER_VECTOR:
         return f"({vector} × {element} + {per_scale} B {what})"
     if scope == PER_CHANNEL:
@@ -142,14 +143,16 @@ def kv_notes(spec: ModelSpec, dtype: KVDtype, block_size: int) -> list[str]:
         state = fixed_state_bytes(spec)
         size = f"a fixed {format_bytes(state)} per request" if state else "a fixed state (size not in the config)"
         notes.append(f"{spec.num_layers_of(LINEAR)} linear-attention layers hold no KV, only {size}.")
-    if dtype.key_scale_scope == PER_CHANNEL:
+    if dtype.codebook:
+        half_range = "an fp16" if dtype.stat_bytes(True)[0] == 2 else "a 1-byte (logarithmic)"
+        notes.append(f"{dtype.name}: K and V Hadamard-rotated; keys {dtype.element_bits}-bit per channel per "
+                     f"{block_size}-token block (an fp16 midpoint and {half_range} half range), values "
+                     f"{dtype.element_bits}-bit indices into a fixed Lloyd-Max codebook with one fp16 scale per token "
+                     "and head; each sequence's partly filled last block stays in full precision outside the pool.")
+    elif dtype.key_scale_scope == PER_CHANNEL:
         notes.append(f"{dtype.name} (KIVI): keys get an fp16 scale and zero point per channel per {block_size}-token "
                      "block, values per token and head; each sequence's partly filled last block stays in full "
                      "precision outside the pool.")
-    elif dtype.codebook:
-        notes.append(f"{dtype.name}: each head vector Hadamard-rotated, its coordinates {dtype.element_bits}-bit "
-                     "indices into a fixed Lloyd-Max codebook, one fp16 scale per token, layer and head vector; every "
-                     "slot holds its own token (nothing staged).")
     elif dtype.scale_scope == PER_VECTOR:
         kind = "symmetric" if not dtype.zero_point_bytes else "asymmetric"
         notes.append(f"{dtype.name}, per-token-head scales (kvserve's own storage): one fp16 scale per token, layer "
@@ -178,7 +181,8 @@ def state_lines(state: StatePlan) -> list[str]:
 
 
 def kv_format_label(dtype: KVDtype) -> str | None:
-    """What the capacity line names: a scaled format and where its scales are; None for plain elements and int4."""
+    """What the capacity line names: a scaled format and where its scales are; None for plain elements and for
+    formats with per-channel keys (int4, nuq4, nuq3)."""
     if dtype.scale_scope in (PER_VECTOR, PER_TENSOR) and dtype.key_scale_scope is None:
         return f"{dtype.name}, {dtype.scales} scales"
     return None

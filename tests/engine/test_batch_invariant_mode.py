@@ -12,7 +12,7 @@ import transformers
 from kvserve import LLM, SamplingParams
 from tests.conftest import make_tiny_model
 
-FORMATS = ["auto", "bfloat16", "fp8", "int8", "int4"]
+FORMATS = ["auto", "bfloat16", "fp8", "int8", "int4", "nuq4", "nuq3"]
 PROMPT_LENS = [1, 5, 16, 17, 30, 33, 48, 70]
 SCORED = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=-1)
 

@@ -14,9 +14,9 @@ FORMATS = ["bfloat16", "fp8", "fp8_e5m2", "int8", "int4", "nuq4", "nuq3"]
 PROMPT_LENS = [3, 15, 16, 17, 31, 33, 64, 90]
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # Mean KL(full precision || format) over a 120-token prompt of the tiny random model, about twice what each
-# measured when written (bf16 6e-5, int8 6e-4, fp8 1.1e-2, fp8_e5m2 5.0e-2, int4 4.9e-2, nuq4 9.1e-2, nuq3 0.38):
+# measured when written (bf16 6e-5, int8 6e-4, fp8 1.1e-2, fp8_e5m2 5.0e-2, int4 4.9e-2, nuq4 5.9e-2, nuq3 0.21):
 # random weights amplify errors far more than a trained model does (kvserve eval measures those).
-MAX_KLD = {"bfloat16": 2e-4, "int8": 2e-3, "fp8": 3e-2, "fp8_e5m2": 0.12, "int4": 0.12, "nuq4": 0.18, "nuq3": 0.75}
+MAX_KLD = {"bfloat16": 2e-4, "int8": 2e-3, "fp8": 3e-2, "fp8_e5m2": 0.12, "int4": 0.12, "nuq4": 0.12, "nuq3": 0.45}
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ def assert_nothing_held(llm: LLM) -> None:
     assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8", "int8", "int4", "nuq4", "nuq3"])
 def test_greedy_output_is_the_same_with_speculation_in_every_format(llama, kv_cache_dtype):
     prompts = [prompt(37, seed) for seed in range(3)]
     expected, got, spec = run_both(llama, prompts, kv_cache_dtype=kv_cache_dtype)

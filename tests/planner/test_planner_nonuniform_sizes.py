@@ -1,19 +1,24 @@
-"""Bytes per token of the non-uniform formats (nuq4, nuq3): codes plus one fp16 scale per head vector, for K and V
-alike; nuq3 holds at least 1.3x int4's tokens; --kv-scales per-tensor does not apply to them."""
+"""Bytes per token of the non-uniform formats (nuq4, nuq3): codes for K and V, one fp16 scale per value vector, and
+per key channel per block an fp16 midpoint and a half range (fp16 for nuq4, 1 byte for nuq3); nuq3 holds at least
+1.3x int4's tokens, nuq4 no fewer; --kv-scales per-tensor does not apply to them."""
 import pytest
 
 from kvserve.planner.kv_size import kv_bytes_per_token, resolve_kv_dtype
 from kvserve.planner.loaders import load_model_spec
-from kvserve.planner.report import kv_formula
+from kvserve.planner.report import kv_formula, kv_notes
 
 
-@pytest.mark.parametrize("dtype, vector_bytes", [("nuq4", 64 * 4 // 8 + 2), ("nuq3", 64 * 3 // 8 + 2)])
-def test_bytes_per_token_are_codes_and_one_scale_per_head_vector(dtype, vector_bytes):
+@pytest.mark.parametrize("dtype, bits, key_channel_bytes", [("nuq4", 4, 2 + 2), ("nuq3", 3, 2 + 1)])
+def test_bytes_per_token_are_codes_value_scales_and_key_channel_statistics_per_block(dtype, bits, key_channel_bytes):
     spec = load_model_spec("smollm2-135m")  # 30 layers, 3 KV heads of 64
     kv = resolve_kv_dtype(dtype, spec)
-    assert kv_bytes_per_token(spec, kv) == 2 * 30 * 3 * vector_bytes
-    assert kv_bytes_per_token(spec, kv, block_size=32) == kv_bytes_per_token(spec, kv)  # nothing per block
+    codes = 64 * bits // 8
+    for block_size in (16, 32):
+        key, value = codes + 64 * key_channel_bytes // block_size, codes + 2
+        assert kv_bytes_per_token(spec, kv, block_size) == 30 * 3 * (key + value)
+    assert f"64 channels × {key_channel_bytes} B scale + zero point / 16-token block" in kv_formula(spec, kv, 16)
     assert "2 B scale" in kv_formula(spec, kv, 16)
+    assert any("stays in full precision" in note for note in kv_notes(spec, kv, 16))
 
 
 def test_nuq3_holds_at_least_1_3x_the_tokens_of_int4_and_nuq4_no_fewer():
@@ -24,5 +29,5 @@ def test_nuq3_holds_at_least_1_3x_the_tokens_of_int4_and_nuq4_no_fewer():
 
 @pytest.mark.parametrize("dtype", ["nuq4", "nuq3"])
 def test_per_tensor_scales_are_refused(dtype):
-    with pytest.raises(ValueError, match=f"applies to fp8, fp8_e5m2 and int8; {dtype} keeps per-token-head scales"):
+    with pytest.raises(ValueError, match=f"applies to fp8, fp8_e5m2 and int8; {dtype} keeps per-channel keys"):
         resolve_kv_dtype(dtype, load_model_spec("smollm2-135m"), "per-tensor")

@@ -25,11 +25,11 @@ FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What make_kv_cache builds: `format_name`'s storage for `num_blocks` blocks of `layout`'s rows, read back in
-    `dtype` (the model's compute dtype). int4 keeps one full-precision staging row per partly filled block (two per
-    sequence at most), sized for `max_num_seqs` sequences per layer group. int8, int4 and the non-uniform formats
-    (nuq4, nuq3) compile their decode attention unless `compile` is False (formats.compiled); float32 on a CPU
-    compiles one that reads the blocks in place when `decode_in_place` is set too (formats.flex_decode: the engine
-    sets it with --compile-decode). `tiles`: how writes cut per-token work, and batch-invariant mode's tile reads
+    `dtype` (the model's compute dtype). int4, nuq4 and nuq3 keep one full-precision staging row per partly filled
+    block (two per sequence at most), sized for `max_num_seqs` sequences per layer group. int8, int4 and the
+    non-uniform formats compile their decode attention unless `compile` is False (formats.compiled); float32 on a
+    CPU compiles one that reads the blocks in place when `decode_in_place` is set too (formats.flex_decode: the
+    engine sets it with --compile-decode). `tiles`: how writes cut per-token work, and batch-invariant mode's tile reads
     (kvserve/batch_invariant.py). An MLA model caches one latent vector of head_dim values per token and layer, the
     last `latent_rope_dim` its RoPE key (formats.latent)."""
 
@@ -72,5 +72,6 @@ def make_kv_cache(spec: KVCacheSpec | str, *args, **kwargs) -> PagedKVCache:
         return Int4KVCache(*blocks, **common, max_num_seqs=spec.max_num_seqs * spec.layout.num_groups,
                            compile=spec.compile)
     if name in NONUNIFORM_FORMATS:
-        return NonUniformKVCache(*blocks, **common, format_name=name, compile=spec.compile)
+        return NonUniformKVCache(*blocks, **common, format_name=name, compile=spec.compile,
+                                 max_num_seqs=spec.max_num_seqs * spec.layout.num_groups)
     raise ValueError(f"unknown KV cache format {name!r}")

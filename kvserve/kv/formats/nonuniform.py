@@ -1,136 +1,193 @@
-"""Non-uniform 4- and 3-bit KV cache: each head vector Hadamard-rotated, scaled by one float16 number, and each
-coordinate stored as the index of the nearest level of a fixed Lloyd-Max codebook (formats.codebook).
+"""Non-uniform 4- and 3-bit KV cache (nuq4, nuq3): keys per channel over each block, values per token with a fixed
+Lloyd-Max codebook; K and V Hadamard-rotated.
 
-This is TurboQuant's MSE quantizer (a rotation, then a codebook for the coordinates a rotated vector has) with a
-per-vector scale in place of the unit norm, for keys and values alike. Quantizing is a bucketize against the
-midpoints between levels; dequantizing is one gather from the 8 or 16 levels times the scale. Every slot holds its
-token alone (codes and scale), so writes, prefix sharing, copy-on-write, preemption and the disk tier need nothing
-beyond copying the bytes; unlike int4 (KIVI) nothing is staged.
+Keys carry large offsets in a few channels, the same for neighbouring tokens (docs/quality.md). A scale per head
+vector spends its levels on them; statistics per channel over a block remove them first (KIVI's and KVQuant's
+keys). So each key channel of a full block is stored as its midpoint (float16), its half range (float16 for nuq4;
+for nuq3 one byte, its base-2 logarithm in sixteenths, so that nuq3 holds 1.3x int4's tokens) and a code per token
+on an evenly spaced grid from -1 to 1; the midpoint is then refitted to the chosen codes (least squares). The grid
+keeps each channel's extreme tokens, the ones attention singles out, on its end levels: a Lloyd-Max codebook fitted
+to the block's normalized values measured no better, and one scaled by the channel's RMS clipped those tokens
+(docs/quality.md). Values are rotated head vectors on the Lloyd-Max codebook of formats.codebook, scaled by one
+float16 number per token and head (TurboQuant's MSE quantizer with a scale in place of the unit norm).
 
-The scale: the one that maps the vector's largest coordinate onto the outermost level at 4 bits, its RMS onto 1 at 3
-bits (the smaller squared error on SmolLM2's K and V, docs/quality.md), then refitted to the least-squares scale
-of the chosen levels. K and V are stored rotated; nothing is rotated back on a read: queries are rotated instead
-and the attention output rotated back (formats.fp8 explains why that is exact), also in the compiled decode
-attention (formats.compiled), which reads the packed codes in place."""
+The filling block stays in full precision until it fills (formats.staged, shared with int4), and each query reads
+its own block from there. Stored K and V are in the rotated basis; a gather rotates them back, since the staged
+and new tokens it joins are not rotated. The compiled decode attention (formats.compiled) reads the codes in place
+and rotates the query and the few staged and new tokens instead, then its output back (formats.fp8 explains why
+that is exact)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.kv.formats.codebook import check_packable, codebook, pack, packed_bytes, unpack
-from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind, warm_up_decode
-from kvserve.kv.kv_cache import PagedKVCache
+from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind
+from kvserve.kv.formats.staged import StagedBlockKVCache
 from kvserve.rotation import hadamard
 
 SCALE_DTYPE = torch.float16
 MIN_SCALE, MAX_SCALE = torch.finfo(SCALE_DTYPE).tiny, torch.finfo(SCALE_DTYPE).max
-# --kv-cache-dtype -> (key bits, value bits)
-NONUNIFORM_FORMATS = {"nuq4": (4, 4), "nuq3": (3, 3)}
+LOG_STEPS = 16  # an int8 half range is 2 ** (code / LOG_STEPS): 2^-8 to 2^7.94 in steps of 4.4%
 
 
-class NonUniformKVCache(PagedKVCache):
-    exact = False
+@dataclass(frozen=True)
+class NonUniformBits:
+    """Bits of a key and a value code, and how a key channel's half range is stored (float16, or int8: its log)."""
 
-    def __init__(self, *args, format_name: str = "nuq4", compile: bool = True, **kwargs):
-        super().__init__(*args, **kwargs)
+    key_bits: int
+    value_bits: int
+    key_scale_dtype: torch.dtype
+
+
+NONUNIFORM_FORMATS = {"nuq4": NonUniformBits(4, 4, torch.float16), "nuq3": NonUniformBits(3, 3, torch.int8)}
+
+
+class NonUniformKVCache(StagedBlockKVCache):
+    def __init__(self, *args, format_name: str = "nuq4", max_num_seqs: int = 1, compile: bool = True, **kwargs):
         self.format_name = format_name
-        self.key_bits, self.value_bits = NONUNIFORM_FORMATS[format_name]
-        D = self.head_dim
-        for bits in {self.key_bits, self.value_bits}:
-            check_packable(D, bits)
-        self.rotation = hadamard(D).to(dtype=self.dtype, device=self.device)
-        self._rotation_t = self.rotation.T.contiguous()
-        self.codebooks = {bits: tuple(t.to(self.device) for t in codebook(D, bits))
-                          for bits in {self.key_bits, self.value_bits}}
-        slots = (self.num_layers, self.num_blocks * self.block_size, self.num_kv_heads)
-        self.k = torch.zeros(*slots, packed_bytes(D, self.key_bits), dtype=torch.uint8, device=self.device)
-        self.v = torch.zeros(*slots, packed_bytes(D, self.value_bits), dtype=torch.uint8, device=self.device)
-        self.k_scale = torch.zeros(slots, dtype=SCALE_DTYPE, device=self.device)
-        self.v_scale = torch.zeros(slots, dtype=SCALE_DTYPE, device=self.device)
+        super().__init__(*args, max_num_seqs=max_num_seqs, **kwargs)
+        bits = NONUNIFORM_FORMATS[format_name]
+        self.key_bits, self.value_bits, self.key_scale_dtype = bits.key_bits, bits.value_bits, bits.key_scale_dtype
+        L, N, bs, H, D = self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+        for b in {self.key_bits, self.value_bits}:
+            check_packable(D, b)
+        self.basis = hadamard(D).to(dtype=self.dtype, device=self.device)  # K and V are stored multiplied by it
+        self._basis_t = self.basis.T.contiguous()
+        self.key_levels = torch.linspace(-1, 1, 2**self.key_bits, device=self.device)
+        self._key_midpoints = (self.key_levels[1:] + self.key_levels[:-1]) / 2
+        self.value_levels, self._value_midpoints = (t.to(self.device) for t in codebook(D, self.value_bits))
+        self.k = torch.zeros(L, N * bs, H, packed_bytes(D, self.key_bits), dtype=torch.uint8, device=self.device)
+        self.k_offset = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)  # per block and channel
+        self.k_scale = torch.zeros(L, N, H, D, dtype=self.key_scale_dtype, device=self.device)
+        self.v = torch.zeros(L, N * bs, H, packed_bytes(D, self.value_bits), dtype=torch.uint8, device=self.device)
+        self.v_scale = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)  # per token
         self.attend_decodes_with(fused_decode_attention(self.block_size, self.key_bits, self.value_bits)
                                  if compile else None)
 
     def describe(self) -> str:
-        bits = (f"{self.key_bits}-bit" if self.key_bits == self.value_bits
-                else f"{self.key_bits}-bit keys, {self.value_bits}-bit values")
-        return (f"{self.format_name}, {bits} Lloyd-Max codes of Hadamard-rotated head vectors, per-token-head scales; "
-                f"{decode_kind(self.fused_decode)} decode attention")
+        return (f"{self.format_name}, {self.key_bits}-bit keys per channel per block, {self.value_bits}-bit Lloyd-Max "
+                f"codes of Hadamard-rotated values per token; {self.block_size - 1}-token full-precision residual per "
+                f"sequence; {decode_kind(self.fused_decode)} decode attention")
 
-    def warm_up(self, num_query_heads: int) -> None:
-        if self.fused_decode is not None:
-            warm_up_decode(self, self.fused_decode, num_query_heads, extra_keys=0)
+    # ---- quantizing -------------------------------------------------------------------------------------------
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, heads, dim] -> the same vectors in the stored basis, float32, token by token (tiles.map)."""
+        return self.tiles.map(lambda t: t.to(self.dtype) @ self.basis, x).float()
 
-    def quantize(self, x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, heads, dim] -> packed codes [T, heads, packed bytes] and float16 scales [T, heads] of x rotated."""
-        x = self.tiles.map(lambda t: t.to(self.dtype) @ self.rotation, x).float()
-        levels, midpoints = self.codebooks[bits]
-        if bits >= 4:
-            scale = x.abs().amax(dim=-1) / levels[-1]
-        else:
-            scale = x.norm(dim=-1) / self.head_dim**0.5
-        codes = torch.bucketize(x / scale.clamp(min=MIN_SCALE)[..., None], midpoints).to(torch.uint8)
-        chosen = levels[codes.long()]
-        fitted = (x * chosen).sum(-1) / (chosen * chosen).sum(-1).clamp(min=MIN_SCALE)  # least squares
-        return pack(codes, bits), fitted.clamp(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
+    def quantize_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full blocks [F, block_size, heads, dim] -> packed codes [F, block_size, heads, bytes], float16 midpoints
+        and stored half ranges [F, heads, dim] of each rotated channel over the block."""
+        x = self.rotate(k.flatten(0, 1)).view(k.shape)
+        low, high = x.amin(dim=1), x.amax(dim=1)
+        scale = encode_half_range((high - low) / 2, self.key_scale_dtype)
+        half = decode_half_range(scale)[:, None]
+        codes = torch.bucketize((x - ((high + low) / 2)[:, None]) / half, self._key_midpoints)
+        offset = (x - self.key_levels[codes] * half).mean(dim=1)  # least squares, given the codes and half range
+        return pack(codes.to(torch.uint8), self.key_bits), offset.to(SCALE_DTYPE), scale
 
-    def dequantize(self, packed: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-        """Packed codes [..., heads, bytes] and scales [..., heads] -> rotated vectors in the compute dtype."""
-        codes = unpack(packed, bits, self.head_dim)
-        return (self.codebooks[bits][0][codes.long()] * scale.float()[..., None]).to(self.dtype)
+    def quantize_values(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, heads, dim] -> packed codes [T, heads, bytes] and float16 scales [T, heads] of v rotated: the scale
+        maps the largest coordinate onto the outermost level at 4 bits, the RMS onto 1 at 3 bits (the smaller
+        error on SmolLM2's values), then refitted to the chosen levels (least squares)."""
+        x, levels = self.rotate(v), self.value_levels
+        scale = x.abs().amax(dim=-1) / levels[-1] if self.value_bits >= 4 else x.norm(dim=-1) / self.head_dim**0.5
+        codes = torch.bucketize(x / scale.clamp(min=MIN_SCALE)[..., None], self._value_midpoints)
+        chosen = levels[codes]
+        fitted = (x * chosen).sum(-1) / (chosen * chosen).sum(-1).clamp(min=MIN_SCALE)
+        return pack(codes.to(torch.uint8), self.value_bits), fitted.clamp(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
 
-    def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        for data, scales, x, bits in ((self.k, self.k_scale, k, self.key_bits),
-                                      (self.v, self.v_scale, v, self.value_bits)):
-            codes, scale = self.quantize(x, bits)
-            data[row].index_copy_(0, slot_mapping, codes)
-            scales[row].index_copy_(0, slot_mapping, scale)
+    def _store_blocks(self, row: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        codes, offset, scale = self.quantize_keys(k)
+        self._blocks_view(self.k, row)[blocks] = codes
+        self.k_offset[row, blocks], self.k_scale[row, blocks] = offset, scale
+        codes, scale = self.quantize_values(v.flatten(0, 1))
+        self._blocks_view(self.v, row)[blocks] = codes.view(len(blocks), self.block_size, *codes.shape[1:])
+        self._blocks_view(self.v_scale, row)[blocks] = scale.view(len(blocks), self.block_size, -1)
 
-    def _gather(self, row: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = block_tables.reshape(-1)
-        lead = (*block_tables.shape[:-1], block_tables.shape[-1] * self.block_size, self.num_kv_heads)
-        out = []
-        for data, scales, bits in ((self.k, self.k_scale, self.key_bits), (self.v, self.v_scale, self.value_bits)):
-            codes = self._blocks_view(data, row).index_select(0, flat).view(*lead, -1)
-            scale = self._blocks_view(scales, row).index_select(0, flat).view(lead)
-            out.append(self.dequantize(codes, scale, bits))
-        return out[0], out[1]
+    # ---- reading ----------------------------------------------------------------------------------------------
+    def _dequantize_into(self, row: int, block_tables: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """The [S, B] blocks dequantized and rotated back into k_out and v_out ([S, B * block_size, heads, dim])."""
+        S, B = block_tables.shape
+        flat, H, D = block_tables.reshape(-1), self.num_kv_heads, self.head_dim
+        k_codes, k_offset, k_scale, v_codes, v_scale = (self._select_blocks(t, row, flat) for t in
+                                                        (self.k, self.k_offset, self.k_scale, self.v, self.v_scale))
+        rotated = dequantize_blocks(k_codes, k_offset, k_scale, v_codes, v_scale, self.value_levels,
+                                    (self.key_bits, self.value_bits), (self.block_size, H, D))
+        for out, x in zip((k_out, v_out), rotated):
+            back = self.tiles.map(lambda t: t.to(self.dtype) @ self._basis_t, x.flatten(0, 1))
+            out.copy_(back.view(S, B * self.block_size, H, D))
 
     def _decode_attention(self, row: int, queries: torch.Tensor, block_tables: torch.Tensor,
                           own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor | None:
-        """Over the stored blocks alone (the new token was written, and is read back like every other), with the
-        queries rotated as the keys were and the output rotated back."""
+        """Over the codes in place, with the query, the own block's staged tokens and the new ones rotated as the
+        stored K and V were, and the output rotated back."""
         N = self.num_blocks
-        args = (queries @ self.rotation, self.k[row].view(N, -1), self.k_scale[row].view(N, -1),
-                self.codebooks[self.key_bits][0], self.v[row].view(N, -1), self.v_scale[row].view(N, -1),
-                self.codebooks[self.value_bits][0], block_tables, mask)
+        staged_k, staged_v = self._staged(row, own_blocks)
+        args = (queries @ self.basis, self.k[row].view(N, -1), self.k_offset[row].view(N, -1),
+                self.k_scale[row].view(N, -1), self.v[row].view(N, -1), self.v_scale[row].view(N, -1),
+                self.value_levels, block_tables, torch.cat([staged_k, new_k], dim=1) @ self.basis,
+                torch.cat([staged_v, new_v], dim=1) @ self.basis, mask)
         dynamic = [(t, 0) for t in args if t.dim() > 1] + [(block_tables, 1), (mask, 3)] \
             if self.fused_decode.warming else ()
         out = self.fused_decode(args, dynamic)
-        return None if out is None else out @ self._rotation_t
+        return None if out is None else out @ self._basis_t
 
     def _block_tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v, self.k_scale, self.v_scale]
+        return [self.k, self.v, self.k_offset, self.k_scale, self.v_scale]
+
+
+def encode_half_range(half: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A key channel's half range as stored: float16, or int8 round(log2(half) * LOG_STEPS) (saturating)."""
+    if dtype == torch.int8:
+        return (half.clamp(min=MIN_SCALE).log2() * LOG_STEPS).round().clamp(-128, 127).to(torch.int8)
+    return half.clamp(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
+
+
+def decode_half_range(stored: torch.Tensor) -> torch.Tensor:
+    """The inverse of encode_half_range, in float32 (never 0: codes divide by it)."""
+    if stored.dtype == torch.int8:
+        return torch.exp2(stored.float() / LOG_STEPS)
+    return stored.float().clamp(min=MIN_SCALE)
+
+
+def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                      v_scale: torch.Tensor, value_levels: torch.Tensor, bits: tuple[int, int],
+                      shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """n selected blocks' rows (one flat row per block, as _select_blocks gives them) -> rotated K and V [n,
+    block_size, heads, dim] in float32; `shape` is (block_size, heads, dim). Plain tensor ops, so the compiled decode
+    attention fuses them."""
+    n, (bs, heads, dim) = k_codes.shape[0], shape
+    half = decode_half_range(k_scale).view(n, 1, heads, dim)
+    # level i of the even grid is -1 + i * step: arithmetic, not a gather, which the compiled loops vectorize
+    step = 2 / (2 ** bits[0] - 1)
+    keys = unpack(k_codes.view(n, bs, heads, -1), bits[0], dim).float() * (half * step)
+    keys = keys + (k_offset.float().view(n, 1, heads, dim) - half)
+    values = value_levels[unpack(v_codes.view(n, bs, heads, -1), bits[1], dim).long()]
+    return keys, values * v_scale.float().view(n, bs, heads, 1)
 
 
 def fused_decode_attention(block_size: int, key_bits: int, value_bits: int) -> CompiledFunction:
     """Decode attention over the packed codes (see formats.compiled): selecting the blocks, unpacking the codes,
-    looking up their levels, scaling and attending become a few generated loops; block size and bits are constants
-    of them. Each cache gets its own; the graphs are kept with the function's code, shared by every copy."""
-    def dequantize(packed: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, block_tables: torch.Tensor,
-                   bits: int, heads: int, dim: int) -> torch.Tensor:
+    looking up their levels, scaling, shifting and attending become a few generated loops; block size and bits are
+    constants of them. Each cache gets its own; the graphs are kept with the function's code, shared by every copy."""
+    def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
+                                    k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                                    value_levels: torch.Tensor, block_tables: torch.Tensor,
+                                    own_k: torch.Tensor, own_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [S, kv_heads, heads per kv head, head_dim], rotated and multiplied by the softmax scale; own_k and own_v
+        [S, block_size + 1, kv_heads, head_dim]: the own block's staged tokens and the new one, rotated."""
         S, B = block_tables.shape
-        n, blocks = S * B, block_tables.reshape(-1)  # sizes as products: no symbolic divisions
-        codes = unpack(packed.index_select(0, blocks).view(n, block_size, heads, -1), bits, dim)
-        x = levels[codes.long()] * scale.index_select(0, blocks).float().view(n, block_size, heads, 1)
-        return x.view(S, B * block_size, heads, dim)
-
-    def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
-                                    k_levels: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
-                                    v_levels: torch.Tensor, block_tables: torch.Tensor,
-                                    mask: torch.Tensor) -> torch.Tensor:
-        """q [S, kv_heads, heads per kv head, head_dim], rotated and multiplied by the softmax scale."""
         H, D = q.shape[1], q.shape[3]
-        keys = dequantize(k_codes, k_scale, k_levels, block_tables, key_bits, H, D)
-        return attend(q, keys, dequantize(v_codes, v_scale, v_levels, block_tables, value_bits, H, D), mask)
+        blocks = block_tables.reshape(-1)
+        keys, values = dequantize_blocks(k_codes.index_select(0, blocks), k_offset.index_select(0, blocks),
+                                         k_scale.index_select(0, blocks), v_codes.index_select(0, blocks),
+                                         v_scale.index_select(0, blocks), value_levels, (key_bits, value_bits),
+                                         (block_size, H, D))
+        keys = torch.cat([keys.view(S, B * block_size, H, D), own_k.float()], dim=1)
+        values = torch.cat([values.view(S, B * block_size, H, D), own_v.float()], dim=1)
+        return attend(q, keys, values, mask)
 
     return CompiledFunction(nonuniform_decode_attention)

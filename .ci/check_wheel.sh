@@ -67,8 +67,11 @@ grep -q "KV cache: 2,632 blocks × 16 tokens = 42,112 tokens" "$WORK/plan.out" \
 "$KVSERVE" generate "The capital of France is" --model "$WORK/tiny-llama" --max-tokens 8 --kv-cache-memory 8MiB \
     >"$WORK/generate.out" 2>"$WORK/generate.err" \
     || { cat "$WORK/generate.out" "$WORK/generate.err" >&2; fail "kvserve generate"; }
-grep -q "^KV cache (float32): " "$WORK/generate.err" \
+grep -q "^KV cache (float32[;)]" "$WORK/generate.err" \
     || { cat "$WORK/generate.err" >&2; fail "kvserve generate logged no start-up capacity line"; }
+# compiled decode steps are the default: the fresh install compiles (or says why it runs eagerly)
+grep -q "^decode steps: compiled" "$WORK/generate.err" \
+    || { cat "$WORK/generate.err" >&2; fail "kvserve generate did not compile its decode steps by default"; }
 [ -n "$(tr -d '[:space:]' <"$WORK/generate.out")" ] || fail "kvserve generate printed no text"
 
 echo "check_wheel: $(basename "${wheels[0]}") and its sdist built; installed outside the checkout, kvserve $version" \

@@ -17,7 +17,7 @@ import torch
 
 from kvserve.compile.inductor import freezing, quiet_autotuning
 from kvserve.compile.steps import GEMM_OPTIONS
-from kvserve.model.int8_kernels import KERNELS, FloatKernel, Int8Kernel, OneDNNKernel
+from kvserve.model.int8_kernels import KERNELS, FloatKernel, Int8Kernel, OneDNNKernel, best_time
 
 # SmolLM2-135M's linears as [out, in]: q/k/v fused, o, gate/up fused, down; 30 layers; the tied head
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -37,22 +37,12 @@ def model_weights(num_layers: int) -> list[torch.Tensor]:
     return [torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen) for shape in shapes]
 
 
-def best_seconds(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def interleaved(calls: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
     """Each call's best time over `rounds` rounds, the calls taking turns within a round."""
     best = {name: float("inf") for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            best[name] = min(best[name], best_seconds(fn, reps))
+            best[name] = min(best[name], best_time(fn, reps))
     return best
 
 

@@ -13,13 +13,14 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from kvserve.private_files import not_private, write_private
 
 logger = logging.getLogger("kvserve")
 
@@ -63,7 +64,7 @@ class GraphSet:
             self.compiled += 1
             return
         path = self.key.path(name)
-        if path.exists() and (untrusted := _not_private(path)) is not None:
+        if path.exists() and (untrusted := not_private(path)) is not None:
             logger.warning(f"compiled graph {path} not loaded: {untrusted}; compiling it again")
         elif path.exists():
             try:
@@ -139,18 +140,6 @@ def _recompile_reasons(message: str) -> str:
         first_line(message)
 
 
-def _not_private(path: Path) -> str | None:
-    """Why a saved graph is not loaded as this process's own (None: it is): torch loads it with pickle, so only a
-    file this user owns, in a directory this user owns, that no one else may write."""
-    for item in (path, path.parent):
-        info = item.stat()
-        if hasattr(os, "getuid") and info.st_uid != os.getuid():
-            return f"{item} belongs to another user"
-        if info.st_mode & 0o022:
-            return f"{item} may be written by other users"
-    return None
-
-
 def first_line(exc: Exception | str) -> str:
     """An exception (its type and first line) or a message's first line, at most 300 characters: for a log line."""
     text = exc if isinstance(exc, str) else str(exc)
@@ -192,7 +181,7 @@ class CompileTimes:
 
     def read(self) -> dict[str, float]:
         try:
-            if _not_private(self.path) is not None:
+            if not_private(self.path) is not None:
                 return {}
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -209,11 +198,7 @@ class CompileTimes:
         times = self.read()
         times[key.family] = round(seconds, 1)
         try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(times, sort_keys=True))
-            partial.chmod(0o600)
-            partial.replace(self.path)
+            write_private(self.path, json.dumps(times, sort_keys=True))
         except OSError as exc:  # a read-only cache: the next start says less, nothing else changes
             logger.warning(f"compile time not remembered in {self.path} ({first_line(exc)})")
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.private_files import not_private, write_private
+
 logger = logging.getLogger("kvserve")
 
 DIRECTORY_NAME = "kvserve-graphs"  # compile/graph_cache.py's directory: the routes are kept with the graphs
@@ -120,13 +122,13 @@ def recall(entry: str, key: dict, routes: set[str]) -> Remembered | None:
 def remember(entry: str, key: dict, route: str, speedup_by_rows: dict[int, float]) -> None:
     """Write this process's probe of `entry` into the file (the other entries kept where the file is sound)."""
     path = route_file()
-    if _untrusted(path) is not None:
+    if not_private(path) is not None:
         return  # another user's file or directory, or one others may write: left alone
     entries, _ = read_entries(path)
     entries[entry] = {"key": key, "route": route, "speedup_by_rows": {str(m): s for m, s in speedup_by_rows.items()},
                       "probed_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     try:
-        _write_private(path, json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True))
+        write_private(path, json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True))
     except OSError as exc:  # a read-only cache: this start probed, the next probes again
         logger.warning(f"matmul route not remembered in {path} ({exc}); the next start probes again")
 
@@ -135,7 +137,7 @@ def read_entries(path: Path) -> tuple[dict[str, dict], str | None]:
     """The file's entries and why it cannot be used (None: it can, or there is no file yet)."""
     if not path.exists():
         return {}, None
-    if (untrusted := _untrusted(path)) is not None:
+    if (untrusted := not_private(path)) is not None:
         return {}, untrusted
     try:
         record = json.loads(path.read_text())
@@ -164,26 +166,3 @@ def entry_problem(found: object, key: dict, routes: set[str]) -> str | None:
     if not isinstance(found["probed_at"], str):
         return "a probe date of the wrong form"
     return None
-
-
-def _untrusted(path: Path) -> str | None:
-    """Why the file or its directory is not this user's own (None: it is, or neither exists yet)."""
-    for item in (path, path.parent):
-        if not item.exists():
-            continue
-        info = item.stat()
-        if hasattr(os, "getuid") and info.st_uid != os.getuid():
-            return f"{item} belongs to another user"
-        if info.st_mode & 0o022:
-            return f"{item} may be written by other users"
-    return None
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Atomically (another engine may start beside this one), as a file only this user may read or write."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        file.write(text)
-    os.replace(partial, path)

@@ -519,16 +519,19 @@ def test_the_graphs_guard_the_step_not_the_weights(tmp_path, monkeypatch):
                for name, keep in tensors), tensors
 
 
+class BrokenCompile:
+    """torch.compile on a machine whose compiler fails: at start, as the graph is compiled."""
+
+    def __init__(self, fn, **kwargs):
+        pass
+
+    def aot_compile(self, example_inputs):
+        raise RuntimeError("C++ compiler not found")
+
+
 def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_path, caplog, monkeypatch):
     path = make_tiny_model(tmp_path)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
-
-    class BrokenCompile:  # torch.compile on a machine whose compiler fails: at start, as the graph is compiled
-        def __init__(self, fn, **kwargs):
-            pass
-
-        def aot_compile(self, example_inputs):
-            raise RuntimeError("C++ compiler not found")
 
     monkeypatch.setattr(graph_cache.torch, "compile", BrokenCompile)
     with caplog.at_level(logging.WARNING, logger="kvserve"):

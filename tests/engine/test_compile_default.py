@@ -11,6 +11,7 @@ from kvserve.compile import graph_cache
 from kvserve.engine.cli import engine_config_from_args
 from kvserve.cli import build_parser
 from kvserve.sampling_params import SamplingParams
+from tests.compile.test_steps import BrokenCompile
 from tests.conftest import make_tiny_model
 from tests.model.test_qwen3_next import make_hybrid_model
 
@@ -95,14 +96,6 @@ def test_a_compiler_that_fails_leaves_the_default_engine_eager_and_serving(tmp_p
                                                                           user_default):
     path = make_tiny_model(tmp_path)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
-
-    class BrokenCompile:  # a machine without a working C++ compiler: torch.compile fails as the graph compiles
-        def __init__(self, fn, **kwargs):
-            pass
-
-        def aot_compile(self, example_inputs):
-            raise RuntimeError("C++ compiler not found")
-
     monkeypatch.setattr(graph_cache.torch, "compile", BrokenCompile)
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(str(path), **COMMON)

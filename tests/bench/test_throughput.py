@@ -264,4 +264,16 @@ def test_transformers_runs_the_dtype_asked_for(monkeypatch, capsys, tmp_path):
     import torch
 
     assert loaded == [torch.bfloat16]
-    assert "transformers: bfloat16 weights (--hf-dtype)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "transformers: bfloat16 weights (--hf-dtype)" in out and "transformers: bfloat16, generate()" in out
+
+
+def test_a_default_rows_name_says_what_its_engine_ran():
+    """--compile-decode default: named by whether the engine compiled (a hybrid model runs eagerly); an explicit
+    mode keeps its own name."""
+    from kvserve.bench.throughput.configs import KvserveConfig
+
+    default = KvserveConfig("float32", "none", "auto")
+    assert default.ran_as(True) == "kvserve (float32, compiled decode)" and default.ran_as(False) == "kvserve (float32)"
+    asked = KvserveConfig("float32", "none", "auto", compile_decode=True)
+    assert asked.ran_as(False) == "kvserve (float32, compiled decode)"

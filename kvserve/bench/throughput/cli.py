@@ -105,7 +105,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     for name, workload in workloads.items():
         rows = _batched_rows(name, runs, hf, run_llama)
         print_workload(console, workload, rows, len(configs), runs.model_config,
-                       args.hf_batch_size if hf.model is not None else None, "roofline" not in args.skip)
+                       args.hf_batch_size if hf.model is not None else None, "roofline" not in args.skip,
+                       args.hf_dtype)
         print_speculation(console, rows)
         print_rounds(console, rounds[name])
         print_transformers_rounds(console, rounds[name], hf.rounds.get(name, []))

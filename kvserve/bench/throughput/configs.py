@@ -3,7 +3,7 @@ weights x KV format x block size x modes), each checked by the engine's own conf
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.config import DEFAULT_BLOCK_SIZE, DEFAULT_DISABLE_BY_BATCH_SIZE, CompileConfig, EngineConfig
 
@@ -40,6 +40,11 @@ class KvserveConfig:
     def compiled(self) -> bool:
         """Whether its decode steps are to run compiled (the engine may still run them eagerly and say why)."""
         return CompileConfig(False, self.compile_decode, self.compile_gemms, self.batch_invariant).decode_steps
+
+    def ran_as(self, compiled: bool) -> str:
+        """The row's name once its engine is built: the default mode named by what the engine did (an engine whose
+        model no graph supports runs eagerly, and says why at start)."""
+        return replace(self, compile_decode=compiled).name if self.compile_decode is None else self.name
 
     @property
     def speculative_config(self) -> dict | None:

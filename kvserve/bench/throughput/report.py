@@ -29,12 +29,12 @@ def speeds(results: list[RunResult | str]) -> dict[str, float]:
 
 
 def print_workload(console, workload: Workload, rows: list[RunResult | str], num_kvserve: int, model_config,
-                   hf_batch_size: int | None, roofline: bool) -> None:
+                   hf_batch_size: int | None, roofline: bool, hf_dtype: str = "float32") -> None:
     """A workload's table and the lines under it; `hf_batch_size` None: transformers did not run."""
     print_table(console, f"Batched throughput, {workload.name} (output tokens/s)", rows)
     print_phases(console, rows, num_kvserve)
     if hf_batch_size is not None and workload.name != "long-context":
-        console.print(f"transformers: float32, generate() on left-padded static batches of {hf_batch_size}")
+        console.print(f"transformers: {hf_dtype}, generate() on left-padded static batches of {hf_batch_size}")
         reference = next(r for r in rows if isinstance(r, RunResult) and r.name == "transformers")
         for r in rows[:num_kvserve]:
             console.print(f"{r.name}: greedy output identical to transformers for {agreement(r, reference):.0%} "

@@ -224,25 +224,26 @@ class KvserveRuns:
                   compile_gemms=config.compile_gemms)
         if not self.prompts:
             self._describe(llm.engine)
+        config_name = config.ran_as(llm.engine.runner.compiled is not None)
         for name, workload in self.workloads.items():
             run_kvserve(llm, self.prompts[name][:2], 4)  # warm-up
             _reset(llm)  # every timed run prefills its prompts in full, as the other engines do
             self.batched[name].append(maybe_profiled(self.args.profile, self.console, name, run_kvserve, llm,
-                                                     self.prompts[name], workload.output_len, config.name))
+                                                     self.prompts[name], workload.output_len, config_name))
             if name == "decode" and self.constrained is not None:
-                self.constrained.run(llm, self.prompts[name], workload.output_len, config.name, run_kvserve, _reset)
+                self.constrained.run(llm, self.prompts[name], workload.output_len, config_name, run_kvserve, _reset)
         if "single" not in self.args.skip:
-            self._run_single_stream(llm, config)
+            self._run_single_stream(llm, config_name)
         del llm
         gc.collect()
 
-    def _run_single_stream(self, llm, config: KvserveConfig) -> None:
+    def _run_single_stream(self, llm, config_name: str) -> None:
         """The single stream, and with `paired_llama_cpp` llama.cpp's right after it."""
         first = next(iter(self.workloads))
         _reset(llm)
         self.singles.append(maybe_profiled(self.args.profile, self.console, "single stream", run_kvserve_serial,
                                            llm, self.single_prompts(), self.workloads[first].output_len,
-                                           config.name))
+                                           config_name))
         if self.paired_llama_cpp:
             single, output_len = self.single_prompts(), self.workloads[first].output_len
             self.paired.append(run_llama_cpp(single, output_len, max(map(len, single)) + output_len, "llama.cpp"))

@@ -11,13 +11,14 @@ from kvserve.compile import graph_cache
 from kvserve.engine.cli import engine_config_from_args
 from kvserve.cli import build_parser
 from kvserve.sampling_params import SamplingParams
-from tests.compile.test_steps import BrokenCompile
+from tests.compile.test_steps import BrokenCompile, compare
 from tests.conftest import make_tiny_model
 from tests.model.test_qwen3_next import make_hybrid_model
 
 COMMON = dict(kv_cache_memory="2MiB", max_model_len=256)
 PROMPTS = [list(range(3, 40)), list(range(7, 20))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 @pytest.fixture
@@ -42,8 +43,9 @@ def test_a_default_engine_compiles_says_so_first_and_a_second_start_loads_the_gr
     done = [i for i, line in enumerate(lines) if "decode steps: compiled (torch.compile; --enforce-eager" in line]
     assert said and done and said[0] < done[0]  # said before the compile, the time it took after
     assert first.engine.runner.compiled is not None and first.engine.runner.compiled.graphs_compiled == 4
-    assert tokens(first) == tokens(eager)
-    assert first.engine.runner.num_compiled_steps > 0
+    # compiled steps round a few ulps apart from eager: equal tokens, logprobs within the tolerance, a near-tie
+    # allowed to go either way (tests/compile/test_steps.py's compare) - not bitwise, which no CPU guarantees
+    compare(eager, first, PROMPTS, LOGPROBS)
     # the compile's time is remembered beside the graphs: numbers only, by the engine's family of graphs
     remembered = graph_cache.CompileTimes(graph_cache.graph_directory()).read()
     assert len(remembered) == 1 and list(remembered.values())[0] > 0
@@ -51,7 +53,8 @@ def test_a_default_engine_compiles_says_so_first_and_a_second_start_loads_the_gr
     with caplog.at_level(logging.INFO, logger="kvserve"):
         second = LLM(str(path), **COMMON)
     assert "decode steps: loading 4 saved compiled graphs" in caplog.text
-    assert second.engine.runner.compiled.graphs_loaded == 4 and tokens(second) == tokens(eager)
+    assert second.engine.runner.compiled.graphs_loaded == 4
+    compare(eager, second, PROMPTS, LOGPROBS)
 
 
 @pytest.mark.parametrize("options, reason", [(dict(enforce_eager=True), "--enforce-eager"),

@@ -8,10 +8,12 @@ zero, where most coordinates are, than an evenly spaced grid does. It is compute
 density alone: no data is fitted, and the same dim and bits always give the same levels (TurboQuant's MSE
 quantizer, arXiv 2504.19874).
 
-Packing keeps each vector's codes in its own bytes (a slot is one token's), in planes a vectorized shift unpacks:
-- 4 bits: byte j holds channel j (low nibble) and channel j + dim/2 (high nibble);
-- 3 bits: the low two bits of every code, four per byte (byte j: channels j + i * dim/4 at bits 2i), then the high
-  bit, eight per byte (byte j: channels j + i * dim/8 at bit i): dim / 4 + dim / 8 bytes, 8 codes in 3 bytes."""
+A block's codes are packed across its tokens, channel by channel, as int4's are (formats.int4): a block of
+block_size tokens becomes block_size * bits / 8 rows of bytes, each row [heads, head_dim] like a token's, so that a
+compiled read unpacks whole rows of channels with one shift each and its loops over channels stay contiguous:
+- 4 bits: row r holds token r (low nibble) and token r + block_size/2 (high nibble);
+- 3 bits: block_size/4 rows of the low two bits (row r: token r + i * block_size/4 at bits 2i), then block_size/8
+  rows of the high bit (row r: token r + i * block_size/8 at bit i): 8 codes in 3 bytes."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -54,37 +56,44 @@ def packed_bytes(dim: int, bits: int) -> int:
     return dim * bits // 8
 
 
-def check_packable(dim: int, bits: int) -> None:
-    """Raises ValueError unless `dim` channels pack into whole bytes of `bits`-bit codes (see the module's planes)."""
+def packed_rows(block_size: int, bits: int) -> int:
+    """Rows of bytes a block's packed codes take (each row one byte per head and channel)."""
+    return block_size * bits // 8
+
+
+def check_packable(block_size: int, bits: int, format_name: str = "") -> None:
+    """Raises ValueError unless a block of `block_size` tokens packs into whole rows (see the module's planes)."""
     per_plane = {4: 2, 3: 8}[bits]
-    if dim % per_plane:
-        raise ValueError(f"{bits}-bit codes pack {per_plane} channels of a vector per byte plane: head_dim {dim} "
-                         f"must be a multiple of {per_plane}")
+    if block_size % per_plane:
+        raise ValueError(f"{format_name or f'{bits}-bit codes'} packs {per_plane} tokens of a block per byte plane: "
+                         f"block_size {block_size} must be a multiple of {per_plane}")
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [..., dim] (each < 2**bits) -> [..., packed_bytes(dim, bits)] bytes."""
+    """uint8 codes [..., block_size, heads, dim] (each < 2**bits) -> [..., packed_rows(block_size, bits), heads,
+    dim] bytes."""
     if bits == 4:
         return _pack_plane(codes, 2, 4)
-    return torch.cat([_pack_plane(codes & 3, 4, 2), _pack_plane(codes >> 2, 8, 1)], dim=-1)
+    return torch.cat([_pack_plane(codes & 3, 4, 2), _pack_plane(codes >> 2, 8, 1)], dim=-3)
 
 
-def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The inverse of pack: [..., packed_bytes(dim, bits)] bytes -> uint8 codes [..., dim]. Shifts and masks of
-    whole planes only, so a compiled caller vectorizes them."""
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of pack: [..., packed_rows, heads, dim] bytes -> uint8 codes [..., block_size, heads, dim]. Shifts
+    and masks of whole rows only, so a compiled caller vectorizes them over the channels."""
     if bits == 4:
         return _unpack_plane(packed, 2, 4)
-    low, high = packed[..., : dim // 4], packed[..., dim // 4:]
-    return _unpack_plane(low, 4, 2) | (_unpack_plane(high, 8, 1) << 2)
+    quarter = packed.shape[-3] * 2 // 3  # rows of the two-bit plane: block_size / 4 of block_size * 3 / 8
+    return _unpack_plane(packed[..., :quarter, :, :], 4, 2) | (_unpack_plane(packed[..., quarter:, :, :], 8, 1) << 2)
 
 
 def _pack_plane(codes: torch.Tensor, per_byte: int, width: int) -> torch.Tensor:
-    """Channel j + i * dim/per_byte at bits [i * width, (i + 1) * width) of byte j."""
-    parts = codes.unflatten(-1, (per_byte, -1))  # [..., per_byte, dim / per_byte]
+    """Token r + i * block_size/per_byte at bits [i * width, (i + 1) * width) of row r."""
+    parts = codes.unflatten(-3, (per_byte, -1))  # [..., per_byte, block_size / per_byte, heads, dim]
     shifts = torch.arange(0, per_byte * width, width, dtype=torch.uint8, device=codes.device)
-    return (parts << shifts[:, None]).sum(-2, dtype=torch.uint8)  # disjoint bits: the sum is their OR
+    return (parts << shifts.view(-1, 1, 1, 1)).sum(-4, dtype=torch.uint8)  # disjoint bits: the sum is their OR
 
 
 def _unpack_plane(packed: torch.Tensor, per_byte: int, width: int) -> torch.Tensor:
     shifts = torch.arange(0, per_byte * width, width, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None, :] >> shifts[:, None]) & (2**width - 1)).flatten(-2)
+    return ((packed.unsqueeze(-4) >> shifts.view(-1, 1, 1, 1)) & (2**width - 1)).flatten(-4, -3)
+

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.formats.codebook import check_packable, codebook, pack, packed_bytes, unpack
+from kvserve.kv.formats.codebook import check_packable, codebook, pack, packed_rows, unpack
 from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind
 from kvserve.kv.formats.staged import StagedBlockKVCache
 from kvserve.rotation import hadamard
@@ -52,16 +52,17 @@ class NonUniformKVCache(StagedBlockKVCache):
         self.key_bits, self.value_bits, self.key_scale_dtype = bits.key_bits, bits.value_bits, bits.key_scale_dtype
         L, N, bs, H, D = self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
         for b in {self.key_bits, self.value_bits}:
-            check_packable(D, b)
+            check_packable(bs, b, format_name)
         self.basis = hadamard(D).to(dtype=self.dtype, device=self.device)  # K and V are stored multiplied by it
         self._basis_t = self.basis.T.contiguous()
         self.key_levels = torch.linspace(-1, 1, 2**self.key_bits, device=self.device)
         self._key_midpoints = (self.key_levels[1:] + self.key_levels[:-1]) / 2
         self.value_levels, self._value_midpoints = (t.to(self.device) for t in codebook(D, self.value_bits))
-        self.k = torch.zeros(L, N * bs, H, packed_bytes(D, self.key_bits), dtype=torch.uint8, device=self.device)
+        # codes packed across each block's tokens (formats.codebook): packed_rows(bs, bits) rows of [H, D] bytes
+        self.k = torch.zeros(L, N * packed_rows(bs, self.key_bits), H, D, dtype=torch.uint8, device=self.device)
         self.k_offset = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)  # per block and channel
         self.k_scale = torch.zeros(L, N, H, D, dtype=self.key_scale_dtype, device=self.device)
-        self.v = torch.zeros(L, N * bs, H, packed_bytes(D, self.value_bits), dtype=torch.uint8, device=self.device)
+        self.v = torch.zeros(L, N * packed_rows(bs, self.value_bits), H, D, dtype=torch.uint8, device=self.device)
         self.v_scale = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)  # per token
         self.attend_decodes_with(fused_decode_attention(self.block_size, self.key_bits, self.value_bits)
                                  if compile else None)
@@ -77,8 +78,9 @@ class NonUniformKVCache(StagedBlockKVCache):
         return self.tiles.map(lambda t: t.to(self.dtype) @ self.basis, x).float()
 
     def quantize_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Full blocks [F, block_size, heads, dim] -> packed codes [F, block_size, heads, bytes], float16 midpoints
-        and stored half ranges [F, heads, dim] of each rotated channel over the block."""
+        """Full blocks [F, block_size, heads, dim] -> codes packed across each block's tokens [F, rows, heads, dim]
+        (formats.codebook), float16 midpoints and stored half ranges [F, heads, dim] of each rotated channel over
+        the block."""
         x = self.rotate(k.flatten(0, 1)).view(k.shape)
         low, high = x.amin(dim=1), x.amax(dim=1)
         scale = encode_half_range((high - low) / 2, self.key_scale_dtype)
@@ -88,10 +90,11 @@ class NonUniformKVCache(StagedBlockKVCache):
         return pack(codes.to(torch.uint8), self.key_bits), offset.to(SCALE_DTYPE), scale
 
     def quantize_values(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, heads, dim] -> packed codes [T, heads, bytes] and float16 scales [T, heads] of v rotated: the scale
+        """Full blocks [F, block_size, heads, dim] -> codes packed across each block's tokens [F, rows, heads, dim]
+        and float16 scales [F, block_size, heads] of each token's vector rotated: the scale
         maps the largest coordinate onto the outermost level at 4 bits, the RMS onto 1 at 3 bits (the smaller
         error on SmolLM2's values), then refitted to the chosen levels (least squares)."""
-        x, levels = self.rotate(v), self.value_levels
+        x, levels = self.rotate(v.flatten(0, 1)).view(v.shape), self.value_levels
         scale = x.abs().amax(dim=-1) / levels[-1] if self.value_bits >= 4 else x.norm(dim=-1) / self.head_dim**0.5
         codes = torch.bucketize(x / scale.clamp(min=MIN_SCALE)[..., None], self._value_midpoints)
         chosen = levels[codes]
@@ -102,9 +105,9 @@ class NonUniformKVCache(StagedBlockKVCache):
         codes, offset, scale = self.quantize_keys(k)
         self._blocks_view(self.k, row)[blocks] = codes
         self.k_offset[row, blocks], self.k_scale[row, blocks] = offset, scale
-        codes, scale = self.quantize_values(v.flatten(0, 1))
-        self._blocks_view(self.v, row)[blocks] = codes.view(len(blocks), self.block_size, *codes.shape[1:])
-        self._blocks_view(self.v_scale, row)[blocks] = scale.view(len(blocks), self.block_size, -1)
+        codes, scale = self.quantize_values(v)
+        self._blocks_view(self.v, row)[blocks] = codes
+        self._blocks_view(self.v_scale, row)[blocks] = scale
 
     # ---- reading ----------------------------------------------------------------------------------------------
     def _dequantize_into(self, row: int, block_tables: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
@@ -163,9 +166,11 @@ def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: to
     half = decode_half_range(k_scale).view(n, 1, heads, dim)
     # level i of the even grid is -1 + i * step: arithmetic, not a gather, which the compiled loops vectorize
     step = 2 / (2 ** bits[0] - 1)
-    keys = unpack(k_codes.view(n, bs, heads, -1), bits[0], dim).float() * (half * step)
+    keys = unpack(k_codes.view(n, packed_rows(bs, bits[0]), heads, dim), bits[0]).float() * (half * step)
     keys = keys + (k_offset.float().view(n, 1, heads, dim) - half)
-    values = value_levels[unpack(v_codes.view(n, bs, heads, -1), bits[1], dim).long()]
+    # a gather, which Inductor's CPU loops load element by element: the part of nuq's decode attention that int4's
+    # arithmetic does not pay (a tree of selects on the code's bits, vectorized, was slower when tried)
+    values = value_levels[unpack(v_codes.view(n, packed_rows(bs, bits[1]), heads, dim), bits[1]).long()]
     return keys, values * v_scale.float().view(n, bs, heads, 1)
 
 

@@ -12,7 +12,7 @@ from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.compiled import CompiledFunction
 from kvserve.planner.layout import KVLayout
 
-BS = 4
+BS = 8
 FORMATS = ["int8", "int4", "nuq4", "nuq3"]  # fp8 attends eagerly: compiled, its float8 widening is not vectorised (formats.fp8)
 
 

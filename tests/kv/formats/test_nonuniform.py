@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
-from kvserve.kv.formats.codebook import codebook, lloyd_max_levels, pack, packed_bytes, unpack
+from kvserve.kv.formats.codebook import check_packable, codebook, lloyd_max_levels, pack, packed_rows, unpack
 from kvserve.kv.formats.nonuniform import LOG_STEPS, NonUniformKVCache, decode_half_range, encode_half_range
 from kvserve.planner.layout import KVLayout
 from kvserve.rotation import hadamard
 
-LAYERS, BLOCKS, BS, HEADS, DIM = 2, 8, 4, 2, 64
+LAYERS, BLOCKS, BS, HEADS, DIM = 2, 8, 8, 2, 64
 FORMATS = ["nuq4", "nuq3"]
 
 
@@ -27,6 +27,10 @@ def vectors(n: int, seed: int = 0) -> torch.Tensor:
     x = torch.randn(n, HEADS, DIM, generator=g)
     x[:, :, 3] = x[:, :, 3] * 20 + 30  # an outlier channel with an offset, as keys have
     return x
+
+
+def slots(block: int, start: int = 0, stop: int = BS) -> list[int]:
+    return list(range(block * BS + start, block * BS + stop))
 
 
 def write(cache, slots: list[int], k: torch.Tensor, v: torch.Tensor, copies=(), freed=()) -> None:
@@ -53,11 +57,27 @@ def test_the_codebook_is_symmetric_deterministic_and_its_cells_hold_their_means(
 
 
 @pytest.mark.parametrize("bits", [3, 4])
-def test_codes_pack_into_dim_times_bits_over_8_bytes_and_back(bits):
-    codes = torch.randint(0, 2**bits, (5, HEADS, DIM), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_a_blocks_codes_pack_into_block_size_times_bits_over_8_rows_and_back(bits, block_size):
+    codes = torch.randint(0, 2**bits, (5, block_size, HEADS, DIM), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
     packed = pack(codes, bits)
-    assert packed.shape == (5, HEADS, packed_bytes(DIM, bits)) == (5, HEADS, DIM * bits // 8)
-    assert torch.equal(unpack(packed, bits, DIM), codes)
+    assert packed.shape == (5, packed_rows(block_size, bits), HEADS, DIM) == (5, block_size * bits // 8, HEADS, DIM)
+    assert torch.equal(unpack(packed, bits), codes)
+    # each row of bytes holds whole channels: changing one token's code changes only its channel's bytes
+    changed = codes.clone()
+    changed[2, block_size - 1, 1, 7] ^= 1
+    differs = (pack(changed, bits) != packed).nonzero().tolist()
+    assert differs and all(index[0] == 2 and index[2:] == [1, 7] for index in differs)
+
+
+def test_a_block_size_the_planes_cannot_split_is_refused_by_name():
+    check_packable(8, 3)
+    check_packable(2, 4)
+    with pytest.raises(ValueError, match="block_size 4 must be a multiple of 8"):
+        check_packable(4, 3)
+    with pytest.raises(ValueError, match="nuq3.*block_size"):
+        make_kv_cache(KVCacheSpec("nuq3", KVLayout.uniform(1), 4, 4, HEADS, DIM, torch.float32))
 
 
 def test_the_basis_is_a_fixed_orthonormal_matrix_and_reads_are_rotated_back():
@@ -92,7 +112,7 @@ def _key_error_bound(cache: NonUniformKVCache, x: torch.Tensor) -> torch.Tensor:
 def test_keys_read_back_within_their_channels_grid_and_values_within_the_codebooks_error(fmt):
     cache = make(fmt)
     k, v = vectors(BS), vectors(BS, seed=1)
-    write(cache, [4, 5, 6, 7], k, v)  # block 1, filled in one step
+    write(cache, slots(1), k, v)  # block 1, filled in one step
     got_k, got_v = cache.gather(1, torch.tensor([[1]]))
     error = ((got_k[0] - 2 * k) @ cache.basis).abs()  # in the stored basis, where each channel has its grid
     assert bool((error <= _key_error_bound(cache, 2 * k)).all())
@@ -113,8 +133,8 @@ def test_an_outlier_channel_costs_the_other_keys_nothing(fmt):
     caches = []
     for k in (plain, with_outlier):
         caches.append(make(fmt))
-        write(caches[-1], [4, 5, 6, 7], k, k)
-    codes = [unpack(c.k[0, 4:8], c.key_bits, DIM) for c in caches]
+        write(caches[-1], slots(1), k, k)
+    codes = [unpack(c._blocks_view(c.k, 0)[1], c.key_bits) for c in caches]
     others = torch.arange(DIM) != 5
     assert torch.equal(codes[0][..., others], codes[1][..., others])
     got = caches[1].gather(0, torch.tensor([[1]]))[0][0]
@@ -126,13 +146,13 @@ def test_an_outlier_channel_costs_the_other_keys_nothing(fmt):
 def test_the_filling_block_stays_exact_in_staging_until_it_fills(fmt):
     cache = make(fmt)
     k, v = vectors(BS), vectors(BS, seed=1)
-    write(cache, [8, 9], k[:2], v[:2])  # block 2, offsets 0-1: staged
+    write(cache, slots(2, 0, 2), k[:2], v[:2])  # block 2, offsets 0-1: staged
     staged_k, staged_v = cache.gather_residual(0, torch.tensor([2]))
     assert torch.equal(staged_k[0, :2], k[:2]) and torch.equal(staged_v[0, :2], v[:2])
     assert not cache.k.any() and not cache.k_offset.any()  # nothing quantized yet
-    write(cache, [10, 11], k[2:], v[2:])  # fills it: quantized from the staged tokens and the new ones
+    write(cache, slots(2, 2), k[2:], v[2:])  # fills it: quantized from the staged tokens and the new ones
     one_step = make(fmt)
-    write(one_step, [8, 9, 10, 11], k, v)
+    write(one_step, slots(2), k, v)
     assert all(torch.equal(a, b) for a, b in zip(cache._block_tensors(), one_step._block_tensors()))
     write(cache, [], k[:0], v[:0])  # the next step releases the filled block's staging row
     assert int(cache.row_of_block[2]) == -1
@@ -142,12 +162,12 @@ def test_the_filling_block_stays_exact_in_staging_until_it_fills(fmt):
 def test_a_blocks_statistics_depend_on_its_tokens_alone(fmt):
     k, v = vectors(3 * BS), vectors(3 * BS, seed=1)
     together, alone = make(fmt), make(fmt)
-    write(together, list(range(4, 4 + 3 * BS)), k, v)  # blocks 1-3 in one step
-    write(alone, [12, 13, 14, 15], k[2 * BS:], v[2 * BS:])  # block 3 by itself
+    write(together, list(range(BS, 4 * BS)), k, v)  # blocks 1-3 in one step
+    write(alone, slots(3), k[2 * BS:], v[2 * BS:])  # block 3 by itself
     for a, b in zip(together.export_block(3), alone.export_block(3)):
         assert torch.equal(a, b)
     again = make(fmt)
-    write(again, [12, 13, 14, 15], k[2 * BS:], v[2 * BS:])
+    write(again, slots(3), k[2 * BS:], v[2 * BS:])
     assert all(torch.equal(a, b) for a, b in zip(again.export_block(3), alone.export_block(3)))  # deterministic
 
 
@@ -155,10 +175,10 @@ def test_a_blocks_statistics_depend_on_its_tokens_alone(fmt):
 def test_copies_follow_staging_and_exported_blocks_are_bitwise(fmt):
     k, v = vectors(BS + 2), vectors(BS + 2, seed=1)
     cache = make(fmt)
-    write(cache, [4, 5, 6, 7, 8], k[:5], v[:5])  # block 1 full, block 2 holds one token
-    write(cache, [21], k[5:], v[5:], copies=[(2, 5)])  # copy-on-write of the partly filled block 2, then offset 1
+    write(cache, slots(1) + slots(2, 0, 1), k[:BS + 1], v[:BS + 1])  # block 1 full, block 2 holds one token
+    write(cache, slots(5, 1, 2), k[BS + 1:], v[BS + 1:], copies=[(2, 5)])  # copy-on-write of block 2, then offset 1
     copy_k, _ = cache.gather_residual(0, torch.tensor([5]))
-    assert torch.equal(copy_k[0, 0], k[4]) and torch.equal(copy_k[0, 1], k[5])
+    assert torch.equal(copy_k[0, 0], k[BS]) and torch.equal(copy_k[0, 1], k[BS + 1])
     assert not cache.gather_residual(0, torch.tensor([2]))[0][0, 1].any()  # the original is untouched
     write(cache, [], k[:0], v[:0], copies=[(1, 6)])  # a full block: its bytes
     assert all(torch.equal(a, b) for a, b in zip(cache.export_block(6), cache.export_block(1)))
@@ -175,7 +195,7 @@ def test_copies_follow_staging_and_exported_blocks_are_bitwise(fmt):
 def test_compiled_decode_attention_over_codes_equals_attention_over_the_eager_read(fmt):
     cache = make(fmt, compile=True)
     assert cache.fused_decode is not None
-    write(cache, list(range(4, 4 + 5 * BS + 2)), vectors(5 * BS + 2), vectors(5 * BS + 2, seed=1))
+    write(cache, list(range(BS, BS + 5 * BS + 2)), vectors(5 * BS + 2), vectors(5 * BS + 2, seed=1))
     tables = torch.tensor([[1, 2, 3, 4, 5], [3, 1, 0, 0, 0]])
     own = torch.tensor([6, -1])  # block 6 holds 2 staged tokens
     mask = torch.zeros(2, 1, 1, 6 * BS + 1, dtype=torch.bool)

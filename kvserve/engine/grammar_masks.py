@@ -21,11 +21,17 @@ logger = logging.getLogger("kvserve")
 MAX_MASK_THREADS = 4  # llguidance's threads for one step's masks (a mask takes tens of microseconds)
 
 
+def default_mask_threads() -> int:
+    """The cores torch's threads leave free, at least one and at most MAX_MASK_THREADS: the masks are computed while
+    the forward runs, and threads beyond the free cores would only take turns with the forward's."""
+    return max(1, min(MAX_MASK_THREADS, (os.cpu_count() or 1) - torch.get_num_threads()))
+
+
 class MaskWorker:
     """One engine's: the thread that starts a step's masks, and llguidance's threads that compute them."""
 
     def __init__(self, num_threads: int | None = None):
-        self._executor = llguidance.LLExecutor(num_threads or min(MAX_MASK_THREADS, os.cpu_count() or 1))
+        self._executor = llguidance.LLExecutor(num_threads or default_mask_threads())
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar-masks")
 
     def start(self, matchers: list[GrammarMatcher]) -> MasksAhead:

@@ -113,8 +113,14 @@ def assert_pool_empty(llm):
 def test_the_engine_samples_the_same_tokens_with_masks_ahead_or_not(llm, monkeypatch):
     prompts, params = ["a", "b", "c"], [constrained(1), SamplingParams(temperature=0, max_tokens=8), constrained(2)]
     with_ahead = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine._mask_worker is not None  # the masks were computed ahead
     started = []
-    monkeypatch.setattr(type(llm.engine), "_masks_ahead", lambda self, out: started.append(out) or contextlib.nullcontext())
+
+    def none_ahead(self, out):
+        started.append(out)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(type(llm.engine), "_masks_ahead", none_ahead)
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert started and with_ahead == alone
     for tokens in (with_ahead[0], with_ahead[2]):

@@ -1,6 +1,7 @@
 """The engine: requests in, one step at a time (schedule -> forward -> sample -> update blocks), outputs out."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -10,6 +11,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine import startup
 from kvserve.engine.builder import build_engine, cache_facts
+from kvserve.engine.grammar_masks import MaskWorker
 from kvserve.engine.prompts import PromptType, parse_prompt
 from kvserve.engine.python_stack import with_stack_headroom
 from kvserve.engine.request import Request
@@ -52,6 +54,7 @@ class LLMEngine:
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._grammars_lock = threading.Lock()
+        self._mask_worker: MaskWorker | None = None  # started at the first step that samples a constrained sequence
 
     def capacity_line(self) -> str:
         """The start-up line: the pool the planner sized, its storage format and layer groups (as they are now)."""
@@ -152,6 +155,22 @@ class LLMEngine:
             self.kv.wait_for_loads(DISK_LOAD_WAIT_S)  # only prefixes loading from disk: wait, not spin
             return []
         self._count_tokens(out)
+        with self._masks_ahead(out):  # the constrained sequences' next masks, computed while the forward runs
+            return self._run(out)
+
+    def _masks_ahead(self, out: SchedulerOutput) -> contextlib.AbstractContextManager:
+        """Start the next-token masks of the constrained sequences that sample this step (engine/grammar_masks.py);
+        the returned context waits for them at its exit, so none outlives the step."""
+        matchers = [seq.grammar for seq, n in zip(out.seqs, out.num_new_tokens)
+                    if seq.grammar is not None and seq.num_computed_tokens + n >= len(seq.token_ids)]
+        if not matchers:
+            return contextlib.nullcontext()
+        if self._mask_worker is None:
+            self._mask_worker = MaskWorker()
+        return self._mask_worker.start(matchers)
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Run the model over the scheduled batch, sample, and return the outputs of the requests that moved."""
         started = time.perf_counter()
         step = self.runner.run(out)
         if self.disk_cache is not None and out.admitted:  # prefill's speed: what reading from disk competes with

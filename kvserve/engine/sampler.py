@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.sequence import Sequence
-from kvserve.engine.structured import allowed_tokens
+from kvserve.engine.structured import grammar_bitmask, mask_disallowed_
 
 
 @dataclass
@@ -36,16 +36,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
 
 
 def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Constrained rows (structured outputs) keep only the tokens their grammar allows next; a batch without one
-    is returned as it is."""
+    """Constrained rows (structured outputs) keep only the tokens their grammar allows next, in a copy; a batch
+    without one is returned as it is. Only those rows are read and masked (from the packed bitmask), and they are
+    written back into one copy of the batch's logits."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return logits
-    allowed = allowed_tokens([seqs[i].grammar for i in rows], logits.shape[1])
+    bitmask = grammar_bitmask([seqs[i].grammar for i in rows])
     if len(rows) == len(seqs):
-        return logits.masked_fill(~allowed, float("-inf"))
+        return mask_disallowed_(logits.clone(), bitmask)
     index = torch.tensor(rows)
-    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
+    return logits.index_copy(0, index, mask_disallowed_(logits.index_select(0, index), bitmask))
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -25,20 +25,31 @@ class GrammarMatcher:
     """One sequence's place in its grammar: which tokens may come next, and the tokens taken so far."""
 
     def __init__(self, matcher: llguidance.LLMatcher, num_words: int):
-        self._matcher, self._num_words = matcher, num_words
+        self.llmatcher, self.num_words = matcher, num_words
+        self.num_accepted = 0  # tokens taken: a mask computed ahead is for one count
+        self.ahead: tuple[Any, int, int] | None = None  # (MasksAhead, its row, num_accepted) (engine/grammar_masks.py)
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token; a token the mask allowed is always accepted."""
-        if not self._matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar rejected token {token_id}: {self._matcher.get_error()}")
+        if not self.llmatcher.consume_token(token_id):
+            raise RuntimeError(f"the grammar rejected token {token_id}: {self.llmatcher.get_error()}")
+        self.num_accepted += 1
 
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and takes nothing more (only an end-of-sequence token)."""
-        return self._matcher.is_stopped()
+        return self.llmatcher.is_stopped()
 
     def fill(self, bitmask_row: torch.Tensor) -> None:
-        self._matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), self._num_words * 4)
+        """The next token's mask into `bitmask_row` (num_words int32): the one computed ahead for this state if
+        there is one, else computed now."""
+        if self.ahead is not None:
+            masks, row, num_accepted = self.ahead
+            computed = masks.row(row)  # waits for it: the matcher is not touched while the worker may read it
+            if computed is not None and num_accepted == self.num_accepted:
+                bitmask_row.copy_(computed)
+                return
+        self.llmatcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), self.num_words * 4)
 
 
 class Grammar:
@@ -104,18 +115,33 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
-def allowed_tokens(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tensor:
-    """[len(matchers), vocab_size] bool: the tokens each matcher allows next (none past the tokenizer's words)."""
-    num_words = matchers[0]._num_words
-    bitmask = torch.zeros(len(matchers), num_words, dtype=torch.int32)
+def grammar_bitmask(matchers: list[GrammarMatcher]) -> torch.Tensor:
+    """[len(matchers), num_words] int32: bit j of word w is set where token 32w + j may come next."""
+    bitmask = torch.empty(len(matchers), matchers[0].num_words, dtype=torch.int32)  # each fill writes its whole row
     for row, matcher in zip(bitmask, matchers):
         matcher.fill(row)
+    return bitmask
+
+
+def unpacked(bitmask: torch.Tensor, vocab_size: int, past_words: bool = False) -> torch.Tensor:
+    """[rows, vocab_size] bool of the bits (tokens past the words read `past_words`)."""
     # bit j of word w is token 32w + j: the words' bytes little-endian, each byte's bits lowest first
-    bits = np.unpackbits(bitmask.numpy().astype("<i4").view(np.uint8), axis=1, bitorder="little")
-    bits = torch.from_numpy(bits).view(torch.bool)
+    words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
+    bits = torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little")).view(torch.bool)
     if bits.shape[1] >= vocab_size:
         return bits[:, :vocab_size]
-    return torch.cat([bits, bits.new_zeros(len(matchers), vocab_size - bits.shape[1])], dim=1)
+    return torch.cat([bits, bits.new_full((len(bits), vocab_size - bits.shape[1]), past_words)], dim=1)
+
+
+def allowed_tokens(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool: the tokens each matcher allows next (none past the tokenizer's words)."""
+    return unpacked(grammar_bitmask(matchers), vocab_size)
+
+
+def mask_disallowed_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` [rows, vocab] with the tokens `bitmask` (grammar_bitmask) does not allow set to -inf, in place: the
+    bits are inverted while packed (a word per 32 tokens) and unpacked once, into the mask masked_fill_ takes."""
+    return logits.masked_fill_(unpacked(~bitmask, logits.shape[1], past_words=True), float("-inf"))
 
 
 def _schema(schema: str | dict) -> dict:

@@ -7,9 +7,10 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.structured import allowed_tokens
+from kvserve.engine.structured import allowed_tokens, grammar_bitmask, mask_disallowed_
 from kvserve.sampling_params import StructuredOutputsParams
 from tests.conftest import make_tiny_chat_model
 
@@ -75,6 +76,22 @@ def test_json_object_masks_follow_the_grammar_token_by_token(llm):
     assert not rejected[0, tokenizer("hello", add_special_tokens=False).input_ids[0]]
     output = llm.generate("x", constrained(0, max_tokens=4, json_object=True))[0].outputs[0]
     assert output.text.startswith("{") and output.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra_tokens", [0, 40, -8])
+def test_the_packed_mask_blocks_what_the_unpacked_one_blocks(llm, extra_tokens):
+    """mask_disallowed_ (the sampler's) sets -inf exactly where allowed_tokens is False, also past the tokenizer's
+    words (a model whose vocabulary is padded: blocked) and on a vocabulary shorter than the words."""
+    tokenizer = llm.engine.tokenizer
+    matchers = [llm.engine.grammar(StructuredOutputsParams(json=SCHEMAS[name])).new_matcher() for name in SCHEMAS]
+    matchers[0].accept(tokenizer('{"', add_special_tokens=False).input_ids[0])
+    vocab = llm.engine.model_config.vocab_size + extra_tokens
+    logits = torch.randn(len(matchers), vocab)
+    expected = logits.masked_fill(~allowed_tokens(matchers, vocab), float("-inf"))
+    masked = mask_disallowed_(logits.clone(), grammar_bitmask(matchers))
+    assert masked.equal(expected) and bool((masked > float("-inf")).any(dim=1).all())
+    if extra_tokens > 0:
+        assert bool((masked[:, -extra_tokens:] == float("-inf")).all())
 
 
 def test_constrained_request_leaves_its_batch_unchanged(tmp_path):

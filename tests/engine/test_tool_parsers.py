@@ -100,7 +100,7 @@ def test_the_grammar_allows_what_the_parser_reads_and_not_a_wrong_argument(token
     matcher = grammar.new_matcher()
     for token_id in tokenizer(TWO_CALLS[name], add_special_tokens=False).input_ids:
         matcher.accept(token_id)
-    assert matcher._matcher.is_accepting()
+    assert matcher.llmatcher.is_accepting()
     single = compiler.compile(native(name).grammar(FUNCTIONS, parallel=False)).new_matcher()
     wrong = TWO_CALLS[name].replace('"b": 2', '"b": "2"')
     with pytest.raises(RuntimeError, match="rejected"):

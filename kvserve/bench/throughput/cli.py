@@ -60,8 +60,9 @@ def add_throughput_parser(bench_subparsers) -> None:
                         "on a noisy machine weighs on every configuration alike")
     p.add_argument("--constrained-share", type=float, default=0.0, metavar="F",
                    help="also run the decode-heavy workload with a share F (0 to 1) of its requests JSON-schema "
-                        "constrained, right after the same requests unconstrained, and print tokens/s of the mix over "
-                        "unconstrained and the grammar's compile time (default 0: not run)")
+                        "constrained, beside the same requests unconstrained (which goes first alternates round by "
+                        "round: use an even --repeat), and print tokens/s of the mix over unconstrained and the "
+                        "grammar's compile time (default 0: not run)")
     p.add_argument("--profile", action="store_true",
                    help="also print where each kvserve run (batched and single stream) spends its time (cProfile, "
                         "top functions)")

@@ -1,8 +1,11 @@
 """Constrained requests mixed into the decode-heavy workload (`kvserve bench throughput --constrained-share F`): the
 same prompts run twice back to back on one engine, unconstrained and with a share F of them JSON-schema constrained,
-and the tokens/s of the mix over the unconstrained run, round by round; also the schema's grammar compile time (the
-first, and a cached one). The schema holds at least `output_len` integers, each at least one token, so a constrained
-request is never complete before its `output_len` tokens: both runs decode the same number of tokens."""
+the unconstrained run first in even rounds (the first is round 0) and second in odd ones, so that neither always
+runs warmer or later than the other; printed: the tokens/s of the mix over the unconstrained run, round by round,
+and the schema's grammar compile time (the first, and a cached one). Longer runs (--output-len) and more rounds
+(--repeat, an even number) weigh the noise down. The schema holds at least `output_len` integers, each at least one
+token, so a constrained request is never complete before its `output_len` tokens: both runs decode the same number
+of tokens."""
 from __future__ import annotations
 
 import statistics
@@ -43,17 +46,21 @@ class ConstrainedMix:
             llm.engine.grammar(spec)
             self.compile_s[config_name] = (first, time.perf_counter() - start)
         structured = [spec if on else None for on in constrained_rows(len(prompts), self.share)]
-        reset(llm)
-        plain = run_kvserve(llm, prompts, output_len, config_name)
-        reset(llm)
-        mixed = run_kvserve(llm, prompts, output_len, f"{config_name}, {self.share:.0%} constrained", structured)
+        runs = {config_name: None, f"{config_name}, {self.share:.0%} constrained": structured}
+        order = list(runs) if len(self.pairs.get(config_name, [])) % 2 == 0 else list(runs)[::-1]
+        results = {}
+        for name in order:
+            reset(llm)
+            results[name] = run_kvserve(llm, prompts, output_len, name, runs[name])
+        plain, mixed = (results[name] for name in runs)
         self.pairs.setdefault(config_name, []).append((plain, mixed))
 
     def print(self, console) -> None:
         console.print(f"constrained mix: {self.share:.0%} of the decode-heavy requests JSON-schema constrained, run "
-                      "right after the same requests unconstrained on the same engine; tokens/s of the mix ÷ "
-                      "unconstrained, each round (median; the tokens/s are the median round's); the schema's grammar compile time, "
-                      "first and cached")
+                      "beside the same requests unconstrained on the same engine (which runs first alternates round "
+                      "by round, unconstrained first in the first); tokens/s of the mix ÷ unconstrained, each round "
+                      "(median; the tokens/s are the median round's); the schema's grammar compile time, first and "
+                      "cached")
         for name, pairs in self.pairs.items():
             ratios = [mixed.tokens_per_s / plain.tokens_per_s for plain, mixed in pairs]
             by_ratio = sorted(pairs, key=lambda pair: pair[1].tokens_per_s / pair[0].tokens_per_s)

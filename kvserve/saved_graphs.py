@@ -57,6 +57,7 @@ class GraphSet:
         self.save = save and not torch._inductor.config.force_disable_caches
         self.shared = shared and not external
         self.graphs: list = []  # AOT-compiled functions (save), or the one torch.compile'd function (not save)
+        self._checks: dict[int, Callable[[tuple], bool]] = {}  # each saved graph's guards (guard_check), by its id
         self.loaded = 0  # graphs read from disk (or, shared, taken from this process's)
         self.compiled = 0  # graphs compiled by this process
 
@@ -82,6 +83,7 @@ class GraphSet:
             self.compiled += 1
             self._save(graph, path)
         self.graphs.append(graph)
+        self._checks[id(graph)] = guard_check(graph)
         if self.shared:
             PROCESS_GRAPHS[path.name] = graph
 
@@ -112,7 +114,7 @@ class GraphSet:
 
     def takes(self, args: tuple) -> bool:
         """Whether a saved (or saveable) graph of this set takes these inputs."""
-        return any(graph.guard_check(*args) for graph in self.graphs)
+        return any(self._checks[id(graph)](args) for graph in self.graphs)
 
     def run_or_compile(self, name: str, args: tuple, mark: Callable[[], None]) -> Any:
         """Run these inputs, compiling (or loading) a graph for them first if none takes them: a start's warm-up,
@@ -139,7 +141,7 @@ class GraphSet:
                     raise GraphMiss(_recompile_reasons(str(exc))) from None
                 raise
         for i, graph in enumerate(self.graphs):
-            if graph.guard_check(*args):
+            if self._checks[id(graph)](args):
                 if i:  # the next call is likely alike (a single stream's decodes, a batch's layers)
                     self.graphs.insert(0, self.graphs.pop(i))
                 return graph.fn(*args)
@@ -156,6 +158,19 @@ class GraphSet:
                 parts = ["its guards"]
             reasons.append(f"graph {i}: {str(parts[0]).strip()}")
         return "; ".join(reasons)[:300] or "no graph"
+
+
+def guard_check(graph: Any) -> Callable[[tuple], bool]:
+    """`graph.guard_check` without binding each call's arguments to the function's signature, which took more of a
+    decode kernel's call than the guards themselves: the parameters (all positional) zipped with the arguments, the
+    closure's values read once. A function of any other signature is checked as torch checks it."""
+    artifacts = graph._artifacts  # torch 2.13's AOT-compiled function
+    params, env, manager = list(artifacts.signature.parameters.values()), artifacts.runtime_env, artifacts.guard_manager
+    if manager is None or any(p.kind is not p.POSITIONAL_OR_KEYWORD or p.default is not p.empty for p in params):
+        return lambda args: graph.guard_check(*args)
+    names = [p.name for p in params]
+    closure = dict(zip(env.bytecode.co_freevars, (cell.cell_contents for cell in env.closure))) if env.closure else {}
+    return lambda args: len(args) == len(names) and manager.check({**closure, **dict(zip(names, args))})
 
 
 RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuses a call no traced graph fits

@@ -84,6 +84,11 @@ class CompiledFunction:
                            "(slower)")
             return None
 
+    def __getstate__(self) -> dict:
+        """Its function and state, not its graphs: a step graph whose guards read the cache keeps a copy of what they
+        read, pickled with it (torch's AOT precompile), and the kernel's graphs are saved on their own."""
+        return {**self.__dict__, "graphs": None}
+
     @property
     def graphs_loaded(self) -> int:
         return 0 if self.graphs is None else self.graphs.loaded

@@ -51,7 +51,7 @@ def remember_vec_isa_probe() -> bool | None:
 
 def machine_key() -> str:
     """This machine as Inductor's generated code depends on it: the vector instruction sets its CPU allows, the C++
-    compiler, Python and torch (compile/graph_cache.py names saved graphs by it)."""
+    compiler, Python and torch (kvserve/saved_graphs.py names saved graphs by it)."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"{sys.platform} {platform.machine()} {platform.processor()}"
     return _fingerprint(_allowed_isas())

@@ -20,6 +20,14 @@ def not_private(path: Path) -> str | None:
     return None
 
 
+def private_directory(directory: Path) -> None:
+    """`directory`, and each of its parents that does not exist yet, made for this user alone (mkdir's mode applies
+    to the last part only)."""
+    for part in reversed([directory, *directory.parents]):
+        if not part.exists():
+            part.mkdir(mode=0o700, exist_ok=True)
+
+
 def write_private(path: Path, text: str) -> None:
     """Atomically (another engine may start beside this one), in a directory only this user may enter, as a file
     only this user may read or write."""

@@ -128,11 +128,11 @@ def save_char_tokenizer(directory: Path) -> Path:
 def session_graph_directory(tmp_path_factory):
     """Compiled decode graphs that engines built by module-scoped fixtures save: this run's, not the machine's
     Inductor cache directory's (own_graph_directory gives each test its own)."""
-    from kvserve.compile import graph_cache
+    from kvserve import saved_graphs
 
     with pytest.MonkeyPatch.context() as patch:
         directory = tmp_path_factory.mktemp("graphs")
-        patch.setattr(graph_cache, "graph_directory", lambda: directory)
+        patch.setattr(saved_graphs, "graph_directory", lambda: directory)
         yield
 
 
@@ -149,12 +149,12 @@ def session_route_file(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def own_graph_directory(monkeypatch, tmp_path):
-    """Each test saves and loads compiled decode graphs in a directory of its own (compile/graph_cache.py): a graph
+    """Each test saves and loads compiled decode graphs in a directory of its own (kvserve/saved_graphs.py): a graph
     traced under one test's monkeypatches is never loaded by another's engine. (Inductor's kernel cache stays
     shared: it is keyed by the generated code itself.)"""
-    from kvserve.compile import graph_cache
+    from kvserve import saved_graphs
 
-    monkeypatch.setattr(graph_cache, "graph_directory", lambda: tmp_path / graph_cache.DIRECTORY_NAME)
+    monkeypatch.setattr(saved_graphs, "graph_directory", lambda: tmp_path / saved_graphs.DIRECTORY_NAME)
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ def step_guards(entries) -> list[bool]:
     inputs' sizes and kinds, the metadata, the cache), not those on the model's weights and layers, which the engine
     never changes and whose graphs are its own (CompiledSteps). Those were most of the guards, checked at every
     step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared. Nor
-    those on globals (kvserve's code, which names a saved graph: compile/graph_cache.py) or of kinds torch cannot
+    those on globals (kvserve's code, which names a saved graph: kvserve/saved_graphs.py) or of kinds torch cannot
     save with a graph (an object's identity)."""
     from torch._dynamo.guards import CheckFunctionManager  # Dynamo's, imported only when it compiles
 

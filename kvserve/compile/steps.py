@@ -2,7 +2,7 @@
 runs a few fused kernels instead of every layer's eager ops dispatched one by one from Python. Two graphs: the whole
 graph (attention inside; a single stream, and a few sequences whose padded K/V stays under WHOLE_GRAPH_KV_BYTES)
 and the graph with attention outside (attention one custom op over the step's real metadata; every other step,
-prompt chunks included). Both are compiled, or loaded whole (compile/graph_cache.py), at start, and nothing compiles
+prompt chunks included). Both are compiled, or loaded whole (kvserve/saved_graphs.py), at start, and nothing compiles
 while serving: a step no graph takes runs eagerly. `unsupported` names the engines no graph covers and
 `attention_outside` those whose attention stays outside at every step. docs/architecture.md ("Compiled steps") gives
 the long explanation (layer regions, the one-row loops, --compile-gemms, rounding); docs/benchmarks.md
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvserve.compile.graph_cache import CompileTimes, GraphKey, GraphMiss, GraphSet, engine_objects, first_line
+from kvserve.compile.graph_cache import CompileTimes, engine_objects
 from kvserve.compile.inductor import (COMPILE_PHASES, freezing, phase_seconds, quiet_autotuning, resident_bytes,
                                       step_guards)
 from kvserve.compile.shapes import at_least_two_blocks, mark_dynamic, mark_sequences, two_rows
@@ -30,6 +30,7 @@ from kvserve.model.float_kernels import BLAS
 from kvserve.model.int8_kernels import FloatKernel
 from kvserve.model.linear import GRAPH_MATRIX_VECTOR_DTYPES, Linear
 from kvserve.model.llama import LlamaModel
+from kvserve.saved_graphs import GraphKey, GraphMiss, GraphSet, first_line
 
 logger = logging.getLogger("kvserve")
 
@@ -179,7 +180,7 @@ class CompiledSteps:
                                        "_raw_logits": raw_logits, "_engine": slot}, function.__name__)
 
         # Each graph is compiled whole at start (torch's AOT precompile) or loaded where an earlier start of this
-        # engine saved it (compile/graph_cache.py): named by the model, the cache and these options.
+        # engine saved it (kvserve/saved_graphs.py): named by the model, the cache and these options.
         options = {"guard_filter_fn": step_guards, **STEP_OPTIONS}
         # first: it may set Inductor's vec_isa_ok, which the name holds (a child process per vector ISA at every
         # start, otherwise: kvserve/inductor_isa.py)
@@ -379,7 +380,7 @@ class CompiledSteps:
 
     def compile_phases_line(self) -> str:
         """How the start got its graphs, and where a compile went, as torch.compile times it: loaded ones skip it
-        all (compile/graph_cache.py); compiled ones spend it tracing the model's Python (Dynamo) and generating code
+        all (kvserve/saved_graphs.py); compiled ones spend it tracing the model's Python (Dynamo) and generating code
         (Inductor, whose own cache answers a graph it has generated before)."""
         parts = [f"{count} graph{'s' if count > 1 else ''} {how}" for count, how in
                  ((self.graphs_loaded, f"loaded from {self._outside.key.directory}"),

@@ -272,8 +272,9 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
     logger.info(startup.capacity_line(cache_facts(plan, cache, layout, config.max_num_seqs)))
     logger.info(startup.batch_invariance_line(config.batch_invariant, config.block_size))
     if decode_kind(cache.fused_decode) == "compiled":
-        logger.info(startup.compiled_attention_line(startup.CompiledAttentionFacts(cache.format_name,
-                                                                                   compile_seconds)))
+        kernel = cache.fused_decode
+        logger.info(startup.compiled_attention_line(startup.CompiledAttentionFacts(
+            cache.format_name, compile_seconds, kernel.graphs_loaded, kernel.graphs_compiled)))
     return cache
 
 

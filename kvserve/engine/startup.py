@@ -37,10 +37,13 @@ class CacheFacts:
 
 @dataclass(frozen=True)
 class CompiledAttentionFacts:
-    """A KV format's decode attention compiled at start."""
+    """A KV format's decode attention compiled at start: its graphs loaded (saved by an earlier start, or built by
+    an earlier engine of this process) and compiled (kv/formats/compiled.py)."""
 
     format_name: str
     compile_s: float
+    graphs_loaded: int = 0
+    graphs_compiled: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,10 @@ def batch_invariance_line(batch_invariant: bool, block_size: int) -> str:
 
 
 def compiled_attention_line(facts: CompiledAttentionFacts) -> str:
+    graphs = [f"{count} graph{'s' if count > 1 else ''} {how}" for count, how in
+              ((facts.graphs_loaded, "loaded"), (facts.graphs_compiled, "compiled")) if count]
     return (f"{facts.format_name} decode attention compiled in {facts.compile_s:.1f} s "
-            "(torch.compile; --enforce-eager skips it)")
+            f"({''.join(f'{part}, ' for part in graphs)}torch.compile; --enforce-eager skips it)")
 
 
 def speculation_line(config: SpeculativeConfig) -> str:

@@ -29,7 +29,7 @@ from kvserve.private_files import not_private, write_private
 
 logger = logging.getLogger("kvserve")
 
-DIRECTORY_NAME = "kvserve-graphs"  # compile/graph_cache.py's directory: the routes are kept with the graphs
+DIRECTORY_NAME = "kvserve-graphs"  # kvserve/saved_graphs.py's directory: the routes are kept with the graphs
 FILE_NAME = "matmul-routes.json"
 SCHEMA = 1
 ENTRY_FIELDS = {"key", "route", "speedup_by_rows", "probed_at"}

@@ -1,13 +1,14 @@
-"""compile/graph_cache.py: what names a saved compiled graph, and a saved graph that cannot be read."""
+"""kvserve/saved_graphs.py and compile/graph_cache.py over an engine's step graphs: what names a saved compiled graph,
+a saved graph that cannot be read, the compile times kept beside them."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from kvserve import inductor_isa
+from kvserve import inductor_isa, saved_graphs
 from kvserve.compile import graph_cache
-from kvserve.compile.graph_cache import GraphKey, describe
+from kvserve.saved_graphs import GraphKey, describe
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
@@ -43,7 +44,7 @@ def test_the_name_holds_torch_python_the_machine_and_inductors_settings(tmp_path
         patch.setattr(inductor_isa, "machine_key", lambda: "a CPU with other vector instructions")
         assert key_of(path) != base
     with monkeypatch.context() as patch:
-        patch.setattr(graph_cache, "source_digest", lambda: "kvserve edited")
+        patch.setattr(saved_graphs, "source_digest", lambda: "kvserve edited")
         assert key_of(path) != base
     with torch._inductor.config.patch(max_autotune=True):
         assert key_of(path) != base
@@ -62,7 +63,7 @@ def test_a_saved_graph_that_cannot_be_read_is_compiled_again_and_written_over(tm
     path = make_tiny_model(tmp_path)
     first = LLM(str(path), **COMMON, compile_decode=True)
     assert (first.engine.runner.compiled.graphs_loaded, first.engine.runner.compiled.graphs_compiled) == (0, 4)
-    files = sorted(graph_cache.graph_directory().glob("*.bin"))
+    files = sorted(saved_graphs.graph_directory().glob("*.bin"))
     assert len(files) == 4
     files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
     with caplog.at_level(logging.WARNING, logger="kvserve"):
@@ -82,7 +83,7 @@ def test_a_saved_graph_others_may_write_is_not_loaded(tmp_path, caplog):
     """torch loads a saved graph with pickle: only a file of this user's that no one else may write is loaded."""
     path = make_tiny_model(tmp_path)
     LLM(str(path), **COMMON, compile_decode=True)
-    directory = graph_cache.graph_directory()
+    directory = saved_graphs.graph_directory()
     assert directory.stat().st_mode & 0o777 == 0o700
     files = sorted(directory.glob("*.bin"))
     assert [f.stat().st_mode & 0o777 for f in files] == [0o600] * 4
@@ -107,7 +108,7 @@ def test_with_inductors_caches_off_the_graphs_are_traced_and_nothing_is_saved(tm
         compare(eager, llm, prompts, params)  # eager's tokens, logprobs within the compiled step's tolerance
     assert compiled.num_misses == 0
     assert compiled.num_outside_steps > 0
-    assert not graph_cache.graph_directory().exists()
+    assert not saved_graphs.graph_directory().exists()
 
 
 def test_the_family_leaves_kvserves_source_out_and_nothing_else(tmp_path, monkeypatch):
@@ -115,10 +116,10 @@ def test_the_family_leaves_kvserves_source_out_and_nothing_else(tmp_path, monkey
     tells the next start how long compiling will take."""
     engine = LLM(str(make_tiny_model(tmp_path)), **COMMON, enforce_eager=True).engine
     base = GraphKey.of(engine.model, engine.cache, {"whole": True})
-    monkeypatch.setattr(graph_cache, "source_digest", lambda: "another kvserve")
+    monkeypatch.setattr(saved_graphs, "source_digest", lambda: "another kvserve")
     upgraded = GraphKey.of(engine.model, engine.cache, {"whole": True})
     assert upgraded.digest != base.digest and upgraded.family == base.family
-    monkeypatch.setattr(graph_cache.torch, "__version__", "9.9.9")
+    monkeypatch.setattr(saved_graphs.torch, "__version__", "9.9.9")
     assert GraphKey.of(engine.model, engine.cache, {"whole": True}).family != base.family
     assert GraphKey.of(engine.model, engine.cache, {"whole": False}).family != base.family
 

@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 import torch
 
-from kvserve.compile import graph_cache
+from kvserve import saved_graphs
 from kvserve.compile import steps as compiled_step
 from kvserve.engine.llm import LLM
 from kvserve.kv.formats import flex_decode, make_kv_cache
@@ -533,7 +533,7 @@ def test_a_graph_that_fails_falls_back_to_eager_once_and_serving_goes_on(tmp_pat
     path = make_tiny_model(tmp_path)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
 
-    monkeypatch.setattr(graph_cache.torch, "compile", BrokenCompile)
+    monkeypatch.setattr(saved_graphs.torch, "compile", BrokenCompile)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         llm = LLM(str(path), **COMMON, **COMPILED)
     assert llm.engine.runner.compiled is None
@@ -563,7 +563,7 @@ print(json.dumps([compiled.graphs_loaded, compiled.graphs_compiled, tokens]))
 
 
 def test_a_second_start_loads_its_graphs_and_a_changed_model_or_format_compiles_its_own(tmp_path):
-    """A start saves its compiled graphs (compile/graph_cache.py); a second start of the same engine loads them all
+    """A start saves its compiled graphs (kvserve/saved_graphs.py); a second start of the same engine loads them all
     and traces nothing, and serves the same tokens. A model with other weights of the same sizes loads them too
     (weights are the graphs' inputs, read at every call) and serves that model's own tokens: the tokens graphs
     compiled for it from scratch serve (the same code on the same machine: equal on any CPU); a bfloat16 pool or
@@ -671,7 +671,7 @@ def test_a_model_that_does_not_trace_as_one_graph_fails_at_start_said_once(tmp_p
         llm = LLM(str(make_tiny_model(tmp_path)), **COMMON, **COMPILED)
     assert llm.engine.runner.compiled is None
     assert caplog.text.count("compiled decode step failed") == 1
-    assert not list(graph_cache.graph_directory().glob("*.bin"))
+    assert not list(saved_graphs.graph_directory().glob("*.bin"))
 
 
 def test_the_graphs_skip_inductors_per_call_input_checks(tmp_path):

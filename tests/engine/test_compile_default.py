@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from kvserve import LLM
+from kvserve import saved_graphs
 from kvserve.compile import graph_cache
 from kvserve.engine.cli import engine_config_from_args
 from kvserve.cli import build_parser
@@ -47,7 +48,7 @@ def test_a_default_engine_compiles_says_so_first_and_a_second_start_loads_the_gr
     # allowed to go either way (tests/compile/test_steps.py's compare) - not bitwise, which no CPU guarantees
     compare(eager, first, PROMPTS, LOGPROBS)
     # the compile's time is remembered beside the graphs: numbers only, by the engine's family of graphs
-    remembered = graph_cache.CompileTimes(graph_cache.graph_directory()).read()
+    remembered = graph_cache.CompileTimes(saved_graphs.graph_directory()).read()
     assert len(remembered) == 1 and list(remembered.values())[0] > 0
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvserve"):

@@ -60,6 +60,11 @@ def test_batch_invariance_line_says_which_guarantee_holds():
 def test_compiled_attention_and_steps_lines():
     assert compiled_attention_line(CompiledAttentionFacts("int8", 12.34)) == (
         "int8 decode attention compiled in 12.3 s (torch.compile; --enforce-eager skips it)")
+    assert compiled_attention_line(CompiledAttentionFacts("int8", 0.42, 2)) == (
+        "int8 decode attention compiled in 0.4 s (2 graphs loaded, torch.compile; --enforce-eager skips it)")
+    assert compiled_attention_line(CompiledAttentionFacts("nuq3", 9.0, 1, 1)) == (
+        "nuq3 decode attention compiled in 9.0 s (1 graph loaded, 1 graph compiled, torch.compile; --enforce-eager "
+        "skips it)")
     assert eager_steps_line("h2o scores attention") == "decode steps: eager (h2o scores attention)"
     assert gemms_not_applied_line("int8 weights") == (
         "--compile-gemms: not applied (int8 weights); the decode step compiles without it")

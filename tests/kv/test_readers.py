@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve import saved_graphs
 from kvserve.batch_invariant import RowTiles
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.kv_cache import LayerRow
@@ -61,10 +62,12 @@ def test_gathered_decodes_equal_attention_over_the_gathered_keys():
 def test_decodes_the_kernel_declines_are_read_as_gathered(monkeypatch):
     cache, group = filled("int8"), decode_group()
 
-    def fails(*args):
+    def fails(*args, **kwargs):
         raise RuntimeError("no working C++ compiler found")
 
-    monkeypatch.setattr(cache.fused_decode, "compiled", fails)
+    monkeypatch.setattr(saved_graphs, "PROCESS_GRAPHS", {})  # compiled here, not an earlier test's kernel
+    monkeypatch.setattr(torch, "compile", fails)
+    cache.warm_up(HEADS * PER_HEAD)
     q, k, v = new_tokens()
     out = cache.reader.attend(q, k, v, 0, [group], 0.25)
     assert cache.fused_decode.failed is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.compile import graph_cache
+from kvserve import saved_graphs
 from kvserve.model import float_kernels, int8_kernels, route_cache
 from kvserve.model.int8_kernels import FloatKernel, Int8Kernel, KernelChoice
 from kvserve.model.linear import Int8Linear, Linear
@@ -154,19 +154,19 @@ def test_a_file_that_is_not_this_users_own_is_ignored_and_left_alone(route_file,
 
 
 def test_the_routes_are_kept_beside_the_saved_graphs():
-    assert route_cache.DIRECTORY_NAME == graph_cache.DIRECTORY_NAME
+    assert route_cache.DIRECTORY_NAME == saved_graphs.DIRECTORY_NAME
 
 
 def test_saved_graphs_are_named_by_the_routes_their_layers_run():
     weight = torch.randn(8, 16)
-    keys = {graph_cache.GraphKey.of(Int8Linear(weight, kernel=kernel)).digest
+    keys = {saved_graphs.GraphKey.of(Int8Linear(weight, kernel=kernel)).digest
             for kernel in (Exact(), OtherExact(), FloatKernel())}
     assert len(keys) == 3
 
     class OtherMatmul(float_kernels.BlasMatmul):
         name = "other"
 
-    float_keys = {graph_cache.GraphKey.of(Linear(weight, matmul=m)).digest for m in (float_kernels.BLAS, OtherMatmul())}
+    float_keys = {saved_graphs.GraphKey.of(Linear(weight, matmul=m)).digest for m in (float_kernels.BLAS, OtherMatmul())}
     assert len(float_keys) == 2
 
 

@@ -1,19 +1,23 @@
 """Decode attention compiled by `torch.compile` (PyTorch's CPU inductor: C++ generated, and built with the
-machine's C++ compiler, on first use), with the eager path as the fallback.
+machine's C++ compiler), with the eager path as the fallback.
 
 A quantized format read with plain PyTorch ops is several passes over the whole context (select the codes,
 widen, scale, copy into the attention buffer) before attention reads it again. Written as plain tensor ops — the
 dequantization, then attention as broadcast products and sums (`attend`) — and compiled, it becomes a few
 generated loops. int8, int4 and nuq4/nuq3 (formats.nonuniform) do this; fp8 measured slower compiled
-(formats.fp8). Nothing is built at install time: the engine compiles at start-up (`warm_up_decode`: seconds),
-later processes reuse inductor's on-disk cache. The warm-up marks the batch dimensions dynamic and does not
-specialise sizes of 1, so one graph serves every batch shape (a single request gets a second one); block size,
-heads and head size stay constants the loops are specialised for. If compiling fails (no C++ compiler, an
-unsupported platform), the format logs why once and attends eagerly; `enforce_eager` (EngineConfig,
-`--enforce-eager`) skips compiling altogether."""
+(formats.fp8). Nothing is built at install time: the engine compiles at start-up (`warm_up_decode`: seconds) and
+saves each graph whole (kvserve/saved_graphs.py, as the step graphs are), named by the kernel's closure (block size,
+bits) and the machine; a later start loads them and runs no Dynamo. The warm-up marks the batch dimensions dynamic
+and does not specialise sizes of 1, so one graph serves every batch shape (a single request gets a second one);
+block size, heads and head size stay constants the loops are specialised for. Nothing compiles after the warm-up:
+a call no graph takes is attended eagerly. If compiling fails (no C++ compiler, an unsupported platform), the
+format logs why once and attends eagerly; `enforce_eager` (EngineConfig, `--enforce-eager`) skips compiling
+altogether."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterator
 
@@ -21,23 +25,32 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from kvserve.inductor_isa import remember_vec_isa_probe
+from kvserve.saved_graphs import GraphKey, GraphMiss, GraphSet, first_line
 
 logger = logging.getLogger("kvserve")
 
+KERNEL_DIRECTORY = "decode-kernels"  # the saved kernels' place in the graph directory, apart from the step graphs
+
 
 class CompiledFunction:
-    """`fn` compiled on first call; `None` from a call means "not available: use the eager path"."""
+    """`fn` compiled (or loaded) at warm-up for the inputs it is called with there; `None` from a call means "not
+    available: use the eager path"."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         self.fn = fn
-        self.compiled = torch.compile(fn)
+        self.graphs: GraphSet | None = None  # named at the first warm-up, once Inductor's ISA is settled
         self.failed: str | None = None
         self.warming = False
+        self._misses: set[str] = set()  # why calls fitted no graph, each said once
 
     @contextlib.contextmanager
     def warming_up(self) -> Iterator[None]:
-        """Calls made inside compile with their `dynamic` dimensions marked (see __call__)."""
-        remember_vec_isa_probe()
+        """Calls made inside compile (or load) a graph where none takes them, with their `dynamic` dimensions
+        marked (see __call__)."""
+        remember_vec_isa_probe()  # first: it may set Inductor's vec_isa_ok, which the graphs' name holds
+        if self.graphs is None:
+            key = GraphKey.of(self.fn, {"backed_size_oblivious": True}, subdirectory=KERNEL_DIRECTORY)
+            self.graphs = GraphSet(self.fn, {}, key, {}, shared=True)
         self.warming = True
         try:
             yield
@@ -45,26 +58,59 @@ class CompiledFunction:
             self.warming = False
 
     def __call__(self, args: tuple, dynamic: list[tuple[torch.Tensor, int]] = ()) -> torch.Tensor | None:
-        """fn(*args), compiled. While warming up, the (tensor, dim) sizes in `dynamic` are made dynamic and sizes
-        of 1 are not specialised, so the graph serves every batch shape. A graph matches a later call only if its
-        arguments are made alike (in or outside inference mode: guards compare dispatch keys)."""
+        """fn(*args), compiled. While warming up, a graph is compiled (or loaded) where none takes the call, the
+        (tensor, dim) sizes in `dynamic` made dynamic and sizes of 1 not specialised, so the graph serves every batch
+        shape. A graph matches a later call only if its arguments are made alike (in or outside inference mode:
+        guards compare dispatch keys)."""
         if self.failed is not None:
             return None
         try:
             if not self.warming:
-                return self.compiled(*args)
-            for tensor, dim in dynamic:
-                torch._dynamo.mark_dynamic(tensor, dim)
-            # Each model shape (heads, head size, block size, dtype) adds graphs to the same function: more than
-            # dynamo's default limit of 8 when one process (a test run) builds many models.
-            with fx_config.patch(backed_size_oblivious=True), torch._dynamo.config.patch(recompile_limit=64):
-                return self.compiled(*args)
+                if self.graphs is None:
+                    raise GraphMiss("not warmed up")
+                return self.graphs(*args)
+            name = f"{self.fn.__name__}-{args[0].shape[0]}-{argument_kinds(args, dynamic)}"
+            with fx_config.patch(backed_size_oblivious=True):
+                return self.graphs.run_or_compile(name, args, lambda: mark_dynamic(dynamic))
+        except GraphMiss as miss:  # nothing compiles while serving: this call is attended eagerly
+            if str(miss) not in self._misses:
+                self._misses.add(str(miss))
+                logger.warning(f"KV cache: a decode call fits no compiled {self.fn.__name__} ({miss}); attending it "
+                               "eagerly, no compiling while serving")
+            return None
         except Exception as exc:  # noqa: BLE001 - any compile failure means: fall back, and say why once
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            self.failed = f"{type(exc).__name__}: {first_line}"
+            self.failed = first_line(exc)
             logger.warning(f"KV cache: compiling {self.fn.__name__} failed ({self.failed}); attending eagerly "
                            "(slower)")
             return None
+
+    def __getstate__(self) -> dict:
+        """Its function and state, not its graphs: a step graph whose guards read the cache keeps a copy of what they
+        read, pickled with it (torch's AOT precompile), and the kernel's graphs are saved on their own."""
+        return {**self.__dict__, "graphs": None}
+
+    @property
+    def graphs_loaded(self) -> int:
+        return 0 if self.graphs is None else self.graphs.loaded
+
+    @property
+    def graphs_compiled(self) -> int:
+        return 0 if self.graphs is None else self.graphs.compiled
+
+
+def argument_kinds(args: tuple, dynamic: list[tuple[torch.Tensor, int]]) -> str:
+    """What a graph's guards check of its arguments besides the batch's sizes, as a digest for its file's name: each
+    tensor's dtype, device and the sizes that are constants (every size but the `dynamic` ones). A cache of another
+    dtype or head size names graphs of its own; one of another pool size or batch finds the same."""
+    marked = {(id(tensor), dim) for tensor, dim in dynamic}
+    kinds = [[str(a.dtype), str(a.device), [None if (id(a), d) in marked else n for d, n in enumerate(a.shape)]]
+             if isinstance(a, torch.Tensor) else repr(a) for a in args]
+    return hashlib.sha256(json.dumps(kinds).encode()).hexdigest()[:12]
+
+
+def mark_dynamic(dynamic: list[tuple[torch.Tensor, int]]) -> None:
+    for tensor, dim in dynamic:
+        torch._dynamo.mark_dynamic(tensor, dim)
 
 
 def decode_kind(compiled: CompiledFunction | None) -> str:

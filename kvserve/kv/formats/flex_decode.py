@@ -32,8 +32,8 @@ class InPlaceFloatKVCache(FullPrecisionKVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # the cache's own, so a failure (say, no C++ compiler) is this engine's; Dynamo keeps the graphs with the
-        # function's code, which every cache's copy shares: a later engine of the same shapes compiles nothing
+        # the cache's own, so a failure (say, no C++ compiler) is this engine's; its graphs are saved whole and kept
+        # for the process (kvserve/saved_graphs.py): a later engine of the same block size compiles nothing
         self.attend_decodes_with(flex_decode_attention(self.block_size))
         self._block_masks: dict[tuple[int, int], tuple] = {}  # this step's, by its tables and mask (_decode_attention)
 

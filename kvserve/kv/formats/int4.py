@@ -92,8 +92,8 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, tor
 def fused_decode_attention(block_size: int) -> CompiledFunction:
     """Decode attention over the stored codes (see formats.compiled): selecting, unpacking and scaling the codes,
     appending the staged and new tokens, and attending become a few generated loops, the block size a constant
-    of them. Each cache gets its own (a failure to compile is that engine's); the graphs are kept with the
-    function's code, which every copy shares, so a later cache of the same shapes compiles nothing."""
+    of them. Each cache gets its own (a failure to compile is that engine's); the graphs are saved whole, named by
+    the block size, so a later cache of the same shapes, in this process or a later one, compiles nothing."""
     def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block_tables: torch.Tensor,
                    per_channel: bool, heads: int, dim: int) -> torch.Tensor:
         """[S, B * block_size, heads, dim]: the blocks of `block_tables` [S, B], dequantized."""

@@ -47,8 +47,8 @@ class Int8KVCache(PerTokenQuantizedKVCache):
 def fused_decode_attention(block_size: int) -> CompiledFunction:
     """Decode attention over the stored int8 elements (see formats.compiled): selecting, widening and scaling them
     and attending become a few generated loops, the block size a constant of them. Each cache gets its own (a
-    failure to compile is that engine's); the graphs are kept with the function's code, which every copy shares,
-    so a later cache of the same shapes compiles nothing."""
+    failure to compile is that engine's); the graphs are saved whole, named by the block size, so a later cache of
+    the same shapes, in this process or a later one, compiles nothing."""
     def dequantize(data: torch.Tensor, scale: torch.Tensor, block_tables: torch.Tensor, heads: int,
                    dim: int) -> torch.Tensor:
         S, B = block_tables.shape

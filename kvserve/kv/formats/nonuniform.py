@@ -177,7 +177,7 @@ def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: to
 def fused_decode_attention(block_size: int, key_bits: int, value_bits: int) -> CompiledFunction:
     """Decode attention over the packed codes (see formats.compiled): selecting the blocks, unpacking the codes,
     looking up their levels, scaling, shifting and attending become a few generated loops; block size and bits are
-    constants of them. Each cache gets its own; the graphs are kept with the function's code, shared by every copy."""
+    constants of them. Each cache gets its own; the graphs are saved whole, named by the block size and bits."""
     def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
                                     k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                                     value_levels: torch.Tensor, block_tables: torch.Tensor,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from kvserve import saved_graphs
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.flex_decode import InPlaceFloatKVCache, block_mask_inputs
 from kvserve.kv.kv_cache import FullPrecisionKVCache
@@ -72,6 +73,29 @@ def test_in_place_equals_attention_over_the_eager_read(window):
                 torch.testing.assert_close(out, eager(cache, layer, queries, tables, mask, 0.3), atol=2e-6, rtol=2e-5)
 
 
+def test_a_later_cache_loads_the_saved_kernel_and_reads_every_batch_without_tracing(monkeypatch):
+    """The warm-up saves its graph whole (kvserve/saved_graphs.py); a cache of another pool size, with this process's
+    kernels forgotten as in a new process, loads it, runs no Dynamo, and reads every batch as the eager read."""
+    monkeypatch.setattr(saved_graphs, "PROCESS_GRAPHS", {})
+    filled_cache(40).warm_up(num_query_heads=HEADS * PER_HEAD)
+    saved_graphs.PROCESS_GRAPHS.clear()
+    counters.clear()
+    cache = filled_cache(24)
+    cache.warm_up(num_query_heads=HEADS * PER_HEAD)
+    assert (cache.fused_decode.graphs_loaded, cache.fused_decode.graphs_compiled) == (1, 0)
+    g = torch.Generator().manual_seed(5)
+    for S, B in [(2, 1), (3, 5), (9, 2), (4, 12)]:
+        tables = torch.stack([torch.randperm(24, generator=g)[:B] for _ in range(S)])
+        mask = decode_masks(g, S, B, window=True)
+        with torch.inference_mode():
+            queries = torch.randn(S, HEADS, PER_HEAD, DIM, generator=g)
+            cache.begin_step([], [], [torch.zeros(S, dtype=torch.long)])
+            out = cache.decode_attention(1, queries, tables, None, None, None, mask, 0.3)
+            assert out is not None
+            torch.testing.assert_close(out, eager(cache, 1, queries, tables, mask, 0.3), atol=2e-6, rtol=2e-5)
+    assert counters["stats"]["unique_graphs"] == 0 and cache.decode_reads_in_place()
+
+
 def test_a_request_reads_the_same_whatever_its_batch():
     cache = filled_cache(40)
     cache.warm_up(num_query_heads=HEADS * PER_HEAD)
@@ -95,8 +119,9 @@ def test_after_warm_up_no_batch_shape_or_pool_size_compiles_again():
     cache.warm_up(num_query_heads=HEADS * PER_HEAD)
     compiled = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(2)
-    for blocks in (40, 13):  # another engine's pool
+    for blocks in (40, 13):  # another engine's pool, warmed up as an engine warms its own: nothing compiled
         cache = filled_cache(blocks)
+        cache.warm_up(num_query_heads=HEADS * PER_HEAD)
         for S, B in [(2, 1), (3, 7), (9, 4), (5, 13)]:
             tables = torch.randint(0, blocks, (S, B), generator=g)  # as the engine makes them: the batch's tensors
             mask = decode_masks(g, S, B, window=True)  # outside inference mode, the model's inside
@@ -142,15 +167,17 @@ def test_a_cache_whose_kernel_fails_reads_as_gathered_and_a_later_cache_compiles
             raise RuntimeError("no working C++ compiler found")
         return fails
 
+    monkeypatch.setattr(saved_graphs, "PROCESS_GRAPHS", {})  # compiled here, not an earlier test's kernel
     with monkeypatch.context() as patch:
         patch.setattr(torch, "compile", no_compiler)
         broken = filled_cache(8)
         broken.warm_up(num_query_heads=HEADS * PER_HEAD)
     assert not broken.decode_reads_in_place() and "eager decode attention in place" in broken.describe()
     tables, mask = torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 1, 1, 2 * BS, dtype=torch.bool)
-    queries = torch.zeros(2, HEADS, PER_HEAD, DIM)
-    assert broken.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is None
     healthy = filled_cache(8)
     healthy.warm_up(num_query_heads=HEADS * PER_HEAD)
     assert healthy.decode_reads_in_place()
-    assert healthy.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is not None
+    with torch.inference_mode():  # the model's tensors, as the engine makes them
+        queries = torch.zeros(2, HEADS, PER_HEAD, DIM)
+        assert broken.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is None
+        assert healthy.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is not None

@@ -195,6 +195,7 @@ def test_copies_follow_staging_and_exported_blocks_are_bitwise(fmt):
 def test_compiled_decode_attention_over_codes_equals_attention_over_the_eager_read(fmt):
     cache = make(fmt, compile=True)
     assert cache.fused_decode is not None
+    cache.warm_up(num_query_heads=HEADS * 2)
     write(cache, list(range(BS, BS + 5 * BS + 2)), vectors(5 * BS + 2), vectors(5 * BS + 2, seed=1))
     tables = torch.tensor([[1, 2, 3, 4, 5], [3, 1, 0, 0, 0]])
     own = torch.tensor([6, -1])  # block 6 holds 2 staged tokens

@@ -96,4 +96,3 @@ def _pack_plane(codes: torch.Tensor, per_byte: int, width: int) -> torch.Tensor:
 def _unpack_plane(packed: torch.Tensor, per_byte: int, width: int) -> torch.Tensor:
     shifts = torch.arange(0, per_byte * width, width, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-4) >> shifts.view(-1, 1, 1, 1)) & (2**width - 1)).flatten(-4, -3)
-

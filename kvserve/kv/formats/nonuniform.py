@@ -91,9 +91,9 @@ class NonUniformKVCache(StagedBlockKVCache):
 
     def quantize_values(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full blocks [F, block_size, heads, dim] -> codes packed across each block's tokens [F, rows, heads, dim]
-        and float16 scales [F, block_size, heads] of each token's vector rotated: the scale
-        maps the largest coordinate onto the outermost level at 4 bits, the RMS onto 1 at 3 bits (the smaller
-        error on SmolLM2's values), then refitted to the chosen levels (least squares)."""
+        and float16 scales [F, block_size, heads] of each token's vector rotated: the scale maps the largest
+        coordinate onto the outermost level at 4 bits, the RMS onto 1 at 3 bits (the smaller error on SmolLM2's
+        values), then refitted to the chosen levels (least squares)."""
         x, levels = self.rotate(v.flatten(0, 1)).view(v.shape), self.value_levels
         scale = x.abs().amax(dim=-1) / levels[-1] if self.value_bits >= 4 else x.norm(dim=-1) / self.head_dim**0.5
         codes = torch.bucketize(x / scale.clamp(min=MIN_SCALE)[..., None], self._value_midpoints)

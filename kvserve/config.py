@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvserve.planner.capacity import DEFAULT_MAX_NUM_SEQS
-from kvserve.planner.kv_size import HEAD_STREAM_POLICIES, KV_DTYPE_CHOICES
+from kvserve.planner.kv_size import HEAD_STREAM_POLICIES, KV_DTYPE_CHOICES, KV_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -156,9 +156,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_DTYPE_CHOICES)
         _check_positive_int("block_size", self.block_size)
-        if self.kv_cache_dtype == "int4" and self.block_size % 2:
-            raise ValueError(f"kv_cache_dtype='int4' packs two tokens of a block per byte: block_size must be even, "
-                             f"got {self.block_size}")
+        plane = KV_DTYPES[self.kv_cache_dtype].tokens_per_byte_plane if self.kv_cache_dtype in KV_DTYPES else 1
+        if self.block_size % plane:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} packs {plane} tokens of a block per byte: "
+                             f"block_size must be a multiple of {plane}, got {self.block_size}")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
 

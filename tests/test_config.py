@@ -83,9 +83,13 @@ def test_compiled_steps_are_the_default_and_each_way_out_is_named(monkeypatch):
     assert EngineConfig(compile_decode=True).compile.decode_steps and EngineConfig(compile_gemms=True).compile.decode_steps
 
 
-def test_int4_needs_an_even_block_size():
-    with pytest.raises(ValueError, match="kv_cache_dtype='int4' packs two tokens of a block per byte"):
-        CacheConfig(**{**CACHE, "kv_cache_dtype": "int4", "block_size": 15})
+@pytest.mark.parametrize("dtype, plane, refused, taken", [("int4", 2, 15, 6), ("nuq4", 2, 15, 6), ("nuq3", 8, 12, 24),
+                                                         ("nuq4k3v", 8, 4, 8)])
+def test_packed_formats_need_a_block_size_their_byte_planes_divide(dtype, plane, refused, taken):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{dtype}' packs {plane} tokens of a block per byte: "
+                                         f"block_size must be a multiple of {plane}, got {refused}"):
+        CacheConfig(**{**CACHE, "kv_cache_dtype": dtype, "block_size": refused})
+    assert CacheConfig(**{**CACHE, "kv_cache_dtype": dtype, "block_size": taken}).block_size == taken
 
 
 def test_the_h2o_budget_is_counted_in_the_cache_blocks():

@@ -9,9 +9,10 @@ storage formats in kvserve/kv/ allocate exactly this, and a test holds them to i
 - int4 (KIVI): 2 elements per byte; values carry an fp16 scale and an fp16 zero point per token and head
   vector; keys carry them per channel per block (one pair for each of head_dim channels, shared by the
   block's tokens): head_dim x 4 / block_size bytes per token and head. For MLA the latent is treated as a value.
-- nuq4 / nuq3 (kv/formats/nonuniform.py): head_dim x 4 or x 3 bits of codes for K and for V; values carry one fp16
-  scale per token, layer and head vector; keys an fp16 midpoint and a half range (fp16 for nuq4, 1 byte for nuq3)
-  per channel per block: head_dim x 4 (nuq3: x 3) / block_size bytes per token and head.
+- nuq4 / nuq3 / nuq4k3v (kv/formats/nonuniform.py): head_dim x 4 or x 3 bits of codes for K and for V (nuq4k3v:
+  4-bit keys, 3-bit values); values carry one fp16 scale per token, layer and head vector; keys an fp16 midpoint and
+  a half range (fp16 for nuq4, 1 byte for nuq3 and nuq4k3v) per channel per block: head_dim x 4 (x 3 with the 1-byte
+  half range) / block_size bytes per token and head.
 
 `--kv-scales per-tensor` plans fp8, fp8_e5m2 or int8 as an engine that keeps one scale per layer for K and one
 for V instead (vLLM's FP8 KV cache): no scale bytes per token, exactly half of bf16.
@@ -45,6 +46,12 @@ class KVDtype:
     key_scale_bytes: int | None = None  # the keys' own scale and zero point bytes (None: the values')
     key_zero_point_bytes: int | None = None
     codebook: bool = False  # value codes index a fixed non-uniform codebook of rotated coordinates (nuq4, nuq3)
+    key_element_bits: int | None = None  # keys stored with other bits than values (None: element_bits)
+    tokens_per_byte_plane: int = 1  # codes packed across a block's tokens: block_size must be a multiple of this
+
+    def bits(self, key: bool) -> int:
+        """Bits of one stored key (key=True) or value element."""
+        return self.key_element_bits if key and self.key_element_bits is not None else self.element_bits
 
     @property
     def scales(self) -> str:
@@ -64,7 +71,7 @@ class KVDtype:
 
     def vector_bytes(self, elements: int, block_size: int = DEFAULT_BLOCK_SIZE, key: bool = False) -> int:
         """Bytes one stored vector of `elements` values takes per token, scales included."""
-        data = -(-elements * self.element_bits // 8)
+        data = -(-elements * self.bits(key) // 8)
         per_scale = sum(self.stat_bytes(key))
         scope = self.scope(key)
         if scope == PER_VECTOR:
@@ -83,11 +90,14 @@ FP32 = KVDtype("fp32", 32)
 FP8_E4M3 = KVDtype("fp8", 8, PER_VECTOR, scale_bytes=2)
 FP8_E5M2 = KVDtype("fp8_e5m2", 8, PER_VECTOR, scale_bytes=2)
 INT8 = KVDtype("int8", 8, PER_VECTOR, scale_bytes=2)
-INT4 = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2, key_scale_scope=PER_CHANNEL)
+INT4 = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2, key_scale_scope=PER_CHANNEL,
+              tokens_per_byte_plane=2)
 NUQ4 = KVDtype("nuq4", 4, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=2,
-               key_zero_point_bytes=2, codebook=True)
+               key_zero_point_bytes=2, codebook=True, tokens_per_byte_plane=2)
 NUQ3 = KVDtype("nuq3", 3, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=1,
-               key_zero_point_bytes=2, codebook=True)
+               key_zero_point_bytes=2, codebook=True, tokens_per_byte_plane=8)
+NUQ4K3V = KVDtype("nuq4k3v", 3, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=1,
+                  key_zero_point_bytes=2, codebook=True, key_element_bits=4, tokens_per_byte_plane=8)
 
 KV_DTYPES = {
     "bf16": BF16, "bfloat16": BF16,
@@ -99,6 +109,7 @@ KV_DTYPES = {
     "int4": INT4,
     "nuq4": NUQ4,
     "nuq3": NUQ3,
+    "nuq4k3v": NUQ4K3V,
 }
 KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
 

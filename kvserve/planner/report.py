@@ -109,7 +109,7 @@ def kv_formula(spec: ModelSpec, dtype: KVDtype, block_size: int) -> str:
 
 
 def _vector_bytes(vector: str, elements: int, dtype: KVDtype, block_size: int, key: bool) -> str:
-    element = f"{dtype.element_bits / 8:g} B ({dtype.name})"
+    element = f"{dtype.bits(key) / 8:g} B ({dtype.name})"
     scope = dtype.scope(key)
     scale_bytes, zero_point_bytes = dtype.stat_bytes(key)
     per_scale = scale_bytes + zero_point_bytes
@@ -145,9 +145,9 @@ def kv_notes(spec: ModelSpec, dtype: KVDtype, block_size: int) -> list[str]:
         notes.append(f"{spec.num_layers_of(LINEAR)} linear-attention layers hold no KV, only {size}.")
     if dtype.codebook:
         half_range = "an fp16" if dtype.stat_bytes(True)[0] == 2 else "a 1-byte (logarithmic)"
-        notes.append(f"{dtype.name}: K and V Hadamard-rotated; keys {dtype.element_bits}-bit per channel per "
+        notes.append(f"{dtype.name}: K and V Hadamard-rotated; keys {dtype.bits(True)}-bit per channel per "
                      f"{block_size}-token block (an fp16 midpoint and {half_range} half range), values "
-                     f"{dtype.element_bits}-bit indices into a fixed Lloyd-Max codebook with one fp16 scale per token "
+                     f"{dtype.bits(False)}-bit indices into a fixed Lloyd-Max codebook with one fp16 scale per token "
                      "and head; each sequence's partly filled last block stays in full precision outside the pool.")
     elif dtype.key_scale_scope == PER_CHANNEL:
         notes.append(f"{dtype.name} (KIVI): keys get an fp16 scale and zero point per channel per {block_size}-token "
@@ -182,7 +182,7 @@ def state_lines(state: StatePlan) -> list[str]:
 
 def kv_format_label(dtype: KVDtype) -> str | None:
     """What the capacity line names: a scaled format and where its scales are; None for plain elements and for
-    formats with per-channel keys (int4, nuq4, nuq3)."""
+    formats with per-channel keys (int4, nuq4, nuq3, nuq4k3v)."""
     if dtype.scale_scope in (PER_VECTOR, PER_TENSOR) and dtype.key_scale_scope is None:
         return f"{dtype.name}, {dtype.scales} scales"
     return None

@@ -107,7 +107,8 @@ def test_summary_line_format():
     )
 
 
-@pytest.mark.parametrize("kv_format", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
+                                       "nuq4", "nuq3", "nuq4k3v"])
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma-3-27b"])
 def test_plan_matches_the_storage_the_engine_allocates(kv_format, model):
     spec = load_model_spec(model)
@@ -115,8 +116,8 @@ def test_plan_matches_the_storage_the_engine_allocates(kv_format, model):
     cache = make_kv_cache(kv_format, kv_layout(spec), plan.num_blocks, plan.block_size, spec.num_kv_heads,
                           spec.head_dim, torch.float32)
     assert cache.nbytes == plan.kv_cache_bytes == plan.num_blocks * plan.block_bytes
-    tokens_per_row = 2 if kv_format == "int4" else 1  # int4 packs two tokens of a block per byte
-    assert cache.k.shape[1] * tokens_per_row == plan.num_blocks * plan.block_size
+    key_bits = {"int4": 4, "nuq4": 4, "nuq3": 3, "nuq4k3v": 4}.get(kv_format, 8)  # packed across a block's tokens
+    assert cache.k.shape[1] * 8 == plan.num_blocks * plan.block_size * key_bits
     if model == "smollm2-135m":  # one group of every layer: a block is 16 tokens of the whole model
         assert cache.nbytes == plan.kv_bytes_per_token * plan.kv_cache_tokens
     else:  # 52 sliding and 10 full layers: groups of gcd(52, 10) = 2 layers

@@ -6,7 +6,8 @@ sqrt(dim) * t with density proportional to (1 - t^2)^((dim - 3) / 2) (a scaled B
 for dim 64). The codebook with the least mean squared error for that density (Lloyd-Max) puts more levels near
 zero, where most coordinates are, than an evenly spaced grid does. It is computed here once, in float64, from the
 density alone: no data is fitted, and the same dim and bits always give the same levels (TurboQuant's MSE
-quantizer, arXiv 2504.19874).
+quantizer, arXiv 2504.19874). A read computes a code's level by a short polynomial (levels_of) instead of
+looking it up, so that compiled loops over the codes vectorize.
 
 A block's codes are packed across its tokens, channel by channel, as int4's are (formats.int4): a block of
 block_size tokens becomes block_size * bits / 8 rows of bytes, each row [heads, head_dim] like a token's, so that a
@@ -45,10 +46,37 @@ def lloyd_max_levels(dim: int, bits: int) -> tuple[float, ...]:
     return tuple(levels.tolist())
 
 
-def codebook(dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(levels [2**bits], midpoints between neighbouring levels [2**bits - 1]) in float32."""
+def codebook(dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(levels [2**bits], midpoints between neighbouring levels [2**bits - 1], the coefficients of levels_of
+    [2**(bits - 1)]) in float32. The levels are levels_of's values, within 1e-6 of lloyd_max_levels', so that a
+    code is read back as the level it was chosen for."""
+    coefficients = level_polynomial(dim, bits)
+    levels = levels_of(torch.arange(2**bits), coefficients, bits)
+    return levels, (levels[1:] + levels[:-1]) / 2, coefficients
+
+
+def level_polynomial(dim: int, bits: int) -> torch.Tensor:
+    """Coefficients (ascending powers, float32) of the polynomial through the codebook's positive levels at
+    u = -1 ... 1 (see levels_of); solved in float64."""
     levels = torch.tensor(lloyd_max_levels(dim, bits), dtype=torch.float64)
-    return levels.float(), ((levels[1:] + levels[:-1]) / 2).float()
+    half = len(levels) // 2
+    u = torch.linspace(-1, 1, half, dtype=torch.float64)
+    powers = torch.stack([u**k for k in range(half)], dim=1)
+    return torch.linalg.solve(powers, levels[half:]).float()
+
+
+def levels_of(codes: torch.Tensor, coefficients: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codebook's level of each code, float32, by arithmetic rather than a table lookup (which a compiled CPU
+    loop loads element by element): the codebook is symmetric, so a code's level is its offset x from the middle's
+    sign times the positive level |x| - 1/2 places out, and those 2**(bits - 1) levels lie on a polynomial of as
+    many coefficients (exact at those points, evaluated by Horner's rule at u, |x| mapped onto -1 ... 1)."""
+    half = 2 ** (bits - 1)
+    x = codes.float() - (2**bits - 1) / 2
+    u = (x.abs() - 0.5) * (2 / (half - 1)) - 1
+    level = u * coefficients[half - 1] + coefficients[half - 2]
+    for k in range(half - 3, -1, -1):
+        level = level * u + coefficients[k]
+    return torch.where(x < 0, -level, level)
 
 
 def packed_bytes(dim: int, bits: int) -> int:

@@ -1,15 +1,16 @@
-"""Non-uniform 4- and 3-bit KV cache (nuq4, nuq3): keys per channel over each block, values per token with a fixed
-Lloyd-Max codebook; K and V Hadamard-rotated.
+"""Non-uniform 4- and 3-bit KV cache (nuq4, nuq3, and nuq4k3v: 4-bit keys, 3-bit values): keys per channel over each
+block, values per token with a fixed Lloyd-Max codebook; K and V Hadamard-rotated.
 
 Keys carry large offsets in a few channels, the same for neighbouring tokens (docs/quality.md). A scale per head
 vector spends its levels on them; statistics per channel over a block remove them first (KIVI's and KVQuant's
 keys). So each key channel of a full block is stored as its midpoint (float16), its half range (float16 for nuq4;
-for nuq3 one byte, its base-2 logarithm in sixteenths, so that nuq3 holds 1.3x int4's tokens) and a code per token
+for nuq3 and nuq4k3v one byte, its base-2 logarithm in sixteenths, so that nuq3 holds 1.3x int4's tokens) and a code per token
 on an evenly spaced grid from -1 to 1; the midpoint is then refitted to the chosen codes (least squares). The grid
 keeps each channel's extreme tokens, the ones attention singles out, on its end levels: a Lloyd-Max codebook fitted
 to the block's normalized values measured no better, and one scaled by the channel's RMS clipped those tokens
 (docs/quality.md). Values are rotated head vectors on the Lloyd-Max codebook of formats.codebook, scaled by one
-float16 number per token and head (TurboQuant's MSE quantizer with a scale in place of the unit norm).
+float16 number per token and head (TurboQuant's MSE quantizer with a scale in place of the unit norm), read back by a polynomial through the levels
+(formats.codebook.levels_of).
 
 The filling block stays in full precision until it fills (formats.staged, shared with int4), and each query reads
 its own block from there. Stored K and V are in the rotated basis; a gather rotates them back, since the staged
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.formats.codebook import check_packable, codebook, pack, packed_rows, unpack
+from kvserve.kv.formats.codebook import check_packable, codebook, levels_of, pack, packed_rows, unpack
 from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind
 from kvserve.kv.formats.staged import StagedBlockKVCache
 from kvserve.rotation import hadamard
@@ -41,7 +42,8 @@ class NonUniformBits:
     key_scale_dtype: torch.dtype
 
 
-NONUNIFORM_FORMATS = {"nuq4": NonUniformBits(4, 4, torch.float16), "nuq3": NonUniformBits(3, 3, torch.int8)}
+NONUNIFORM_FORMATS = {"nuq4": NonUniformBits(4, 4, torch.float16), "nuq3": NonUniformBits(3, 3, torch.int8),
+                      "nuq4k3v": NonUniformBits(4, 3, torch.int8)}
 
 
 class NonUniformKVCache(StagedBlockKVCache):
@@ -57,7 +59,8 @@ class NonUniformKVCache(StagedBlockKVCache):
         self._basis_t = self.basis.T.contiguous()
         self.key_levels = torch.linspace(-1, 1, 2**self.key_bits, device=self.device)
         self._key_midpoints = (self.key_levels[1:] + self.key_levels[:-1]) / 2
-        self.value_levels, self._value_midpoints = (t.to(self.device) for t in codebook(D, self.value_bits))
+        self.value_levels, self._value_midpoints, self.value_coefficients = (t.to(self.device)
+                                                                             for t in codebook(D, self.value_bits))
         # codes packed across each block's tokens (formats.codebook): packed_rows(bs, bits) rows of [H, D] bytes
         self.k = torch.zeros(L, N * packed_rows(bs, self.key_bits), H, D, dtype=torch.uint8, device=self.device)
         self.k_offset = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)  # per block and channel
@@ -116,7 +119,7 @@ class NonUniformKVCache(StagedBlockKVCache):
         flat, H, D = block_tables.reshape(-1), self.num_kv_heads, self.head_dim
         k_codes, k_offset, k_scale, v_codes, v_scale = (self._select_blocks(t, row, flat) for t in
                                                         (self.k, self.k_offset, self.k_scale, self.v, self.v_scale))
-        rotated = dequantize_blocks(k_codes, k_offset, k_scale, v_codes, v_scale, self.value_levels,
+        rotated = dequantize_blocks(k_codes, k_offset, k_scale, v_codes, v_scale, self.value_coefficients,
                                     (self.key_bits, self.value_bits), (self.block_size, H, D))
         for out, x in zip((k_out, v_out), rotated):
             back = self.tiles.map(lambda t: t.to(self.dtype) @ self._basis_t, x.flatten(0, 1))
@@ -131,7 +134,7 @@ class NonUniformKVCache(StagedBlockKVCache):
         staged_k, staged_v = self._staged(row, own_blocks)
         args = (queries @ self.basis, self.k[row].view(N, -1), self.k_offset[row].view(N, -1),
                 self.k_scale[row].view(N, -1), self.v[row].view(N, -1), self.v_scale[row].view(N, -1),
-                self.value_levels, block_tables, torch.cat([staged_k, new_k], dim=1) @ self.basis,
+                self.value_coefficients, block_tables, torch.cat([staged_k, new_k], dim=1) @ self.basis,
                 torch.cat([staged_v, new_v], dim=1) @ self.basis, mask)
         dynamic = [(t, 0) for t in args if t.dim() > 1] + [(block_tables, 1), (mask, 3)] \
             if self.fused_decode.warming else ()
@@ -157,7 +160,7 @@ def decode_half_range(stored: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
-                      v_scale: torch.Tensor, value_levels: torch.Tensor, bits: tuple[int, int],
+                      v_scale: torch.Tensor, value_coefficients: torch.Tensor, bits: tuple[int, int],
                       shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """n selected blocks' rows (one flat row per block, as _select_blocks gives them) -> rotated K and V [n,
     block_size, heads, dim] in float32; `shape` is (block_size, heads, dim). Plain tensor ops, so the compiled decode
@@ -168,9 +171,9 @@ def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: to
     step = 2 / (2 ** bits[0] - 1)
     keys = unpack(k_codes.view(n, packed_rows(bs, bits[0]), heads, dim), bits[0]).float() * (half * step)
     keys = keys + (k_offset.float().view(n, 1, heads, dim) - half)
-    # a gather, which Inductor's CPU loops load element by element: the part of nuq's decode attention that int4's
-    # arithmetic does not pay (a tree of selects on the code's bits, vectorized, was slower when tried)
-    values = value_levels[unpack(v_codes.view(n, packed_rows(bs, bits[1]), heads, dim), bits[1]).long()]
+    # the codebook's levels by a polynomial, not a gather (which Inductor's CPU loops load element by element)
+    values = levels_of(unpack(v_codes.view(n, packed_rows(bs, bits[1]), heads, dim), bits[1]), value_coefficients,
+                       bits[1])
     return keys, values * v_scale.float().view(n, bs, heads, 1)
 
 
@@ -180,7 +183,7 @@ def fused_decode_attention(block_size: int, key_bits: int, value_bits: int) -> C
     constants of them. Each cache gets its own; the graphs are saved whole, named by the block size and bits."""
     def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
                                     k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
-                                    value_levels: torch.Tensor, block_tables: torch.Tensor,
+                                    value_coefficients: torch.Tensor, block_tables: torch.Tensor,
                                     own_k: torch.Tensor, own_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [S, kv_heads, heads per kv head, head_dim], rotated and multiplied by the softmax scale; own_k and own_v
         [S, block_size + 1, kv_heads, head_dim]: the own block's staged tokens and the new one, rotated."""
@@ -189,7 +192,7 @@ def fused_decode_attention(block_size: int, key_bits: int, value_bits: int) -> C
         blocks = block_tables.reshape(-1)
         keys, values = dequantize_blocks(k_codes.index_select(0, blocks), k_offset.index_select(0, blocks),
                                          k_scale.index_select(0, blocks), v_codes.index_select(0, blocks),
-                                         v_scale.index_select(0, blocks), value_levels, (key_bits, value_bits),
+                                         v_scale.index_select(0, blocks), value_coefficients, (key_bits, value_bits),
                                          (block_size, H, D))
         keys = torch.cat([keys.view(S, B * block_size, H, D), own_k.float()], dim=1)
         values = torch.cat([values.view(S, B * block_size, H, D), own_v.float()], dim=1)

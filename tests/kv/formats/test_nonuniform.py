@@ -1,4 +1,4 @@
-"""Non-uniform 4- and 3-bit KV storage (nuq4, nuq3): the values' codebook is a fixed function of head size and bits;
+"""Non-uniform 4- and 3-bit KV storage (nuq4, nuq3, nuq4k3v): the values' codebook is a fixed function of head size and bits;
 codes pack and unpack losslessly; keys read back within half a step of their channel's grid over the block, an
 outlier channel included, values within the codebook's error; the filling block stays exact in staging until it
 fills, and a block's bytes do not depend on how its tokens arrived; copies and exported blocks are bitwise; the
@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
-from kvserve.kv.formats.codebook import check_packable, codebook, lloyd_max_levels, pack, packed_rows, unpack
+from kvserve.kv.formats.codebook import (check_packable, codebook, levels_of, lloyd_max_levels, pack, packed_rows,
+                                         unpack)
 from kvserve.kv.formats.nonuniform import LOG_STEPS, NonUniformKVCache, decode_half_range, encode_half_range
 from kvserve.planner.layout import KVLayout
 from kvserve.rotation import hadamard
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 8, 8, 2, 64
-FORMATS = ["nuq4", "nuq3"]
+FORMATS = ["nuq4", "nuq3", "nuq4k3v"]
 
 
 def make(fmt: str, compile: bool = False) -> NonUniformKVCache:
@@ -53,7 +54,10 @@ def test_the_codebook_is_symmetric_deterministic_and_its_cells_hold_their_means(
     cells = torch.bucketize(x, (levels[1:] + levels[:-1]) / 2)
     means = torch.stack([x[cells == i].mean() for i in range(2**bits)])
     assert torch.allclose(means, levels, atol=0.02)
-    assert torch.equal(codebook(DIM, bits)[0], levels.float())
+    read, midpoints, coefficients = codebook(DIM, bits)
+    assert torch.allclose(read.double(), levels, rtol=0, atol=1e-6)  # the polynomial read hits every level
+    assert torch.equal(levels_of(torch.arange(2**bits, dtype=torch.uint8), coefficients, bits), read)
+    assert torch.equal(midpoints, (read[1:] + read[:-1]) / 2) and len(coefficients) == 2 ** (bits - 1)
 
 
 @pytest.mark.parametrize("bits", [3, 4])
@@ -78,6 +82,21 @@ def test_a_block_size_the_planes_cannot_split_is_refused_by_name():
         check_packable(4, 3)
     with pytest.raises(ValueError, match="nuq3.*block_size"):
         make_kv_cache(KVCacheSpec("nuq3", KVLayout.uniform(1), 4, 4, HEADS, DIM, torch.float32))
+
+
+def test_four_bit_keys_with_three_bit_values_store_nuq3s_values_and_keys_on_nuq4s_grid():
+    k, v = vectors(BS), vectors(BS, seed=1)
+    caches = {fmt: make(fmt) for fmt in FORMATS}
+    for cache in caches.values():
+        write(cache, slots(1), k, v)
+    mixed = caches["nuq4k3v"]
+    assert (mixed.key_bits, mixed.value_bits, mixed.k_scale.dtype) == (4, 3, torch.int8)
+    assert torch.equal(mixed.v, caches["nuq3"].v) and torch.equal(mixed.v_scale, caches["nuq3"].v_scale)
+    assert torch.equal(mixed.k_scale, caches["nuq3"].k_scale)  # the one-byte half range of nuq3
+    assert mixed.k.shape == caches["nuq4"].k.shape and mixed.v.shape == caches["nuq3"].v.shape
+    keys = [c.gather(0, torch.tensor([[1]]))[0][0] for c in caches.values()]
+    errors = [float((got - k).pow(2).mean()) for got in keys]
+    assert errors[2] < errors[1] / 2  # 16 levels per channel where nuq3 has 8
 
 
 def test_the_basis_is_a_fixed_orthonormal_matrix_and_reads_are_rotated_back():
@@ -117,7 +136,7 @@ def test_keys_read_back_within_their_channels_grid_and_values_within_the_codeboo
     error = ((got_k[0] - 2 * k) @ cache.basis).abs()  # in the stored basis, where each channel has its grid
     assert bool((error <= _key_error_bound(cache, 2 * k)).all())
     relative = (got_v[0] - 2 * v).pow(2).sum(-1) / (2 * v).pow(2).sum(-1)
-    max_relative = {"nuq4": 0.012, "nuq3": 0.045}[fmt]  # measured when written: 0.0080 and 0.030
+    max_relative = {4: 0.012, 3: 0.045}[cache.value_bits]  # measured when written: 0.0080 (4 bits) and 0.030 (3)
     assert float(relative.mean()) <= max_relative and bool((relative < 4 * max_relative).all())
 
 

@@ -25,6 +25,7 @@ from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
 from kvserve.planner.units import format_bytes
 
 DISK_RECORD_HEADER_BYTES = 1024  # a disk tier record's safetensors header: tensor shapes, keys, 16 token ids (< 1 KiB)
+DISK_STATES_PER_TURN = 2  # a hybrid model's request saves a checkpoint at its prompt's last full block and its end
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,32 @@ class PlanReport:
         return kv_bytes_per_token(self.spec, self.kv_dtype, self.block_size)
 
     @property
+    def disk_record_bytes(self) -> int:
+        """One full block's records on the disk tier: one per layer group, each with its header."""
+        return self.block_size * self.kv_bytes_per_token + DISK_RECORD_HEADER_BYTES * kv_layout(self.spec).num_groups
+
+    @property
+    def disk_state_record_bytes(self) -> int:
+        """A hybrid model's state checkpoint on the disk tier, a record of its own (0 for a model without one)."""
+        return self.state.slot_bytes + DISK_RECORD_HEADER_BYTES if self.state and self.state.slot_bytes else 0
+
+    @property
     def disk_cache_tokens(self) -> int | None:
-        """Tokens the disk tier holds: one record per full block (and layer group), each with its header."""
+        """Tokens the disk tier holds in blocks (a hybrid model's state checkpoints not counted: see
+        disk_conversations)."""
         if self.disk_cache_bytes is None:
             return None
-        headers = DISK_RECORD_HEADER_BYTES * kv_layout(self.spec).num_groups
-        record_bytes = self.block_size * self.kv_bytes_per_token + headers
-        return self.disk_cache_bytes // record_bytes * self.block_size
+        return self.disk_cache_bytes // self.disk_record_bytes * self.block_size
+
+    @property
+    def disk_conversations(self) -> int | None:
+        """Whole conversations the disk tier holds: their blocks, and for a hybrid model the state checkpoints each
+        turn leaves beside them (DISK_STATES_PER_TURN)."""
+        if self.disk_cache_bytes is None or self.conversation is None:
+            return None
+        blocks = -(-self.conversation.final_tokens // self.block_size)
+        states = DISK_STATES_PER_TURN * len(self.conversation.turns)
+        return self.disk_cache_bytes // (blocks * self.disk_record_bytes + states * self.disk_state_record_bytes)
 
     def disk_cache_line(self) -> str:
         """e.g. "disk tier (--kv-disk-cache-size 100.00 GiB): 812,345 tokens, 7.4x the pool's; 38 conversations"."""
@@ -65,8 +85,12 @@ class PlanReport:
                 f"{self.disk_cache_tokens:,} tokens in blocks of {self.block_size}")
         if self.kv_plan is not None and self.kv_plan.kv_cache_tokens:
             line += f", {self.disk_cache_tokens / self.kv_plan.kv_cache_tokens:,.1f}x the pool's"
+        if self.disk_state_record_bytes:
+            line += (f"; each request also leaves up to {DISK_STATES_PER_TURN} state checkpoints of "
+                     f"{format_bytes(self.disk_state_record_bytes)} there (after its prompt's last full block and at "
+                     "its reply's end)")
         if self.conversation is not None:
-            line += (f"; {self.disk_cache_tokens // self.conversation.final_tokens:,} whole conversations of "
+            line += (f"; {self.disk_conversations:,} whole conversations of "
                      f"{self.conversation.final_tokens:,} tokens (the pool: "
                      f"{self._pool_conversations()})")
         return line
@@ -225,7 +249,9 @@ def report_to_json(report: PlanReport) -> dict:
     if report.conversation is not None:
         data.update(_conversation_json(report.conversation))
     if report.disk_cache_bytes is not None:
-        data.update(disk_cache_bytes=report.disk_cache_bytes, disk_cache_tokens=report.disk_cache_tokens)
+        data.update(disk_cache_bytes=report.disk_cache_bytes, disk_cache_tokens=report.disk_cache_tokens,
+                    disk_state_record_bytes=report.disk_state_record_bytes,
+                    disk_conversations=report.disk_conversations)
     return data
 
 

@@ -84,7 +84,7 @@ def test_compiled_steps_are_the_default_and_each_way_out_is_named(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, plane, refused, taken", [("int4", 2, 15, 6), ("nuq4", 2, 15, 6), ("nuq3", 8, 12, 24),
-                                                         ("nuq4k3v", 8, 4, 8)])
+                                                         ("nuq3k4v", 8, 4, 8)])
 def test_packed_formats_need_a_block_size_their_byte_planes_divide(dtype, plane, refused, taken):
     with pytest.raises(ValueError, match=f"kv_cache_dtype='{dtype}' packs {plane} tokens of a block per byte: "
                                          f"block_size must be a multiple of {plane}, got {refused}"):

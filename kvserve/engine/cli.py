@@ -51,7 +51,8 @@ def _add_cache_flags(g: _FlagsExcept, defaults: EngineConfig) -> None:
     """The cache's and the scheduler's (CacheConfig, SchedulerConfig), in the order --help has always listed them."""
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype,
                    help="KV storage: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), fp8_e5m2, "
-                        "int8, int4, nuq4, nuq3, nuq4k3v (4-bit keys, 3-bit values) (default %(default)s)")
+                        "int8, int4, nuq4, nuq3, nuq3k4v (3-bit keys, 4-bit values) "
+                        "(default %(default)s)")
     g.add_argument("--block-size", type=int, default=defaults.block_size)
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default 1GiB)")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -74,7 +75,7 @@ def _add_eviction_flags(g: _FlagsExcept, defaults: EngineConfig) -> None:
 def _add_compile_flags(g: _FlagsExcept) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile with torch.compile: decode steps run eagerly, and so does decode attention over "
-                        "an int8, int4 or nuq (nuq4, nuq3, nuq4k3v) KV cache (plain PyTorch ops, slower)")
+                        "an int8, int4 or nuq (nuq4, nuq3, nuq3k4v) KV cache (plain PyTorch ops, slower)")
     g.add_argument("--compile-gemms", action="store_true",
                    help="with compiled decode steps: freeze the weights into the decode graph and multiply them with "
                         "Inductor's C++ GEMM template over its own packed copy (faster decode; more memory; every "

@@ -9,10 +9,10 @@ storage formats in kvserve/kv/ allocate exactly this, and a test holds them to i
 - int4 (KIVI): 2 elements per byte; values carry an fp16 scale and an fp16 zero point per token and head
   vector; keys carry them per channel per block (one pair for each of head_dim channels, shared by the
   block's tokens): head_dim x 4 / block_size bytes per token and head. For MLA the latent is treated as a value.
-- nuq4 / nuq3 / nuq4k3v (kv/formats/nonuniform.py): head_dim x 4 or x 3 bits of codes for K and for V (nuq4k3v:
-  4-bit keys, 3-bit values); values carry one fp16 scale per token, layer and head vector; keys an fp16 midpoint and
-  a half range (fp16 for nuq4, 1 byte for nuq3 and nuq4k3v) per channel per block: head_dim x 4 (x 3 with the 1-byte
-  half range) / block_size bytes per token and head.
+- nuq4 / nuq3 / nuq3k4v (kv/formats/nonuniform.py): head_dim x 4 or x 3 bits of codes for K and for V (nuq3k4v:
+  3-bit keys, 4-bit values); values carry one fp16 scale per token, layer and head vector;
+  keys an fp16 midpoint and a half range (fp16 for nuq4, 1 byte for the others) per channel per block: head_dim x 4
+  (x 3 with the 1-byte half range) / block_size bytes per token and head.
 
 `--kv-scales per-tensor` plans fp8, fp8_e5m2 or int8 as an engine that keeps one scale per layer for K and one
 for V instead (vLLM's FP8 KV cache): no scale bytes per token, exactly half of bf16.
@@ -96,8 +96,8 @@ NUQ4 = KVDtype("nuq4", 4, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL
                key_zero_point_bytes=2, codebook=True, tokens_per_byte_plane=2)
 NUQ3 = KVDtype("nuq3", 3, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=1,
                key_zero_point_bytes=2, codebook=True, tokens_per_byte_plane=8)
-NUQ4K3V = KVDtype("nuq4k3v", 3, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=1,
-                  key_zero_point_bytes=2, codebook=True, key_element_bits=4, tokens_per_byte_plane=8)
+NUQ3K4V = KVDtype("nuq3k4v", 4, PER_VECTOR, scale_bytes=2, key_scale_scope=PER_CHANNEL, key_scale_bytes=1,
+                  key_zero_point_bytes=2, codebook=True, key_element_bits=3, tokens_per_byte_plane=8)
 
 KV_DTYPES = {
     "bf16": BF16, "bfloat16": BF16,
@@ -109,7 +109,7 @@ KV_DTYPES = {
     "int4": INT4,
     "nuq4": NUQ4,
     "nuq3": NUQ3,
-    "nuq4k3v": NUQ4K3V,
+    "nuq3k4v": NUQ3K4V,
 }
 KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
 

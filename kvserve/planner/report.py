@@ -206,7 +206,7 @@ def state_lines(state: StatePlan) -> list[str]:
 
 def kv_format_label(dtype: KVDtype) -> str | None:
     """What the capacity line names: a scaled format and where its scales are; None for plain elements and for
-    formats with per-channel keys (int4, nuq4, nuq3, nuq4k3v)."""
+    formats with per-channel keys (int4 and the nuq formats)."""
     if dtype.scale_scope in (PER_VECTOR, PER_TENSOR) and dtype.key_scale_scope is None:
         return f"{dtype.name}, {dtype.scales} scales"
     return None

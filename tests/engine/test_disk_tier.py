@@ -24,7 +24,7 @@ from kvserve.kv.tiers.store import DiskBlockStore
 from tests.conftest import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-FORMATS = ["float32", "bfloat16", "fp8", "int8", "int4", "nuq4", "nuq3", "nuq4k3v"]
+FORMATS = ["float32", "bfloat16", "fp8", "int8", "int4", "nuq4", "nuq3", "nuq3k4v"]
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ def test_engine_allocates_the_planned_cache_and_logs_its_line(model_dirs, kind, 
     ("bfloat16", "bfloat16"), ("fp8", "fp8_e4m3, per-token-head scales"), ("fp8_e5m2", "fp8_e5m2, per-token-head scales"),
     ("int8", "int8, per-token-head scales"), ("int4", "int4, keys per channel per block"),
     ("nuq4", "nuq4, 4-bit keys per channel per block"), ("nuq3", "nuq3, 3-bit keys per channel per block"),
-    ("nuq4k3v", "nuq4k3v, 4-bit keys per channel per block, 3-bit Lloyd-Max codes"),
+    ("nuq3k4v", "nuq3k4v, 3-bit keys per channel per block, 4-bit Lloyd-Max codes"),
 ])
 def test_engine_allocates_what_the_planner_predicts_for_each_format(model_dirs, kv_cache_dtype, described, caplog):
     model_dir = model_dirs["qwen3-wide-heads"]
@@ -64,7 +64,7 @@ def test_engine_allocates_what_the_planner_predicts_for_each_format(model_dirs, 
     logged = [r.getMessage() for r in caplog.records if r.name == "kvserve" and r.getMessage().startswith("KV cache")]
     assert len(logged) == 1 and logged[0].startswith(f"KV cache ({described}")
     assert logged[0].startswith(plan.summary_line(engine.cache.describe()))
-    assert ("full-precision staging" in logged[0]) == (kv_cache_dtype in ("int4", "nuq4", "nuq3", "nuq4k3v"))
+    assert ("full-precision staging" in logged[0]) == (kv_cache_dtype in ("int4", "nuq4", "nuq3", "nuq3k4v"))
 
 
 @pytest.fixture(scope="module")

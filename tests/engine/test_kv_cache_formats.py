@@ -10,14 +10,14 @@ import torch
 from kvserve import LLM, BeamSearchParams, SamplingParams
 from tests.conftest import make_tiny_model
 
-FORMATS = ["bfloat16", "fp8", "fp8_e5m2", "int8", "int4", "nuq4", "nuq3", "nuq4k3v"]
+FORMATS = ["bfloat16", "fp8", "fp8_e5m2", "int8", "int4", "nuq4", "nuq3", "nuq3k4v"]
 PROMPT_LENS = [3, 15, 16, 17, 31, 33, 64, 90]
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 # Mean KL(full precision || format) over a 120-token prompt of the tiny random model, about twice what each
 # measured when written (bf16 6e-5, int8 6e-4, fp8 1.1e-2, fp8_e5m2 5.0e-2, int4 4.9e-2, nuq4 5.9e-2, nuq3 0.21,
-# nuq4k3v 0.13): random weights amplify errors far more than a trained model does (kvserve eval measures those).
+# nuq3k4v 0.14): random weights amplify errors far more than a trained model does (kvserve eval measures those).
 MAX_KLD = {"bfloat16": 2e-4, "int8": 2e-3, "fp8": 3e-2, "fp8_e5m2": 0.12, "int4": 0.12, "nuq4": 0.12, "nuq3": 0.45,
-           "nuq4k3v": 0.26}
+           "nuq3k4v": 0.29}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "nuq4", "nuq3", "nuq4k3v"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nuq4", "nuq3", "nuq3k4v"])
 def test_decode_attention_compiled_or_eager_gives_the_same_tokens(model_dir, prompts, fmt, caplog):
     caplog.set_level(logging.INFO, logger="kvserve")
     compiled = make(model_dir, fmt)

@@ -108,7 +108,7 @@ def test_summary_line_format():
 
 
 @pytest.mark.parametrize("kv_format", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
-                                       "nuq4", "nuq3", "nuq4k3v"])
+                                       "nuq4", "nuq3", "nuq3k4v"])
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma-3-27b"])
 def test_plan_matches_the_storage_the_engine_allocates(kv_format, model):
     spec = load_model_spec(model)
@@ -116,7 +116,7 @@ def test_plan_matches_the_storage_the_engine_allocates(kv_format, model):
     cache = make_kv_cache(kv_format, kv_layout(spec), plan.num_blocks, plan.block_size, spec.num_kv_heads,
                           spec.head_dim, torch.float32)
     assert cache.nbytes == plan.kv_cache_bytes == plan.num_blocks * plan.block_bytes
-    key_bits = {"int4": 4, "nuq4": 4, "nuq3": 3, "nuq4k3v": 4}.get(kv_format, 8)  # packed across a block's tokens
+    key_bits = {"int4": 4, "nuq4": 4, "nuq3": 3, "nuq3k4v": 3}.get(kv_format, 8)  # packed across a block's tokens
     assert cache.k.shape[1] * 8 == plan.num_blocks * plan.block_size * key_bits
     if model == "smollm2-135m":  # one group of every layer: a block is 16 tokens of the whole model
         assert cache.nbytes == plan.kv_bytes_per_token * plan.kv_cache_tokens

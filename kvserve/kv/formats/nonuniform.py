@@ -1,10 +1,10 @@
-"""Non-uniform 4- and 3-bit KV cache (nuq4, nuq3, and nuq4k3v: 4-bit keys, 3-bit values): keys per channel over each
+"""Non-uniform 4- and 3-bit KV cache (nuq4, nuq3, and nuq3k4v: 3-bit keys, 4-bit values): keys per channel over each
 block, values per token with a fixed Lloyd-Max codebook; K and V Hadamard-rotated.
 
 Keys carry large offsets in a few channels, the same for neighbouring tokens (docs/quality.md). A scale per head
 vector spends its levels on them; statistics per channel over a block remove them first (KIVI's and KVQuant's
 keys). So each key channel of a full block is stored as its midpoint (float16), its half range (float16 for nuq4;
-for nuq3 and nuq4k3v one byte, its base-2 logarithm in sixteenths, so that nuq3 holds 1.3x int4's tokens) and a code per token
+for the others one byte, its base-2 logarithm in sixteenths, so that nuq3 holds 1.3x int4's tokens) and a code per token
 on an evenly spaced grid from -1 to 1; the midpoint is then refitted to the chosen codes (least squares). The grid
 keeps each channel's extreme tokens, the ones attention singles out, on its end levels: a Lloyd-Max codebook fitted
 to the block's normalized values measured no better, and one scaled by the channel's RMS clipped those tokens
@@ -43,7 +43,7 @@ class NonUniformBits:
 
 
 NONUNIFORM_FORMATS = {"nuq4": NonUniformBits(4, 4, torch.float16), "nuq3": NonUniformBits(3, 3, torch.int8),
-                      "nuq4k3v": NonUniformBits(4, 3, torch.int8)}
+                      "nuq3k4v": NonUniformBits(3, 4, torch.int8)}
 
 
 class NonUniformKVCache(StagedBlockKVCache):

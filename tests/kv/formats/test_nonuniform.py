@@ -1,4 +1,4 @@
-"""Non-uniform 4- and 3-bit KV storage (nuq4, nuq3, nuq4k3v): the values' codebook is a fixed function of head size and bits;
+"""Non-uniform 4- and 3-bit KV storage (nuq4, nuq3, nuq3k4v): the values' codebook is a fixed function of head size and bits;
 codes pack and unpack losslessly; keys read back within half a step of their channel's grid over the block, an
 outlier channel included, values within the codebook's error; the filling block stays exact in staging until it
 fills, and a block's bytes do not depend on how its tokens arrived; copies and exported blocks are bitwise; the
@@ -15,7 +15,7 @@ from kvserve.planner.layout import KVLayout
 from kvserve.rotation import hadamard
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 8, 8, 2, 64
-FORMATS = ["nuq4", "nuq3", "nuq4k3v"]
+FORMATS = ["nuq4", "nuq3", "nuq3k4v"]
 
 
 def make(fmt: str, compile: bool = False) -> NonUniformKVCache:
@@ -84,19 +84,19 @@ def test_a_block_size_the_planes_cannot_split_is_refused_by_name():
         make_kv_cache(KVCacheSpec("nuq3", KVLayout.uniform(1), 4, 4, HEADS, DIM, torch.float32))
 
 
-def test_four_bit_keys_with_three_bit_values_store_nuq3s_values_and_keys_on_nuq4s_grid():
+def test_three_bit_keys_with_four_bit_values_store_nuq4s_values_and_nuq3s_keys():
     k, v = vectors(BS), vectors(BS, seed=1)
     caches = {fmt: make(fmt) for fmt in FORMATS}
     for cache in caches.values():
         write(cache, slots(1), k, v)
-    mixed = caches["nuq4k3v"]
-    assert (mixed.key_bits, mixed.value_bits, mixed.k_scale.dtype) == (4, 3, torch.int8)
-    assert torch.equal(mixed.v, caches["nuq3"].v) and torch.equal(mixed.v_scale, caches["nuq3"].v_scale)
-    assert torch.equal(mixed.k_scale, caches["nuq3"].k_scale)  # the one-byte half range of nuq3
-    assert mixed.k.shape == caches["nuq4"].k.shape and mixed.v.shape == caches["nuq3"].v.shape
-    keys = [c.gather(0, torch.tensor([[1]]))[0][0] for c in caches.values()]
-    errors = [float((got - k).pow(2).mean()) for got in keys]
-    assert errors[2] < errors[1] / 2  # 16 levels per channel where nuq3 has 8
+    mixed = caches["nuq3k4v"]
+    assert (mixed.key_bits, mixed.value_bits, mixed.k_scale.dtype) == (3, 4, torch.int8)
+    assert torch.equal(mixed.v, caches["nuq4"].v) and torch.equal(mixed.v_scale, caches["nuq4"].v_scale)
+    for name in ("k", "k_offset", "k_scale"):  # nuq3's keys, its one-byte half range included
+        assert torch.equal(getattr(mixed, name), getattr(caches["nuq3"], name))
+    keys = {fmt: float((c.gather(0, torch.tensor([[1]]))[0][0] - k).pow(2).mean()) for fmt, c in caches.items()}
+    values = {fmt: float((c.gather(0, torch.tensor([[1]]))[1][0] - v).pow(2).mean()) for fmt, c in caches.items()}
+    assert keys["nuq4"] < keys["nuq3k4v"] / 2 and values["nuq3k4v"] < values["nuq3"] / 2  # 16 levels where 8
 
 
 def test_the_basis_is_a_fixed_orthonormal_matrix_and_reads_are_rotated_back():

@@ -135,7 +135,7 @@ class HeadBudgetPolicy(EvictionPolicy):
 
 
 HEAD_POLICIES = {"adakv": ("expected", True), "adakv-knorm": ("knorm", True), "adakv-keydiff": ("keydiff", True),
-                 "perhead": ("expected", False)}
+                 "perhead": ("expected", False), "perhead-mix": ("expected+keydiff", False)}
 
 
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:

@@ -135,12 +135,11 @@ class UnionScorer(Scorer):
     order (the k-th key of the union gets the first ranking's k-th highest score), so heads compare as under the
     first scorer."""
 
-    name = "union"
-
     def __init__(self, first: Scorer, second: Scorer, share: float = 0.5):
         if not 0 < share < 1:
             raise ValueError(f"the first scorer's share of a union must be in (0, 1), not {share}")
         self.first, self.second, self.share = first, second, share
+        self.name = f"{first.name}+{second.name}"
 
     def score(self, keys, values, valid, stats, position):
         first = self.first.score(keys, values, valid, stats, position)

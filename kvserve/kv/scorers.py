@@ -12,6 +12,8 @@ keys, scaled by the value norms), so a layer's budget can be pooled over its hea
   variance), which makes it commute with RoPE's rotation, so only its shrinking by the averaged rotation remains.
 - `knorm` (KeyNormScorer): keys with a small norm draw more attention (Devoto et al., 2024): softmax(−‖k‖) × ‖v‖.
 - `keydiff` (KeyDiffScorer): keys least like the head's mean key are the distinctive ones (KeyDiff).
+- `expected+keydiff` (UnionScorer): half of what a head keeps by each of the two rankings (expected attention keeps
+  what the text reads, KeyDiff a fact no query has asked for yet).
 
 `head_budgets` is AdaKV's allocation (Feng et al., 2024): a layer keeps `total` tokens over its heads, each head at
 least its floor, the rest taken by the highest scores pooled over all the layer's heads."""
@@ -118,6 +120,36 @@ class ExpectedAttentionScorer(Scorer):
         return logits.softmax(dim=-1).mean(dim=2) * values.float().norm(dim=-1)
 
 
+def ranks(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each key's place in its head's order, best first (0), [L, H, K]; padding after every valid key."""
+    order = scores.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    return order.argsort(dim=-1)
+
+
+class UnionScorer(Scorer):
+    """The union of two scorers' rankings (`perhead-mix`: expected attention and KeyDiff, half each): a head that
+    keeps n tokens keeps those placed before n·share in the first ranking or before n·(1 − share) in the second,
+    the cut moved until the union holds n, so neither scorer alone decides what goes. Expected attention keeps what
+    the queries so far read (the text's perplexity); KeyDiff keeps what is unlike the rest, as a fact in filler text
+    is, before any query asks for it. A key's score is the first scorer's score of the same place in its head's
+    order (the k-th key of the union gets the first ranking's k-th highest score), so heads compare as under the
+    first scorer."""
+
+    def __init__(self, first: Scorer, second: Scorer, share: float = 0.5):
+        if not 0 < share < 1:
+            raise ValueError(f"the first scorer's share of a union must be in (0, 1), not {share}")
+        self.first, self.second, self.share = first, second, share
+        self.name = f"{first.name}+{second.name}"
+
+    def score(self, keys, values, valid, stats, position):
+        first = self.first.score(keys, values, valid, stats, position)
+        second = self.second.score(keys, values, valid, stats, position)
+        place = torch.minimum(ranks(first, valid).double() / self.share,
+                              ranks(second, valid).double() / (1 - self.share))
+        order = place.masked_fill(~valid, float("inf")).argsort(dim=-1, stable=True).argsort(dim=-1)
+        return first.sort(dim=-1, descending=True).values.gather(-1, order)
+
+
 def make_scorer(name: str, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> Scorer:
     if name == "knorm":
         return KeyNormScorer()
@@ -125,7 +157,9 @@ def make_scorer(name: str, inv_freq: torch.Tensor, attention_factor: float = 1.0
         return KeyDiffScorer()
     if name == "expected":
         return ExpectedAttentionScorer(inv_freq, attention_factor)
-    raise ValueError(f"unknown KV scorer {name!r}; choose expected, keydiff or knorm")
+    if name == "expected+keydiff":
+        return UnionScorer(ExpectedAttentionScorer(inv_freq, attention_factor), KeyDiffScorer())
+    raise ValueError(f"unknown KV scorer {name!r}; choose expected, keydiff, knorm or expected+keydiff")
 
 
 def head_budgets(scores: torch.Tensor, valid: torch.Tensor, floors: torch.Tensor, totals: torch.Tensor

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.kv.eviction import HEAD_POLICIES
 from kvserve.kv.head_manager import HeadStreamManager
+from kvserve.planner.kv_size import HEAD_STREAM_POLICIES
 from tests.conftest import make_tiny_model
 
 MAX_LEN = 256
@@ -50,6 +52,16 @@ def test_bfloat16_storage_with_room_for_everything_equals_the_bfloat16_full_cach
     heads = make(model_dir, kv_cache_dtype="bfloat16", **{**ADAKV, "kv_budget_tokens": 200})
     assert "bfloat16" in heads.engine.cache.describe()
     torch.testing.assert_close(scored(heads, tokens), scored(full, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", HEAD_STREAM_POLICIES)
+def test_every_per_head_policy_compresses_with_its_scorer_and_gives_every_block_back(model_dir, name):
+    llm = make(model_dir, **{**ADAKV, "kv_eviction": name})
+    assert llm.engine.kv.groups[0].scorer.name == HEAD_POLICIES[name][0]
+    logprobs = scored(llm, prompt(150, seed=5))
+    stats = llm.stats()
+    assert bool(logprobs.isfinite().all())
+    assert stats["num_evicted_blocks"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
 
 
 def test_freed_head_blocks_are_never_read(model_dir, monkeypatch):

@@ -1,11 +1,13 @@
 """Scores per (layer, KV head) and AdaKV's budgets: a layer's budgets sum to its total, every head gets its floor,
-the pooled rest goes to the highest scores; expected attention ranks the keys a query distribution points at."""
+the pooled rest goes to the highest scores; expected attention ranks the keys a query distribution points at; the
+union of two rankings keeps each one's best, where either alone drops one of them."""
 import math
 
 import pytest
 import torch
 
-from kvserve.kv.scorers import ExpectedAttentionScorer, KeyDiffScorer, KeyNormScorer, QueryStats, head_budgets
+from kvserve.kv.scorers import (ExpectedAttentionScorer, KeyDiffScorer, KeyNormScorer, QueryStats, Scorer,
+                                 UnionScorer, head_budgets, make_scorer, ranks)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -63,3 +65,67 @@ def test_keydiff_ranks_the_key_unlike_the_others_first():
     keys[0, 0, 3] = torch.tensor([1.0, -1.0, 1.0, -1.0])  # the needle among look-alikes
     scores = KeyDiffScorer().score(keys, torch.ones_like(keys), torch.ones(1, 1, 6, dtype=torch.bool), None, 0)
     assert int(scores[0, 0].argmax()) == 3
+
+
+def read_and_needle_case():
+    """One head's keys: a key the queries so far read (along their mean: expected attention's first, but a look-alike
+    of the mean key), six filler keys near it and a needle unlike them all that no query has read yet."""
+    D = 8
+    g = torch.Generator().manual_seed(0)
+    keys = torch.zeros(1, 1, 8, D)
+    keys[0, 0, :6, 0] = 1.0
+    keys[0, 0, :6, 1:] = 0.3 * torch.randn(6, D - 1, generator=g)  # filler: along the queries, noisy
+    keys[0, 0, 6, 0] = 3.0  # read: along the queries, exactly
+    keys[0, 0, 7, 2] = 1.0  # needle: across them
+    mean = torch.zeros(D)
+    mean[0] = 4.0
+    stats = QueryStats(mean.repeat(1, 2, 1) * 10, torch.zeros(1, 2, D), count=10)
+    inv_freq = torch.tensor([1e-6, 1e-6, 1e-6, 1e-6])  # no rotation to speak of
+    return keys, torch.ones_like(keys), torch.ones(1, 1, 8, dtype=torch.bool), stats, inv_freq
+
+
+def top(scores: torch.Tensor, n: int) -> set[int]:
+    return set(scores[0, 0].argsort(descending=True, stable=True)[:n].tolist())
+
+
+def test_the_union_keeps_the_read_key_and_the_needle_where_each_scorer_alone_drops_one():
+    keys, values, valid, stats, inv_freq = read_and_needle_case()
+    expected = ExpectedAttentionScorer(inv_freq).score(keys, values, valid, stats, 100)
+    keydiff = KeyDiffScorer().score(keys, values, valid, stats, 100)
+    union = make_scorer("expected+keydiff", inv_freq).score(keys, values, valid, stats, 100)
+    assert 6 in top(expected, 2) and 7 not in top(expected, 2)  # the needle is not read: expected attention drops it
+    assert 7 in top(keydiff, 2) and 6 not in top(keydiff, 2)  # the read key is a look-alike: KeyDiff drops it
+    assert top(union, 2) == {6, 7}
+
+
+class Fixed(Scorer):
+    def __init__(self, scores: torch.Tensor):
+        self.scores = scores
+
+    def score(self, keys, values, valid, stats, position):
+        return self.scores
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_union_keeps_half_of_what_a_head_keeps_by_each_ranking_and_scores_as_the_first(seed):
+    g = torch.Generator().manual_seed(seed)
+    L, H, K = 2, 3, 30
+    valid = torch.arange(K)[None, None, :] < torch.randint(5, K + 1, (L, H), generator=g)[..., None]
+    first, second = torch.rand(L, H, K, generator=g) * valid, torch.rand(L, H, K, generator=g) * valid
+    union = UnionScorer(Fixed(first), Fixed(second)).score(None, None, valid, None, 0)
+    # each head's scores are the first scorer's, reordered: heads compare (and AdaKV pools) as under it
+    torch.testing.assert_close(union.sort(-1).values, first.sort(-1).values, atol=0, rtol=0)
+    place, first_place, second_place = ranks(union, valid), ranks(first, valid), ranks(second, valid)
+    for n in range(1, K + 1):
+        kept = valid & (place < n)
+        assert torch.equal(kept.sum(-1), valid.sum(-1).clamp_max(n))
+        best_of_each = valid & ((first_place < n // 2) | (second_place < n // 2))
+        assert bool((kept | ~best_of_each).all())  # the best n // 2 of each ranking are among the n kept
+    totals = valid.sum((1, 2)) // 2
+    floors = torch.zeros(L, H, dtype=torch.long)
+    assert torch.equal(head_budgets(union, valid, floors, totals).sum(1), totals)
+
+
+def test_a_union_share_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError, match="share"):
+        UnionScorer(KeyNormScorer(), KeyDiffScorer(), share=1.0)

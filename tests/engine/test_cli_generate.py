@@ -55,7 +55,7 @@ def test_generate_streams_piece_by_piece(model_dir, llm, monkeypatch):
 
 @pytest.mark.parametrize("option, message", [
     (["--block-size", "0"], "block_size must be a positive integer"),
-    (["--block-size", "15", "--kv-cache-dtype", "int4"], "block_size must be even, got 15"),
+    (["--block-size", "15", "--kv-cache-dtype", "int4"], "block_size must be a multiple of 2, got 15"),
     (["--kv-cache-memory", "64TiB"], "is more than this machine's memory"),  # not an allocator traceback
 ])
 def test_generate_refuses_bad_engine_options_with_a_message(model_dir, capsys, option, message):

@@ -4,13 +4,13 @@ block, values per token with a fixed Lloyd-Max codebook; K and V Hadamard-rotate
 Keys carry large offsets in a few channels, the same for neighbouring tokens (docs/quality.md). A scale per head
 vector spends its levels on them; statistics per channel over a block remove them first (KIVI's and KVQuant's
 keys). So each key channel of a full block is stored as its midpoint (float16), its half range (float16 for nuq4;
-for the others one byte, its base-2 logarithm in sixteenths, so that nuq3 holds 1.3x int4's tokens) and a code per token
-on an evenly spaced grid from -1 to 1; the midpoint is then refitted to the chosen codes (least squares). The grid
+for the others one byte, its base-2 logarithm in sixteenths, so that nuq3 holds 1.3x int4's tokens) and a code per
+token on an evenly spaced grid from -1 to 1; the midpoint is then refitted to the chosen codes (least squares). The grid
 keeps each channel's extreme tokens, the ones attention singles out, on its end levels: a Lloyd-Max codebook fitted
 to the block's normalized values measured no better, and one scaled by the channel's RMS clipped those tokens
 (docs/quality.md). Values are rotated head vectors on the Lloyd-Max codebook of formats.codebook, scaled by one
-float16 number per token and head (TurboQuant's MSE quantizer with a scale in place of the unit norm), read back by a polynomial through the levels
-(formats.codebook.levels_of).
+float16 number per token and head (TurboQuant's MSE quantizer with a scale in place of the unit norm), read back
+by a polynomial through the levels (formats.codebook.levels_of).
 
 The filling block stays in full precision until it fills (formats.staged, shared with int4), and each query reads
 its own block from there. Stored K and V are in the rotated basis; a gather rotates them back, since the staged

@@ -1,5 +1,5 @@
-"""Non-uniform 4- and 3-bit KV storage (nuq4, nuq3, nuq3k4v): the values' codebook is a fixed function of head size and bits;
-codes pack and unpack losslessly; keys read back within half a step of their channel's grid over the block, an
+"""Non-uniform 4- and 3-bit KV storage (nuq4, nuq3, nuq3k4v): the values' codebook is a fixed function of head size
+and bits; codes pack and unpack losslessly; keys read back within half a step of their channel's grid over the block, an
 outlier channel included, values within the codebook's error; the filling block stays exact in staging until it
 fills, and a block's bytes do not depend on how its tokens arrived; copies and exported blocks are bitwise; the
 compiled decode attention over the codes equals attention over the eager read."""
@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.config import CacheConfig
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.codebook import (check_packable, codebook, levels_of, lloyd_max_levels, pack, packed_rows,
                                          unpack)
@@ -97,6 +98,25 @@ def test_three_bit_keys_with_four_bit_values_store_nuq4s_values_and_nuq3s_keys()
     keys = {fmt: float((c.gather(0, torch.tensor([[1]]))[0][0] - k).pow(2).mean()) for fmt, c in caches.items()}
     values = {fmt: float((c.gather(0, torch.tensor([[1]]))[1][0] - v).pow(2).mean()) for fmt, c in caches.items()}
     assert keys["nuq4"] < keys["nuq3k4v"] / 2 and values["nuq3k4v"] < values["nuq3"] / 2  # 16 levels where 8
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_engine_config_refuses_exactly_the_block_sizes_the_cache_cannot_pack(fmt):
+    """CacheConfig refuses a block size before any model loads (from the planner's KVDtype); the cache refuses
+    the same ones when built directly: the two rules must agree."""
+    for block_size in range(1, 33):
+        try:
+            CacheConfig(kv_cache_dtype=fmt, block_size=block_size, kv_cache_memory=None, enable_prefix_caching=True)
+            config_takes = True
+        except ValueError:
+            config_takes = False
+        try:
+            make_kv_cache(KVCacheSpec(fmt, KVLayout.uniform(1), 2, block_size, HEADS, DIM, torch.float32,
+                                      compile=False))
+            cache_takes = True
+        except ValueError:
+            cache_takes = False
+        assert config_takes == cache_takes, block_size
 
 
 def test_the_basis_is_a_fixed_orthonormal_matrix_and_reads_are_rotated_back():

@@ -6,8 +6,8 @@
   the true one, its distance to the sinks is what it would be with the window right after them.
 - H2O (`h2o`): keep the sinks, the recent window and the blocks that received the most attention ("heavy
   hitters") within `budget_tokens`; positions stay the original ones.
-- Per head (`adakv`, `adakv-keydiff`, `adakv-knorm`, `perhead`, `perhead-mix`): each (layer, KV head) keeps its
-  own tokens, per token rather than per block, in its own stream of head blocks (HeadBudgetPolicy;
+- Per head (`adakv`, `adakv-keydiff`, `adakv-knorm`, `perhead`, `perhead-mix`, `perhead-span`): each (layer, KV
+  head) keeps its own tokens, per token rather than per block, in its own stream of head blocks (HeadBudgetPolicy;
   kv/head_manager.py).
 
 Eviction is per block (16 tokens): a block is dropped only when no query will read it again (streaming) or when
@@ -123,7 +123,8 @@ class H2OPolicy(EvictionPolicy):
 class HeadBudgetPolicy(EvictionPolicy):
     """Per-(layer, KV head) compression (`adakv`: expected attention, AdaKV's budgets; `adakv-knorm`: key norms;
     `perhead`: expected attention, every head the same count; `perhead-mix`: the same counts, half of each kept by
-    expected attention and half by KeyDiff, kv/scorers.py's UnionScorer): each head keeps its own tokens in its own
+    expected attention and half by KeyDiff, kv/scorers.py's UnionScorer; `perhead-span`: the same, KeyDiff's scores
+    pooled over SPAN_TOKENS neighbours first, kv/scorers.py's SpanScorer): each head keeps its own tokens in its own
     stream of head blocks (kv/head_streams.py, kv/head_manager.py), `budget_tokens` per head on average, the sinks,
     the block being filled and the last `recent_tokens` always."""
 
@@ -136,8 +137,10 @@ class HeadBudgetPolicy(EvictionPolicy):
         return True
 
 
+SPAN_TOKENS = 9  # `perhead-span`'s window: KeyDiff's scores max-pooled over 9 tokens (docs/quality.md)
 HEAD_POLICIES = {"adakv": ("expected", True), "adakv-knorm": ("knorm", True), "adakv-keydiff": ("keydiff", True),
-                 "perhead": ("expected", False), "perhead-mix": ("expected+keydiff", False)}
+                 "perhead": ("expected", False), "perhead-mix": ("expected+keydiff", False),
+                 "perhead-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False)}
 
 
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:

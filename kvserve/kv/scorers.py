@@ -14,12 +14,15 @@ keys, scaled by the value norms), so a layer's budget can be pooled over its hea
 - `keydiff` (KeyDiffScorer): keys least like the head's mean key are the distinctive ones (KeyDiff).
 - `expected+keydiff` (UnionScorer): half of what a head keeps by each of the two rankings (expected attention keeps
   what the text reads, KeyDiff a fact no query has asked for yet).
+- `span(...)` (SpanScorer, after SnapKV's pooling): a scorer's scores max-pooled over `window` neighbours in each
+  head's stream, so a kept token keeps the tokens beside it (a needle's digits and the words naming it).
 
 `head_budgets` is AdaKV's allocation (Feng et al., 2024): a layer keeps `total` tokens over its heads, each head at
 least its floor, the rest taken by the highest scores pooled over all the layer's heads."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -150,16 +153,47 @@ class UnionScorer(Scorer):
         return first.sort(dim=-1, descending=True).values.gather(-1, order)
 
 
+class SpanScorer(Scorer):
+    """Another scorer's scores, each key's raised to the highest among the `window` keys centred on it in its head's
+    stream (SnapKV's max-pool). A stream holds its kept tokens in position order, so the neighbours are the nearest
+    kept tokens either side; a token that scores high brings its span, as a needle's number brings its key."""
+
+    def __init__(self, inner: Scorer, window: int):
+        if window < 1 or window % 2 == 0:
+            raise ValueError(f"a span window must be an odd number of tokens (1, 3, 5, ...), not {window}")
+        self.inner, self.window = inner, window
+        self.name = f"span{window}({inner.name})"
+
+    def score(self, keys, values, valid, stats, position):
+        scores = self.inner.score(keys, values, valid, stats, position)
+        return pool_spans(scores, valid, self.window)
+
+
+def pool_spans(scores: torch.Tensor, valid: torch.Tensor, window: int) -> torch.Tensor:
+    """Each valid key's score raised to the highest valid one within window // 2 places either side, [L, H, K]."""
+    L, H, K = scores.shape
+    padded = scores.masked_fill(~valid, float("-inf")).reshape(L * H, 1, K)
+    pooled = torch.nn.functional.max_pool1d(padded, window, stride=1, padding=window // 2).reshape(L, H, K)
+    return torch.where(valid, pooled, scores)
+
+
 def make_scorer(name: str, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> Scorer:
+    """The scorer a name gives: `expected`, `keydiff`, `knorm`, `a+b` (their union, half each) or `spanN(a)` (a's
+    scores pooled over N tokens)."""
+    if "+" in name:
+        first, second = name.split("+", 1)
+        return UnionScorer(make_scorer(first, inv_freq, attention_factor),
+                           make_scorer(second, inv_freq, attention_factor))
+    span = re.fullmatch(r"span(\d+)\((.+)\)", name)
+    if span:
+        return SpanScorer(make_scorer(span[2], inv_freq, attention_factor), int(span[1]))
     if name == "knorm":
         return KeyNormScorer()
     if name == "keydiff":
         return KeyDiffScorer()
     if name == "expected":
         return ExpectedAttentionScorer(inv_freq, attention_factor)
-    if name == "expected+keydiff":
-        return UnionScorer(ExpectedAttentionScorer(inv_freq, attention_factor), KeyDiffScorer())
-    raise ValueError(f"unknown KV scorer {name!r}; choose expected, keydiff, knorm or expected+keydiff")
+    raise ValueError(f"unknown KV scorer {name!r}; choose expected, keydiff, knorm, a union a+b or a span spanN(a)")
 
 
 def head_budgets(scores: torch.Tensor, valid: torch.Tensor, floors: torch.Tensor, totals: torch.Tensor

@@ -198,7 +198,7 @@ fixed_state_bytes = state_slot_bytes  # what `kvserve plan` reports per request 
 
 
 # eviction policies whose pool is blocks of one layer's one KV head (the engine's kv/head_streams.py)
-HEAD_STREAM_POLICIES = ("adakv", "adakv-knorm", "adakv-keydiff", "perhead", "perhead-mix")
+HEAD_STREAM_POLICIES = ("adakv", "adakv-knorm", "adakv-keydiff", "perhead", "perhead-mix", "perhead-span")
 
 
 def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,

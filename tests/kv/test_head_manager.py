@@ -52,7 +52,7 @@ def stream_positions(kv, storage, seq) -> list[list[list[int]]]:
     return [[positions[l, h, : streams.lengths[l, h]].tolist() for h in range(HEADS)] for l in range(LAYERS)]
 
 
-@pytest.mark.parametrize("name", ["adakv", "perhead", "perhead-mix"])
+@pytest.mark.parametrize("name", ["adakv", "perhead", "perhead-mix", "perhead-span"])
 def test_compression_frees_what_it_counts_and_keeps_sinks_filling_block_and_window(name):
     kv, storage = build(name)
     seq = Seq("a")

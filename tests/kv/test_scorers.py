@@ -1,13 +1,14 @@
 """Scores per (layer, KV head) and AdaKV's budgets: a layer's budgets sum to its total, every head gets its floor,
 the pooled rest goes to the highest scores; expected attention ranks the keys a query distribution points at; the
-union of two rankings keeps each one's best, where either alone drops one of them."""
+union of two rankings keeps each one's best, where either alone drops one of them; a span scorer keeps a high
+key's neighbours."""
 import math
 
 import pytest
 import torch
 
 from kvserve.kv.scorers import (ExpectedAttentionScorer, KeyDiffScorer, KeyNormScorer, QueryStats, Scorer,
-                                 UnionScorer, head_budgets, make_scorer, ranks)
+                                 SpanScorer, UnionScorer, head_budgets, make_scorer, ranks)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -129,3 +130,48 @@ def test_the_union_keeps_half_of_what_a_head_keeps_by_each_ranking_and_scores_as
 def test_a_union_share_outside_zero_to_one_is_refused():
     with pytest.raises(ValueError, match="share"):
         UnionScorer(KeyNormScorer(), KeyDiffScorer(), share=1.0)
+
+
+def needle_case() -> tuple[torch.Tensor, torch.Tensor]:
+    """One head of 20 keys, the last 4 padding: key 9 scores far above the rest, keys 8 and 10 below most of them."""
+    scores = torch.linspace(0.1, 0.5, 20)[None, None, :].clone()
+    scores[0, 0, 9], scores[0, 0, 8], scores[0, 0, 10] = 5.0, 0.01, 0.02
+    valid = torch.arange(20)[None, None, :] < 16
+    return scores * valid, valid
+
+
+def test_a_span_keeps_the_neighbours_of_a_high_key_that_token_ranking_drops():
+    scores, valid = needle_case()
+    plain = set(ranks(scores, valid)[0, 0].argsort()[:3].tolist())
+    spans = SpanScorer(Fixed(scores), 3).score(None, None, valid, None, 0)
+    pooled = set(ranks(spans, valid)[0, 0].argsort()[:3].tolist())
+    assert 9 in plain and not {8, 10} & plain  # alone, the needle's neighbours are among the first dropped
+    assert pooled == {8, 9, 10}
+    assert torch.equal(spans[~valid], scores[~valid])  # padding neither takes nor lends a score
+    assert spans[0, 0, 15] == scores[0, 0, 15]  # the last valid key is not raised by the padding past it
+
+
+def test_a_union_with_a_spanned_half_keeps_the_span_and_exact_counts():
+    scores, valid = needle_case()
+    first = torch.linspace(1.0, 0.1, 20)[None, None, :] * valid  # the first ranking prefers the earliest keys
+    union = UnionScorer(Fixed(first), SpanScorer(Fixed(scores), 5)).score(None, None, valid, None, 0)
+    place = ranks(union, valid)
+    assert {7, 8, 9, 10, 11} <= set(place[0, 0].argsort()[:10].tolist())
+    for n in range(1, 21):
+        assert int((valid & (place < n)).sum()) == min(n, 16)
+    assert torch.equal(head_budgets(union, valid, torch.zeros(1, 1, dtype=torch.long), torch.tensor([6])),
+                       torch.tensor([[6]]))
+
+
+@pytest.mark.parametrize("window", [0, -1, 2, 4])
+def test_a_span_window_that_is_not_a_positive_odd_count_is_refused(window):
+    with pytest.raises(ValueError, match="odd number of tokens"):
+        SpanScorer(KeyDiffScorer(), window)
+
+
+def test_make_scorer_builds_spans_inside_a_union():
+    scorer = make_scorer("expected+span5(keydiff)", torch.ones(4))
+    assert isinstance(scorer, UnionScorer) and isinstance(scorer.second, SpanScorer)
+    assert scorer.second.window == 5 and isinstance(scorer.second.inner, KeyDiffScorer)
+    with pytest.raises(ValueError, match="unknown KV scorer 'nothing'"):
+        make_scorer("span5(nothing)", torch.ones(4))

@@ -14,8 +14,8 @@ keys, scaled by the value norms), so a layer's budget can be pooled over its hea
 - `keydiff` (KeyDiffScorer): keys least like the head's mean key are the distinctive ones (KeyDiff).
 - `expected+keydiff` (UnionScorer): half of what a head keeps by each of the two rankings (expected attention keeps
   what the text reads, KeyDiff a fact no query has asked for yet).
-- `span(...)` (SpanScorer, after SnapKV's pooling): a scorer's scores max-pooled over `window` neighbours in each
-  head's stream, so a kept token keeps the tokens beside it (a needle's digits and the words naming it).
+- `spanN(a)` (SpanScorer, after SnapKV's pooling): scorer a's scores max-pooled over a window of N tokens in
+  each head's stream, so a kept token keeps the tokens beside it (a needle's digits and the words naming it).
 
 `head_budgets` is AdaKV's allocation (Feng et al., 2024): a layer keeps `total` tokens over its heads, each head at
 least its floor, the rest taken by the highest scores pooled over all the layer's heads."""

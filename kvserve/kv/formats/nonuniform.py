@@ -16,14 +16,16 @@ The filling block stays in full precision until it fills (formats.staged, shared
 its own block from there. Stored K and V are in the rotated basis; a gather rotates them back, since the staged
 and new tokens it joins are not rotated. The compiled decode attention (formats.compiled) reads the codes in place
 and rotates the query and the few staged and new tokens instead, then its output back (formats.fp8 explains why
-that is exact)."""
+that is exact). Storing a block finds each key's level by rounding (the grid is even) and each value's by a table
+(formats.codebook.NearestLevel), not by a search."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.kv.formats.codebook import check_packable, codebook, levels_of, pack, packed_rows, unpack
+from kvserve.kv.formats.codebook import (NearestLevel, check_packable, codebook, levels_of, pack, packed_rows,
+                                         unpack)
 from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind
 from kvserve.kv.formats.staged import StagedBlockKVCache
 from kvserve.rotation import hadamard
@@ -57,10 +59,9 @@ class NonUniformKVCache(StagedBlockKVCache):
             check_packable(bs, b, format_name)
         self.basis = hadamard(D).to(dtype=self.dtype, device=self.device)  # K and V are stored multiplied by it
         self._basis_t = self.basis.T.contiguous()
-        self.key_levels = torch.linspace(-1, 1, 2**self.key_bits, device=self.device)
-        self._key_midpoints = (self.key_levels[1:] + self.key_levels[:-1]) / 2
-        self.value_levels, self._value_midpoints, self.value_coefficients = (t.to(self.device)
-                                                                             for t in codebook(D, self.value_bits))
+        self.value_levels, midpoints, self.value_coefficients = (t.to(self.device)
+                                                                 for t in codebook(D, self.value_bits))
+        self._nearest_value_level = NearestLevel(midpoints)
         # codes packed across each block's tokens (formats.codebook): packed_rows(bs, bits) rows of [H, D] bytes
         self.k = torch.zeros(L, N * packed_rows(bs, self.key_bits), H, D, dtype=torch.uint8, device=self.device)
         self.k_offset = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)  # per block and channel
@@ -88,8 +89,10 @@ class NonUniformKVCache(StagedBlockKVCache):
         low, high = x.amin(dim=1), x.amax(dim=1)
         scale = encode_half_range((high - low) / 2, self.key_scale_dtype)
         half = decode_half_range(scale)[:, None]
-        codes = torch.bucketize((x - ((high + low) / 2)[:, None]) / half, self._key_midpoints)
-        offset = (x - self.key_levels[codes] * half).mean(dim=1)  # least squares, given the codes and half range
+        # the nearest level of the even grid -1, -1 + step, ..., 1 by rounding (a search would run value by value)
+        top, step = 2**self.key_bits - 1, 2 / (2**self.key_bits - 1)
+        codes = ((x - ((high + low) / 2)[:, None]) / (half * step) + top / 2).round_().clamp_(0, top)
+        offset = (x - (codes * step - 1) * half).mean(dim=1)  # least squares, given the codes and half range
         return pack(codes.to(torch.uint8), self.key_bits), offset.to(SCALE_DTYPE), scale
 
     def quantize_values(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +102,10 @@ class NonUniformKVCache(StagedBlockKVCache):
         values), then refitted to the chosen levels (least squares)."""
         x, levels = self.rotate(v.flatten(0, 1)).view(v.shape), self.value_levels
         scale = x.abs().amax(dim=-1) / levels[-1] if self.value_bits >= 4 else x.norm(dim=-1) / self.head_dim**0.5
-        codes = torch.bucketize(x / scale.clamp(min=MIN_SCALE)[..., None], self._value_midpoints)
-        chosen = levels[codes]
+        codes = self._nearest_value_level(x / scale.clamp(min=MIN_SCALE)[..., None])
+        chosen = levels.index_select(0, codes.view(-1).int()).view(x.shape)
         fitted = (x * chosen).sum(-1) / (chosen * chosen).sum(-1).clamp(min=MIN_SCALE)
-        return pack(codes.to(torch.uint8), self.value_bits), fitted.clamp(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
+        return pack(codes, self.value_bits), fitted.clamp(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
 
     def _store_blocks(self, row: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         codes, offset, scale = self.quantize_keys(k)

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from kvserve.config import CacheConfig
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
-from kvserve.kv.formats.codebook import (check_packable, codebook, levels_of, lloyd_max_levels, pack, packed_rows,
-                                         unpack)
+from kvserve.kv.formats.codebook import (NearestLevel, check_packable, codebook, levels_of, lloyd_max_levels, pack,
+                                         packed_rows, unpack)
 from kvserve.kv.formats.nonuniform import LOG_STEPS, NonUniformKVCache, decode_half_range, encode_half_range
 from kvserve.planner.layout import KVLayout
 from kvserve.rotation import hadamard
@@ -59,6 +59,23 @@ def test_the_codebook_is_symmetric_deterministic_and_its_cells_hold_their_means(
     assert torch.allclose(read.double(), levels, rtol=0, atol=1e-6)  # the polynomial read hits every level
     assert torch.equal(levels_of(torch.arange(2**bits, dtype=torch.uint8), coefficients, bits), read)
     assert torch.equal(midpoints, (read[1:] + read[:-1]) / 2) and len(coefficients) == 2 ** (bits - 1)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_the_nearest_level_table_gives_bucketizes_codes_at_and_beside_every_midpoint(bits):
+    """NearestLevel replaces torch.bucketize(x, midpoints): the same code for every value, the midpoints themselves
+    and their float32 neighbours included (where a cell's rounding could go wrong), and for values far outside."""
+    midpoints = codebook(DIM, bits)[1]
+    nearest = NearestLevel(midpoints)
+    g = torch.Generator().manual_seed(0)
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    x = torch.cat([torch.randn(20_000, generator=g) * 2, midpoints, torch.nextafter(midpoints, up),
+                   torch.nextafter(midpoints, down), torch.linspace(-4, 4, 100_001), torch.tensor([1e30, -1e30]),
+                   torch.stack([up, down])])
+    codes = nearest(x)
+    assert codes.dtype == torch.uint8
+    assert torch.equal(codes.long(), torch.bucketize(x, midpoints))
+    assert int(nearest(torch.tensor([float("nan")]))) == 0  # a code within range, not a stray byte in the packing
 
 
 @pytest.mark.parametrize("bits", [3, 4])
@@ -158,6 +175,30 @@ def test_keys_read_back_within_their_channels_grid_and_values_within_the_codeboo
     relative = (got_v[0] - 2 * v).pow(2).sum(-1) / (2 * v).pow(2).sum(-1)
     max_relative = {4: 0.012, 3: 0.045}[cache.value_bits]  # measured when written: 0.0080 (4 bits) and 0.030 (3)
     assert float(relative.mean()) <= max_relative and bool((relative < 4 * max_relative).all())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_stored_code_is_its_values_nearest_level(fmt):
+    """Keys round onto their channel's even grid and values take the codebook's nearest level: the stored code of
+    each is the one whose level is closest (a tie either way), as a search over the levels would choose."""
+    cache = make(fmt)
+    k, v = vectors(BS).view(1, BS, HEADS, DIM), vectors(BS, seed=1).view(1, BS, HEADS, DIM)
+    codes, offset, scale = cache.quantize_keys(k)
+    x = cache.rotate(k.flatten(0, 1)).view(k.shape)
+    half = decode_half_range(scale).view(1, 1, HEADS, DIM)
+    grid = torch.linspace(-1, 1, 2**cache.key_bits)
+    y = (x - ((x.amax(1) + x.amin(1)) / 2)[:, None]) / half  # the block's channels on -1 ... 1
+    _assert_nearest(unpack(codes, cache.key_bits).long(), y, grid)
+    codes, scale = cache.quantize_values(v)
+    x = cache.rotate(v.flatten(0, 1)).view(v.shape)
+    first = x.abs().amax(-1) / cache.value_levels[-1] if cache.value_bits >= 4 else x.norm(dim=-1) / DIM**0.5
+    _assert_nearest(unpack(codes, cache.value_bits).long(), x / first[..., None], cache.value_levels)
+
+
+def _assert_nearest(codes: torch.Tensor, y: torch.Tensor, levels: torch.Tensor) -> None:
+    distance = (y[..., None] - levels).abs()
+    chosen = distance.gather(-1, codes[..., None]).squeeze(-1)
+    assert bool((chosen <= distance.amin(-1) + 1e-5).all())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

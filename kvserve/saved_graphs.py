@@ -222,11 +222,13 @@ def graph_directory() -> Path:
 
 
 def environment() -> dict[str, str]:
-    """What every graph depends on: kvserve's source, torch, Python, the machine, Inductor's settings now."""
+    """What every graph depends on: kvserve's source, torch, Python, the machine, Inductor's settings and torch's
+    thread count now. Dynamo guards the thread count, so a graph saved by a process with other threads loads but
+    takes no call (each would be run eagerly): such a process names, compiles and saves graphs of its own."""
     from kvserve.inductor_isa import machine_key
 
     return {"kvserve": source_digest(), "torch": torch.__version__, "python": sys.version, "machine": machine_key(),
-            "inductor": _digest(torch._inductor.config.save_config_portable())}
+            "inductor": _digest(torch._inductor.config.save_config_portable()), "threads": str(torch.get_num_threads())}
 
 
 @functools.lru_cache(maxsize=1)

@@ -34,7 +34,7 @@ def test_the_name_holds_the_models_sizes_and_settings_not_its_weights(tmp_path):
     assert key_of(make_tiny_model(tmp_path / "a"), dtype="bfloat16") != base
 
 
-def test_the_name_holds_torch_python_the_machine_and_inductors_settings(tmp_path, monkeypatch):
+def test_the_name_holds_torch_python_the_machine_inductors_settings_and_threads(tmp_path, monkeypatch):
     path = make_tiny_model(tmp_path)
     base = key_of(path)
     with monkeypatch.context() as patch:
@@ -48,6 +48,12 @@ def test_the_name_holds_torch_python_the_machine_and_inductors_settings(tmp_path
         assert key_of(path) != base
     with torch._inductor.config.patch(max_autotune=True):
         assert key_of(path) != base
+    threads = torch.get_num_threads()
+    try:  # Dynamo guards the thread count: another count's graphs would load and then take no call
+        torch.set_num_threads(threads + 1)
+        assert key_of(path) != base
+    finally:
+        torch.set_num_threads(threads)
     assert key_of(path) == base
 
 

@@ -15,7 +15,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5ForConditionalGeneration": "qwen3_5_text",  # the released checkpoints: the text model is run
+    "Qwen3_5MoeForCausalLM": "qwen3_5_text",  # Qwen3.5/3.6 MoE: the same layers with a sparse MoE feed-forward
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_text",
 }
+VISION_LANGUAGE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 DEEPSEEK_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_text")  # Gated DeltaNet layers beside full attention
 FULL_ATTENTION = "full_attention"
@@ -144,7 +147,7 @@ class ModelConfig:
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),  # absent: no dense MLP (Qwen3.5 MoE routes every layer)
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=1 if deepseek else cfg.get("num_key_value_heads") or heads,
@@ -240,10 +243,10 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> DeepseekConfig:
 
 
 def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5's vision-language checkpoint: its text model's config (text_config), with the top level's
-    architecture and embedding tie; other configs (other vision-language models are refused) unchanged."""
+    """Qwen3.5/3.6's vision-language checkpoints (dense and MoE): the text model's config (text_config), with the
+    top level's architecture and embedding tie; other configs (other vision-language models are refused) unchanged."""
     text = cfg.get("text_config")
-    if not isinstance(text, dict) or "Qwen3_5ForConditionalGeneration" not in (cfg.get("architectures") or []):
+    if not isinstance(text, dict) or not set(VISION_LANGUAGE_ARCHITECTURES) & set(cfg.get("architectures") or []):
         return cfg
     return {**text, **{key: cfg[key] for key in ("architectures", "tie_word_embeddings") if key in cfg}}
 

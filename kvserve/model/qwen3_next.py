@@ -26,7 +26,7 @@ from kvserve.model.rotary import RotaryEmbedding
 from kvserve.rotation import apply_rotary
 
 logger = logging.getLogger("kvserve")
-LANGUAGE_MODEL_PREFIX = "model.language_model."  # Qwen3.5's released checkpoints (Qwen3_5ForConditionalGeneration)
+LANGUAGE_MODEL_PREFIX = "model.language_model."  # Qwen3.5/3.6 released checkpoints (*ForConditionalGeneration)
 SKIPPED_PREFIXES = {"model.visual.": "the vision tower", "mtp.": "the multi-token prediction layer"}
 
 

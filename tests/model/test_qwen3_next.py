@@ -289,23 +289,60 @@ def test_sparse_moe_logits_match_transformers(tmp_path):
     assert_nothing_held(engine)
 
 
-def test_the_released_vision_language_layout_runs_its_text_model(tmp_path, caplog):
-    # Qwen3.5's checkpoints: Qwen3_5ForConditionalGeneration, the text model's config under text_config and its
+# Qwen3.5/3.6 MoE (Qwen3.6-35B-A3B's layout): every layer routes each token to 2 of 4 experts beside the shared
+# expert, no dense MLP (the config has no intermediate_size)
+MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def test_qwen3_5_moe_logits_match_transformers(tmp_path):
+    text = {key: value for key, value in {**COMMON, **KINDS["qwen3_5"][2], **MOE_TEXT}.items()
+            if key != "intermediate_size"}
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text)).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("dt_bias"):
+                param.add_(torch.randn_like(param) * 0.3)
+            if name.endswith("mlp.gate.weight"):  # a router: no ties among the experts' scores
+                param.add_(torch.randn_like(param))
+    hf.save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4,
+                                    max_num_batched_tokens=24))
+    assert all(layer.mlp.moe.num_experts == 4 for layer in engine.model.layers)
+    prompt = random_prompt(40, seed=3)
+    ours, tokens = prompt_logits(engine, prompt)
+    logits, generated = reference(tmp_path, prompt)
+    assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
+    assert tokens == generated
+    assert_nothing_held(engine)
+
+
+VISION_LANGUAGE = {
+    "dense": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration, {}),
+    "moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration, MOE_TEXT),
+}
+
+
+@pytest.mark.parametrize("kind", VISION_LANGUAGE)
+def test_the_released_vision_language_layout_runs_its_text_model(tmp_path, caplog, kind):
+    # Qwen3.5/3.6's checkpoints: *ForConditionalGeneration, the text model's config under text_config and its
     # weights under model.language_model, beside a vision tower
-    text = {**COMMON, **KINDS["qwen3_5"][2]}
+    config_cls, model_cls, extra = VISION_LANGUAGE[kind]
+    text = {**COMMON, **KINDS["qwen3_5"][2], **extra}
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   num_position_embeddings=16, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
     torch.manual_seed(0)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    transformers.Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(tmp_path)
+    config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    model_cls(config).eval().save_pretrained(tmp_path)
     with caplog.at_level(logging.INFO, logger="kvserve"):
         engine = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory="4MiB", max_model_len=256,
                                         max_num_seqs=4))
     assert "the vision tower skipped" in caplog.text
+    assert all(hasattr(layer.mlp, "moe") == bool(extra) for layer in engine.model.layers)
     prompt = random_prompt(37, seed=4)
     ours, tokens = prompt_logits(engine, prompt)
-    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    hf = model_cls.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(input_ids=torch.tensor([prompt + tokens])).logits[0]
     assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE

@@ -61,6 +61,30 @@ def test_flags_change_the_slots_the_way_the_engine_would(capsys):
     assert fewer["per_request"][0]["max_concurrency"] == 8
 
 
+def test_qwen3_6_as_the_seed_states_it(capsys):
+    # the FP8-KV seed article's example: 40 layers of which 10 attention, 8 KV heads of 128, FP16: 40 KB a token,
+    # about 1.3 GB for a 32K request, 21 GB for 16 of them, 35 GB of weights on an 80 GB GPU
+    data = plan_json(capsys, "qwen3.6-seed-example", "--gpu", "h100", "--weights-dtype", "fp8", "--kv-cache-dtype",
+                     "fp16", "--max-model-len", "32768", "--max-num-seqs", "16")
+    assert data["kv_bytes_per_token"] == 2 * 10 * 8 * 128 * 2 == 40_960
+    assert 32_768 * data["kv_bytes_per_token"] == 1_342_177_280  # the seed's "about 1.3 GB"
+    assert round(16 * 32_768 * data["kv_bytes_per_token"] / 1e9) == 21
+    assert data["weights_bytes"] == 35_000_000_000
+    assert data["max_concurrency"] == 16  # the 16 requests fit, with their state slots
+
+
+def test_the_real_qwen3_6_35b_a3b(capsys):
+    # the released checkpoint's layout (Qwen3_5MoeForConditionalGeneration, its text model under text_config):
+    # 2 KV heads of 256, so half the seed's KV; 30 Gated DeltaNet layers of 32 value heads hold the state
+    data = plan_json(capsys, "qwen3.6-35b-a3b", "--gpu", "h100", "--weights-dtype", "fp8", "--max-model-len", "32768")
+    assert data["kv_bytes_per_token"] == 2 * 10 * 2 * 256 * 2 == 20_480
+    conv_channels = 2 * 16 * 128 + 32 * 128
+    assert data["fixed_state_bytes_per_request"] == 30 * (32 * 128 * 128 + 3 * conv_channels) * 4
+    assert round(data["fixed_state_bytes_per_request"] / 2**20, 2) == 62.81
+    assert data["state_checkpoint_bytes"] == data["fixed_state_bytes_per_request"]
+    assert 40 < data["max_concurrency"] < 64  # the KV of 32K requests, not the 64 slots, bounds it
+
+
 def test_a_model_without_linear_layers_reports_no_state(capsys):
     data = plan_json(capsys, "llama-3.1-8b", "--gpu", "rtx-4090", "--max-model-len", "8192")
     assert data["num_state_slots"] is None and data["state_cache_bytes"] is None

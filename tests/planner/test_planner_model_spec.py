@@ -11,7 +11,8 @@ from kvserve.planner.parameters import estimate_num_parameters
 
 REQUIRED_PRESETS = {
     "llama-3.1-8b", "llama-3.1-70b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b-v0.1", "qwen3-8b",
-    "gemma-3-27b", "deepseek-v2-lite", "smollm2-135m", "qwen3-next-80b-a3b",
+    "gemma-3-27b", "deepseek-v2-lite", "smollm2-135m", "qwen3-next-80b-a3b", "qwen3.6-35b-a3b",
+    "qwen3.6-seed-example",
 }
 
 # (layers, query heads, KV heads, head_dim, max length, attention kind) as the models publish them
@@ -26,6 +27,8 @@ PRESET_GEOMETRY = {
     "deepseek-v2-lite": (27, 16, 16, 128, 163_840, "MLA"),
     "smollm2-135m": (30, 9, 3, 64, 8_192, "GQA"),
     "qwen3-next-80b-a3b": (48, 16, 2, 256, 262_144, "GQA"),
+    "qwen3.6-35b-a3b": (40, 16, 2, 256, 262_144, "GQA"),
+    "qwen3.6-seed-example": (40, 16, 8, 128, 262_144, "GQA"),  # the seed article's simplified KV heads
 }
 
 # parameter counts published for the dense models, which the planner computes from their configs

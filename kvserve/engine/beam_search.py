@@ -129,14 +129,31 @@ def _run(engine: LLMEngine, searches: list[_Search], ids) -> None:
             if search.done or any(b.request_id not in pending for b in search.beams):
                 continue
             going_on = search.step({b.request_id: pending.pop(b.request_id) for b in search.beams})
-            forks = []
-            for parent, token, cumulative_logprob in going_on:  # fork first: dropping a parent frees its blocks
-                child_id = next(ids)
-                engine.fork_request(parent.request_id, child_id, last_token_id=token)
-                forks.append(_Beam(child_id, parent.token_ids + [token], cumulative_logprob))
-            for beam in search.beams:
-                engine.abort_request(beam.request_id)
-            search.beams = forks
+            search.beams = _fork_and_drop(engine, search.beams, going_on, ids)
+
+
+def _fork_and_drop(engine: LLMEngine, parents: list[_Beam], going_on: list[tuple[_Beam, int, float]],
+                   ids) -> list[_Beam]:
+    """The chosen continuations forked, the old beams dropped: first those with no continuation, then each parent
+    right after its own children are forked (a child shares its parent's blocks only if forked before the parent
+    is dropped). So at most beam_width + 1 beams of a search are alive at once, which a hybrid model's state slots
+    (one per beam) must hold."""
+    children: dict[str, list[int]] = {}  # each parent's continuations, by their place in going_on
+    for place, (parent, _, _) in enumerate(going_on):
+        children.setdefault(parent.request_id, []).append(place)
+    for beam in parents:
+        if beam.request_id not in children:
+            engine.abort_request(beam.request_id)
+    forks: list[_Beam | None] = [None] * len(going_on)  # in going_on's order, best first
+    for beam in parents:
+        for place in children.get(beam.request_id, ()):
+            _, token, cumulative_logprob = going_on[place]
+            child_id = next(ids)
+            engine.fork_request(beam.request_id, child_id, last_token_id=token)
+            forks[place] = _Beam(child_id, beam.token_ids + [token], cumulative_logprob)
+        if beam.request_id in children:
+            engine.abort_request(beam.request_id)
+    return forks
 
 
 def _token_ids(engine: LLMEngine, index: int, prompt: PromptType) -> list[int]:
@@ -157,6 +174,11 @@ def _check_fits(engine: LLMEngine, token_lists: list[list[int]], params: BeamSea
     if num_beams > engine.config.max_num_batched_tokens:
         raise ValueError(f"{len(token_lists)} prompts x beam_width={params.beam_width} beams exceed "
                          f"max_num_batched_tokens={engine.config.max_num_batched_tokens}; pass fewer prompts")
+    slots = engine.kv.state.num_slots if engine.kv.state is not None else None
+    if slots is not None and num_beams + 1 > slots:  # a hybrid model: each beam holds a state slot
+        raise ValueError(f"{len(token_lists)} prompts x beam_width={params.beam_width} beams need {num_beams + 1} "
+                         f"state slots while beams are forked; the cache has {slots} (one per max_num_seqs): "
+                         f"raise max_num_seqs to {num_beams + 1} or pass fewer prompts")
     block_size, num_blocks = engine.kv.block_size, engine.kv.pool.num_blocks
     worst = sum(params.beam_width * blocks_needed(len(t) + params.max_tokens, block_size) for t in token_lists)
     if worst > num_blocks:

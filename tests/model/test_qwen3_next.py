@@ -1,7 +1,7 @@
 """Our Qwen3-Next / Qwen3.5 decoder (hybrid: Gated DeltaNet layers beside full attention) against transformers' on
 the same random weights, float32, max abs diff <= 1e-4: every prompt position and 20 greedy decode steps, with the
 prompt whole, chunked (chunks that do and do not divide the delta rule's 64), batched beside other sequences,
-preempted and recomputed, forked (n = 2), decoding from slots that are and are not one run, and resumed from a state checkpoint after a prefix hit; every block and
+preempted and recomputed, forked (n = 2, beam search), decoding from slots that are and are not one run, and resumed from a state checkpoint after a prefix hit; every block and
 state slot back afterwards; the settings hybrid models do not run with yet refused by name."""
 import logging
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvserve import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from kvserve.model.qwen3_next import Qwen3NextModel
 
 NUM_DECODE_STEPS = 20
@@ -262,6 +262,26 @@ def test_a_checkpoint_without_its_kv_blocks_is_never_used(tmp_path):
     output = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
     assert output.num_cached_tokens == 0 and llm.engine.kv.checkpoints.num_hits == 0
     assert output.outputs[0].token_ids == reference(path, prompt)[1]
+
+
+def test_beam_search_forks_the_state_and_matches_transformers(tmp_path):
+    # each beam holds a state slot; forking a parent's children and dropping it right after keeps at most
+    # beam_width + 1 beams alive, so 4 slots run 3 beams
+    path = make_hybrid_model(tmp_path, "qwen3_5")
+    prompt = random_prompt(21, seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
+                          max_new_tokens=12, eos_token_id=None, pad_token_id=0, output_scores=True,
+                          return_dict_in_generate=True)
+    llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)
+    result = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))[0]
+    assert [h.token_ids for h in result.sequences] == out.sequences[:, len(prompt):].tolist()
+    assert [h.score for h in result.sequences] == pytest.approx(out.sequences_scores.tolist(), rel=1e-4)
+    assert_nothing_held(llm.engine)
+    with pytest.raises(ValueError, match="need 7 state slots while beams are forked; the cache has 4"):
+        llm.beam_search([prompt, prompt], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+    assert_nothing_held(llm.engine)
 
 
 @pytest.mark.parametrize("setting, name", [

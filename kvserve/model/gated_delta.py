@@ -72,14 +72,17 @@ def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, state: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS,
-                             lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             lengths: torch.Tensor | None = None, in_place: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule a block of `chunk_tokens` at a time (the last block may be shorter); same shapes as
     recurrent_gated_delta_rule. Heads go first inside: [B, H, T, D]. `lengths` [B]: sequences of different lengths
     in one call, each padded to T; a padded token decays and updates nothing (g and beta taken as 0 there) and its
-    output means nothing; a block is computed only for the sequences that reach into it (0 for the others)."""
+    output means nothing; a block is computed only for the sequences that reach into it (0 for the others).
+    `in_place`: `state` (float32, the caller's own copy) becomes the final state, saving a pass over it per
+    block; otherwise the caller's state is kept."""
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))
-    state = state.float()
+    state = state.float() if in_place else state.float().clone()
     if lengths is not None:
         real = (torch.arange(q.shape[2], device=q.device) < lengths[:, None])[:, None, :]  # [B, 1, T]
         g, beta = g * real, beta * real
@@ -88,31 +91,35 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         block = slice(start, start + chunk_tokens)
         parts = (q[:, :, block], k[:, :, block], v[:, :, block], g[:, :, block], beta[:, :, block])
         if lengths is None or bool((lengths > start).all()):
-            out, state = _chunk(*parts, state)
+            outs.append(_chunk_(*parts, state))
         else:  # the sequences that end before this block keep their state
             active = (lengths > start).nonzero().squeeze(1)
-            state = state.clone() if start == 0 else state  # the caller's is kept
-            out = parts[2].new_zeros(parts[2].shape)
-            out[active], state[active] = _chunk(*(x[active] for x in parts), state[active])
-        outs.append(out)
+            out, ongoing = parts[2].new_zeros(parts[2].shape), state[active]
+            out[active] = _chunk_(*(x[active] for x in parts), ongoing)
+            state[active] = ongoing
+            outs.append(out)
     return torch.cat(outs, dim=2).transpose(1, 2), state
 
 
-def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of L tokens from `state`. With c the cumulative decay inside the block, decay(t, s) = exp(c_t - c_s)
-    and the new values u of every token solve (I + A) u = beta (v - exp(c) k S0), A[t, s] = beta_t decay(t, s) k_t.k_s
-    for s < t: one unit lower-triangular solve instead of L sequential updates."""
+def _chunk_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor) -> torch.Tensor:
+    """One block of L tokens from `state`, which it leaves at the block's end (in place); returns the outputs. With
+    c the cumulative decay inside the block, decay(t, s) = exp(c_t - c_s) and the new values u of every token solve
+    (I + A) u = beta (v - exp(c) k S0), A[t, s] = beta_t decay(t, s) k_t.k_s for s < t: one unit lower-triangular
+    solve instead of L sequential updates. The state is read by one matmul for keys and queries together."""
     length = q.shape[2]
     c = g.cumsum(-1)  # [B, H, L]
     earlier = torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-1)
     # decay between positions, masked before exp so that the upper triangle cannot overflow
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~earlier, float("-inf")).exp()
     system = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # A, strictly lower
-    rhs = beta[..., None] * (v - (c.exp()[..., None] * k) @ state)
+    read = (c.exp().repeat(1, 1, 2)[..., None] * torch.cat([k, q], dim=2)) @ state  # exp(c) k S0, exp(c) q S0
+    rhs = beta[..., None] * (v - read[:, :, :length])
     u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     within = (q @ k.transpose(-1, -2)) * decay.masked_fill(torch.eye(length, dtype=torch.bool, device=q.device), 1.0)
-    out = (c.exp()[..., None] * q) @ state + within @ u
+    out = torch.baddbmm(read[:, :, length:].flatten(0, 1), within.flatten(0, 1), u.flatten(0, 1)).view_as(u)
     to_end = (c[..., -1:] - c).exp()  # decay from each token to the block's end
-    state = state * c[..., -1].exp()[..., None, None] + (k * to_end[..., None]).transpose(-1, -2) @ u
-    return out, state
+    flat = state.view(-1, *state.shape[-2:])
+    flat.mul_(c[..., -1].exp().reshape(-1, 1, 1)).baddbmm_((k * to_end[..., None]).transpose(-1, -2).flatten(0, 1),
+                                                          u.flatten(0, 1))
+    return out

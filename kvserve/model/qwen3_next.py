@@ -133,7 +133,8 @@ class GatedDeltaNetLayer:
                                    prompts.lengths)
         q, k, v = self._heads(mixed.transpose(1, 2))
         rows = prompts.rows
-        out, states = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows], states, lengths=prompts.lengths)
+        out, states = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows], states, lengths=prompts.lengths,
+                                               in_place=True)  # `states` is this call's own (torch.where's)
         prompts.slots.write(conv, tails)
         prompts.slots.write(state, states)
         return out

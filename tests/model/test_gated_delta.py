@@ -1,7 +1,7 @@
 """The gated delta rule's two forms agree with each other and with transformers' torch fallbacks, from a zero and a
 nonzero state, over lengths that do and do not fill the 64-token chunks; split runs continue exactly where one
 run would; sequences of different lengths padded into one call agree with each run alone; the in-place forms
-agree with the copying ones; the causal conv continues from its tail."""
+agree with the copying ones (the chunked one leaving its final state in the caller's copy); the causal conv continues from its tail."""
 import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
@@ -93,6 +93,18 @@ def test_the_in_place_recurrent_rule_updates_the_state_it_is_given():
     assert (recurrent_gated_delta_rule_(q, k, v, g, beta, in_place) - out).abs().max() <= 1e-6
     assert (in_place - new_state).abs().max() <= 1e-6
     assert not torch.equal(in_place, state)
+
+
+@pytest.mark.parametrize("lengths", [None, [130, 5], [64, 70]])
+def test_the_in_place_chunked_rule_leaves_the_final_state_in_the_state_it_is_given(lengths):
+    q, k, v, g, beta, state = inputs(130, seed=4)
+    q, k = qk_norm_and_scale(q, k)
+    lengths = None if lengths is None else torch.tensor(lengths)
+    out, new_state = chunked_gated_delta_rule(q, k, v, g, beta, state, lengths=lengths)
+    given = state.clone()
+    in_place_out, returned = chunked_gated_delta_rule(q, k, v, g, beta, given, lengths=lengths, in_place=True)
+    assert returned is given
+    assert torch.equal(in_place_out, out) and torch.equal(given, new_state)
 
 
 def test_padded_conv_and_the_one_token_step_continue_like_the_plain_conv():

@@ -61,6 +61,8 @@ class CheckpointEnds(BlockEnds):
         self.prefixes = prefixes
         self.hashes = hashes
         self.disk = disk
+        if disk is not None:  # which slot holds a checkpoint now: one the writer skipped is written later from there
+            disk.attach_checkpoints(checkpoints.saved_slot)
         self.block_size = hashes.block_size
         # each sequence's newest checkpoint taken while decoding, and its depth in blocks
         self._decoding: dict[str, tuple[BlockHash, int]] = {}

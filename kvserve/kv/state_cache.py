@@ -300,6 +300,11 @@ still reads (`copied`: an admission restores it), is never taken."""
     def contains(self, key: bytes) -> bool:
         return key in self._saved
 
+    def saved_slot(self, key: bytes) -> int | None:
+        """The slot holding the state saved under `key`, once its step has run (filled); None otherwise."""
+        checkpoint = self._saved.get(key)
+        return checkpoint.slot if checkpoint is not None and checkpoint.filled else None
+
     def take(self, key: bytes, num_blocks: int) -> int | None:
         """A slot to save the state after `key`'s block (the `num_blocks`-th) in, the least valuable one's if none
         is free; None if every slot waits for its step."""

@@ -1,11 +1,12 @@
 """Hybrid models (Qwen3.5 / Qwen3-Next) with the disk tier and state checkpoints: a restarted engine resumes a
 returning conversation from the deepest checkpoint on disk whose blocks and state both read, with transformers'
-logits; a checkpoint whose earlier blocks are missing is never used, nor one whose KV blocks the pool evicted
+logits, also when the writer was behind and wrote its checkpoints late; a checkpoint whose earlier blocks are missing is never used, nor one whose KV blocks the pool evicted
 (poisoned, it would show); another model never finds the records; `cached_tokens` is exactly the tokens the model
 did not run; no state slot or checkpoint is left waiting after preemptions and aborts."""
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.kv.block_hash import hash_full_blocks
 from kvserve.kv.tiers.record import STATE
+from tests.engine.test_disk_tier import behind_writer
 from tests.model.test_qwen3_next import (GREEDY, assert_matches, assert_nothing_held, make_hybrid_model,
                                          random_prompt, recording, reference)
 
@@ -50,6 +51,25 @@ def test_a_restarted_engine_resumes_from_the_deepest_checkpoint_on_disk(tmp_path
     stats = llm.stats()
     assert stats["disk_cache_reads"] == 3 + 1 and stats["state_checkpoint_hits"] == 1  # 3 blocks, 1 state
     assert_nothing_held(llm.engine)
+
+
+def test_checkpoints_skipped_while_the_writer_was_behind_are_written_later(tmp_path, monkeypatch):
+    path = make_hybrid_model(tmp_path / "model", "qwen3_5")
+    llm = engine(path, tmp_path / "disk")
+    gate = behind_writer(llm, monkeypatch)  # two records queued at a time, writes held
+    first = random_prompt(40, seed=7)
+    answer = llm.generate({"prompt_token_ids": first}, GREEDY)[0].outputs[0].token_ids
+    skipped = llm.stats()["disk_cache_writes_skipped"]
+    assert skipped >= 2  # among them both state checkpoints: each came after the two queued blocks
+    gate.set()
+    assert llm.engine.disk_cache.flush(10)  # what a clean exit does: hands the skipped records again
+    assert llm.stats()["disk_cache_writes_retried"] == skipped
+    second = first + answer + random_prompt(10, seed=8)
+    again = engine(path, tmp_path / "disk")
+    assert again.engine.disk_cache.store.num_states_at_start == 2
+    turn2 = again.generate({"prompt_token_ids": second}, GREEDY)[0]
+    assert (turn2.num_cached_tokens, turn2.num_disk_cached_tokens) == (48, 48)  # the deepest checkpoint, block 3
+    assert_nothing_held(again.engine)
 
 
 def test_a_damaged_deepest_state_falls_back_to_the_one_before(tmp_path):

@@ -63,6 +63,11 @@ class KVTier(Protocol):
         """Called once by the manager: `find_block` says which pool block holds a key now (None: none)."""
         ...
 
+    def attach_checkpoints(self, find_slot: Callable[[BlockHash], int | None]) -> None:
+        """Called once for hybrid models: `find_slot` says which state slot holds the checkpoint saved under a key
+        now (None: none)."""
+        ...
+
     def contains(self, key: BlockHash) -> bool: ...
 
     def worth_reading(self, num_records: int, num_tokens: int, num_states: int = 0) -> bool:

@@ -34,7 +34,7 @@ from kvserve.kv.tiers.base import BlockLoad, StateLoad
 from kvserve.kv.tiers.chain_read import ChainRead
 from kvserve.kv.tiers.cost import ReadCost
 from kvserve.kv.tiers.readers import ReaderThreads, ReadJob
-from kvserve.kv.tiers.record import STATE, BlockRecord, RecordRejected
+from kvserve.kv.tiers.record import BLOCK, STATE, BlockRecord, RecordKind, RecordRejected
 from kvserve.kv.tiers.store import EXIT_FLUSH_S, DiskBlockStore
 
 logger = logging.getLogger("kvserve")
@@ -58,6 +58,9 @@ class DiskKVCache:
         # (`_pool_block` says which pool block holds a key now: the KV cache manager attaches it), and at a clean exit.
         self._skipped: OrderedDict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = OrderedDict()
         self._pool_block: Callable[[BlockHash], int | None] = lambda key: None
+        # the same for state checkpoints, written later from the checkpoint slot that still holds one
+        self._skipped_states: OrderedDict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = OrderedDict()
+        self._checkpoint_slot: Callable[[BlockHash], int | None] = lambda key: None
         self.specs = cache.block_specs()
         self.num_hit_tokens = 0  # prompt tokens whose blocks came from disk (the KV manager counts them)
         self.record_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.specs)
@@ -75,6 +78,11 @@ class DiskKVCache:
         there (the KV cache manager attaches its pool once)."""
         self._pool_block = find_block
 
+    def attach_checkpoints(self, find_slot: Callable[[BlockHash], int | None]) -> None:
+        """`find_slot` says which state slot holds the checkpoint saved under a key now: a checkpoint the writer
+        skipped is written later from there (hybrid models' checkpoint manager attaches it)."""
+        self._checkpoint_slot = find_slot
+
     def contains(self, key: BlockHash) -> bool:
         return self.store.contains(key)
 
@@ -87,7 +95,7 @@ class DiskKVCache:
         the writer had no room for is remembered and handed again later (`save_skipped`)."""
         if self.store.writing_stopped:
             return
-        if self._skipped:
+        if self._skipped or self._skipped_states:
             self.save_skipped()
         if not self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.cache.export_block(block_id))) \
                 and len(self._skipped) < MAX_SKIPPED:
@@ -95,39 +103,53 @@ class DiskKVCache:
 
     def save_state(self, slot: int, key: BlockHash, parent: BlockHash | None, token_ids: Sequence[int]) -> None:
         """Copy the state checkpoint in state slot `slot` out for the writer: the state after the block of `key`.
-        Unlike a block, one the writer has no room for is not handed again (the slot may be reused by then)."""
+        One the writer has no room for is handed again later, as a block is, while a checkpoint slot still holds
+        it (`save_skipped`)."""
         if self.store.writing_stopped or self.state_cache is None or self.store.contains(key, STATE):
             return
-        self.store.submit(BlockRecord(key, parent, tuple(token_ids), self.state_cache.export_slot(slot), STATE))
+        record = BlockRecord(key, parent, tuple(token_ids), self.state_cache.export_slot(slot), STATE)
+        if not self.store.submit(record) and len(self._skipped_states) < MAX_SKIPPED:
+            self._skipped_states[key] = (parent, tuple(token_ids))
 
     def contains_state(self, key: BlockHash) -> bool:
         return self.state_cache is not None and self.store.contains(key, STATE)
 
     def save_skipped(self, timeout_s: float = 0.0) -> None:
-        """Hand the writer the skipped blocks the pool still holds, oldest first, while it has room (waiting up to
-        `timeout_s` for room). A block the pool no longer holds cannot be written: it is forgotten."""
+        """Hand the writer the skipped blocks the pool still holds, oldest first, then the skipped checkpoints a
+        checkpoint slot still holds, while it has room (waiting up to `timeout_s` for room). What is no longer
+        held cannot be written: it is forgotten."""
         deadline = time.monotonic() + timeout_s
-        while self._skipped and not self.store.writing_stopped:
-            key, (parent, token_ids) = next(iter(self._skipped.items()))
-            block_id = self._pool_block(key)
-            if block_id is not None:
-                if not self.store.wait_for_room(self.record_bytes, max(0.0, deadline - time.monotonic())):
-                    return
-                tensors = self.cache.export_block(block_id)
-                # still that key's block after the copy: at exit an engine thread that has not stopped may be
-                # reusing blocks, and a block it took while we copied must not be written under this key
-                if self._pool_block(key) == block_id:
-                    if not self.store.submit(BlockRecord(key, parent, token_ids, tensors)):
-                        return
+        if self._hand_again(self._skipped, self._pool_block, self.record_bytes, self.cache.export_block, BLOCK,
+                            deadline) and self.state_cache is not None:
+            self._hand_again(self._skipped_states, self._checkpoint_slot, self.state_bytes,
+                             self.state_cache.export_slot, STATE, deadline)
+
+    def _hand_again(self, skipped: OrderedDict, find: Callable[[BlockHash], int | None], num_bytes: int,
+                    export: Callable[[int], list[torch.Tensor]], kind: RecordKind, deadline: float) -> bool:
+        """save_skipped for one kind of record; False if the writer had no room in time (some are left)."""
+        while skipped and not self.store.writing_stopped:
+            key, (parent, token_ids) = next(iter(skipped.items()))
+            where = find(key)
+            if where is not None:
+                if not self.store.wait_for_room(num_bytes, max(0.0, deadline - time.monotonic())):
+                    return False
+                tensors = export(where)
+                # still that key's block (or slot) after the copy: at exit an engine thread that has not stopped
+                # may be reusing them, and one it took while we copied must not be written under this key
+                if find(key) == where:
+                    if not self.store.submit(BlockRecord(key, parent, token_ids, tensors, kind)):
+                        return False
                     self.store.counters.num_writes_retried += 1
-            del self._skipped[key]
+            del skipped[key]
+        return True
 
     def flush(self, timeout_s: float) -> bool:
         """Write what the pool holds that the disk lacks: the queue, and the skipped blocks still in the pool
         (what a clean exit does, within `timeout_s`). False if time ran out first."""
         deadline = time.monotonic() + timeout_s
         self.save_skipped(timeout_s)
-        return self.store.flush(max(0.0, deadline - time.monotonic())) and not self._skipped
+        return self.store.flush(max(0.0, deadline - time.monotonic())) and not self._skipped \
+            and not self._skipped_states
 
     def worth_reading(self, num_records: int, num_tokens: int, num_states: int = 0) -> bool:
         """Whether reading `num_records` blocks and `num_states` state checkpoints is faster than prefilling the

@@ -115,7 +115,7 @@ def methods(protocol) -> set[str]:
 
 
 def test_the_disk_tier_offers_every_call_of_the_interface():
-    assert methods(KVTier) == {"attach_pool", "contains", "worth_reading", "start_reading", "save", "save_state",
+    assert methods(KVTier) == {"attach_pool", "attach_checkpoints", "contains", "worth_reading", "start_reading", "save", "save_state",
                                "contains_state", "count_hit_tokens", "stats"}
     assert all(callable(getattr(DiskKVCache, name, None)) for name in methods(KVTier))
     assert methods(TierRead) == {"done", "wait", "finish", "put_state"}
@@ -144,6 +144,10 @@ class StandInStateTier(StandInTier):
         super().__init__()
         self.state_keys = set(state_keys)
         self.read = None
+        self.find_slot = None
+
+    def attach_checkpoints(self, find_slot) -> None:
+        self.find_slot = find_slot
 
     def contains_state(self, key: bytes) -> bool:
         return key in self.state_keys

@@ -82,6 +82,28 @@ def test_a_row_per_block_size_each_engine_built_with_its_own(monkeypatch, capsys
     assert built == [16, 8]
 
 
+def test_a_row_per_eviction_policy_each_engine_built_with_it(monkeypatch, capsys):
+    from kvserve.engine import llm as llm_module
+
+    built = []  # the eviction of every engine the benchmark builds
+
+    class RecordingLLM(llm_module.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            config = self.engine.config
+            built.append((config.kv_eviction, config.kv_budget_tokens, config.kv_recent_tokens))
+
+    monkeypatch.setattr(llm_module, "LLM", RecordingLLM)
+    argv = [*TINY_RUN, "llama.cpp", "roofline", "--min-prompt-len", "64", "--max-prompt-len", "64",
+            "--kv-eviction", "none,perhead-span", "--kv-budget-tokens", "40", "--kv-recent-tokens", "4"]
+
+    assert main(argv) == 0
+
+    out = capsys.readouterr().out
+    assert "│ kvserve (float32" in out and "perhead-span budget 40" in out.replace("\n│", "")
+    assert built[0][0] == "none" and built[1] == ("perhead-span", 40, 4)
+
+
 @pytest.mark.slow
 def test_repeated_runs_interleave_and_report_each_rounds_ratio(capsys):
     argv = [*TINY_RUN, "llama.cpp", "roofline", "--kv-cache-dtype", "auto,int4", "--repeat", "3"]
@@ -125,6 +147,7 @@ def test_every_timed_run_computes_its_prompts_in_full(monkeypatch):
     ("--num-speculative-tokens", "0", "num_speculative_tokens must be a positive integer"),
     ("--compile-decode", "maybe", "--compile-decode takes default, off, on and/or gemms, got ['maybe']"),
     ("--block-size", "0", "block_size must be a positive integer, got 0"),
+    ("--kv-eviction", "lru", "kv_eviction='lru' is not supported"),
 ])
 def test_bad_values_are_named_before_anything_loads(option, value, message):
     argv = ["bench", "throughput", option, value]

@@ -40,6 +40,13 @@ def add_throughput_parser(bench_subparsers) -> None:
     p.add_argument("--block-size", nargs="+", type=int, default=[DEFAULT_BLOCK_SIZE], metavar="TOKENS",
                    help="kvserve's KV block size; one run per value, e.g. 16 64 to price a larger block in the "
                         "same run (default: the engine's %(default)s)")
+    p.add_argument("--kv-eviction", nargs="+", default=["none"], metavar="POLICY",
+                   help="KV eviction policies (none, streaming, h2o, perhead-span, ...), each its own row: what "
+                        "compression costs in speed at the same batch")
+    p.add_argument("--kv-budget-tokens", type=int, default=128, metavar="N",
+                   help="with --kv-eviction: tokens each sequence (per-head policies: each KV head) keeps")
+    p.add_argument("--kv-recent-tokens", type=int, default=32, metavar="N",
+                   help="with --kv-eviction: the recent window always kept")
     p.add_argument("--batch-invariant", nargs="+", default=["off"], metavar="MODE",
                    help="kvserve's --batch-invariant: off, on, or off on (one run per value) to price the mode "
                         "against the default in the same run (default: off)")

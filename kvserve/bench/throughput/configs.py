@@ -23,12 +23,16 @@ class KvserveConfig:
     compile_decode: bool | None = None  # None: the engine's default (compiled unless KVSERVE_EAGER_STEPS=1)
     compile_gemms: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
+    kv_eviction: str = "none"  # with its budget and recent window (--kv-budget-tokens, --kv-recent-tokens)
+    kv_budget_tokens: int = 0
+    kv_recent_tokens: int = 0
 
     @property
     def name(self) -> str:
         extras = ([f"{self.quantization} weights"] if self.quantization != "none" else []) + \
             ([f"KV {self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else []) + \
             ([f"blocks of {self.block_size}"] if self.block_size != DEFAULT_BLOCK_SIZE else []) + \
+            ([f"{self.kv_eviction} budget {self.kv_budget_tokens}"] if self.kv_eviction != "none" else []) + \
             (["batch-invariant"] if self.batch_invariant else []) + \
             ([f"{self.speculative} k={self.num_speculative_tokens}"] if self.speculative != "off" else []) + \
             ([f"off above {self.disable_by_batch_size}"] if self.disable_by_batch_size != DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -47,6 +51,14 @@ class KvserveConfig:
         return replace(self, compile_decode=compiled).name if self.compile_decode is None else self.name
 
     @property
+    def eviction(self) -> dict:
+        """The LLM's eviction options (none: the engine's defaults)."""
+        if self.kv_eviction == "none":
+            return {}
+        return {"kv_eviction": self.kv_eviction, "kv_budget_tokens": self.kv_budget_tokens,
+                "kv_recent_tokens": self.kv_recent_tokens}
+
+    @property
     def speculative_config(self) -> dict | None:
         if self.speculative == "off":
             return None
@@ -63,12 +75,13 @@ def kvserve_configs(args: argparse.Namespace) -> list[KvserveConfig]:
     """Every combination of the options' values, in row order; a bad value exits naming the choices."""
     modes, compile_modes, methods = _checked_modes(args)
     configs = [KvserveConfig(d, q, kv, mode == "on", method, args.num_speculative_tokens, limit,
-                             COMPILE_MODES[compiled], compiled == "gemms", block)
+                             COMPILE_MODES[compiled], compiled == "gemms", block, eviction,
+                             args.kv_budget_tokens, args.kv_recent_tokens)
                for d in args.dtypes for q in option_values(args.quantization)
                for kv in option_values(args.kv_cache_dtype)
                for block in dict.fromkeys(args.block_size) for mode in modes for method in methods
                for limit in (args.disable_by_batch_size if method != "off" else [DEFAULT_DISABLE_BY_BATCH_SIZE])
-               for compiled in compile_modes]
+               for compiled in compile_modes for eviction in option_values(args.kv_eviction)]
     for c in configs:
         _check_with_engine_config(c)
     return configs
@@ -94,6 +107,6 @@ def _check_with_engine_config(config: KvserveConfig) -> None:
     """Bad values fail here, naming the choices, before anything loads."""
     try:
         EngineConfig(dtype=config.dtype, quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-                     speculative_config=config.speculative_config, block_size=config.block_size)
+                     speculative_config=config.speculative_config, block_size=config.block_size, **config.eviction)
     except ValueError as exc:
         raise SystemExit(f"kvserve bench throughput: {exc}") from exc

@@ -221,7 +221,7 @@ class KvserveRuns:
                   kv_cache_memory=self.kv_memory,
                   max_num_seqs=self.num_seqs, batch_invariant=config.batch_invariant,
                   speculative_config=config.speculative_config, compile_decode=config.compile_decode,
-                  compile_gemms=config.compile_gemms)
+                  compile_gemms=config.compile_gemms, **config.eviction)
         if not self.prompts:
             self._describe(llm.engine)
         config_name = config.ran_as(llm.engine.runner.compiled is not None)

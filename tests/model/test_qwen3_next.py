@@ -35,7 +35,12 @@ def make_hybrid_model(directory, kind: str, **overrides):
     """Save a 4-layer random hybrid model as an HF directory; norms and gates randomized so that they matter."""
     config_cls, model_cls, extra = KINDS[kind]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**COMMON, **extra, **overrides})).eval()
+    return save_randomized(model_cls(config_cls(**{**COMMON, **extra, **overrides})), directory)
+
+
+def save_randomized(model, directory):
+    """Norms, gates and routers of a freshly made model given random values that matter, then saved."""
+    model.eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("dt_bias"):
@@ -294,44 +299,37 @@ def test_settings_not_built_yet_are_refused_by_name(tmp_path, setting, name):
         LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4, **setting))
 
 
-def test_sparse_moe_logits_match_transformers(tmp_path):
-    # layer 0 keeps a dense MLP, the others route each token to 2 of 4 experts beside the shared expert
-    path = make_hybrid_model(tmp_path, "qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                             shared_expert_intermediate_size=48, mlp_only_layers=[0])
-    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4,
-                                    max_num_batched_tokens=24))
-    assert engine.model.layers[1].mlp.moe.num_experts == 4 and not hasattr(engine.model.layers[0].mlp, "moe")
-    prompt = random_prompt(40, seed=2)
-    ours, tokens = prompt_logits(engine, prompt)
-    logits, generated = reference(path, prompt)
-    assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
-    assert tokens == generated
-    assert_nothing_held(engine)
-
-
 # Qwen3.5/3.6 MoE (Qwen3.6-35B-A3B's layout): every layer routes each token to 2 of 4 experts beside the shared
 # expert, no dense MLP (the config has no intermediate_size)
 MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def test_qwen3_5_moe_logits_match_transformers(tmp_path):
+def qwen3_5_moe_model(directory):
     text = {key: value for key, value in {**COMMON, **KINDS["qwen3_5"][2], **MOE_TEXT}.items()
             if key != "intermediate_size"}
     torch.manual_seed(0)
-    hf = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("dt_bias"):
-                param.add_(torch.randn_like(param) * 0.3)
-            if name.endswith("mlp.gate.weight"):  # a router: no ties among the experts' scores
-                param.add_(torch.randn_like(param))
-    hf.save_pretrained(tmp_path)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4,
+    return save_randomized(transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text)), directory)
+
+
+MOE_MODELS = {  # how to make one, and which of its 4 layers route to experts
+    # Qwen3-Next: layer 0 keeps a dense MLP, the others route each token to 2 of 4 experts beside the shared expert
+    "qwen3_next": (lambda directory: make_hybrid_model(directory, "qwen3_next", **MOE_TEXT, mlp_only_layers=[0]),
+                   [False, True, True, True]),
+    "qwen3_5_moe": (qwen3_5_moe_model, [True] * 4),
+}
+
+
+@pytest.mark.parametrize("kind", MOE_MODELS)
+def test_sparse_moe_logits_match_transformers(tmp_path, kind):
+    make, routed = MOE_MODELS[kind]
+    path = make(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4,
                                     max_num_batched_tokens=24))
-    assert all(layer.mlp.moe.num_experts == 4 for layer in engine.model.layers)
-    prompt = random_prompt(40, seed=3)
+    assert [hasattr(layer.mlp, "moe") for layer in engine.model.layers] == routed
+    assert all(layer.mlp.moe.num_experts == 4 for layer in engine.model.layers if hasattr(layer.mlp, "moe"))
+    prompt = random_prompt(40, seed=2)
     ours, tokens = prompt_logits(engine, prompt)
-    logits, generated = reference(tmp_path, prompt)
+    logits, generated = reference(path, prompt)
     assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
     assert tokens == generated
     assert_nothing_held(engine)

@@ -78,11 +78,11 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     recurrent_gated_delta_rule. Heads go first inside: [B, H, T, D]. `lengths` [B]: sequences of different lengths
     in one call, each padded to T; a padded token decays and updates nothing (g and beta taken as 0 there) and its
     output means nothing; a block is computed only for the sequences that reach into it (0 for the others).
-    `in_place`: `state` (float32, the caller's own copy) becomes the final state, saving a pass over it per
-    block; otherwise the caller's state is kept."""
+    `in_place`: `state` (float32 and contiguous, the caller's own copy) becomes the final state, saving a pass over
+    it per block; otherwise the caller's state is kept."""
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))
-    state = state.float() if in_place else state.float().clone()
+    state = state.float() if in_place else state.float().clone(memory_format=torch.contiguous_format)
     if lengths is not None:
         real = (torch.arange(q.shape[2], device=q.device) < lengths[:, None])[:, None, :]  # [B, 1, T]
         g, beta = g * real, beta * real

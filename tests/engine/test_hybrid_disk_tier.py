@@ -1,8 +1,9 @@
 """Hybrid models (Qwen3.5 / Qwen3-Next) with the disk tier and state checkpoints: a restarted engine resumes a
 returning conversation from the deepest checkpoint on disk whose blocks and state both read, with transformers'
-logits, also when the writer was behind and wrote its checkpoints late; a checkpoint whose earlier blocks are missing is never used, nor one whose KV blocks the pool evicted
-(poisoned, it would show); another model never finds the records; `cached_tokens` is exactly the tokens the model
-did not run; no state slot or checkpoint is left waiting after preemptions and aborts."""
+logits, also when the writer was behind and wrote its checkpoints late; a checkpoint whose earlier blocks are
+missing is never used, nor one whose KV blocks the pool evicted (poisoned, it would show); another model never finds
+the records; `cached_tokens` is exactly the tokens the model did not run; no state slot or checkpoint is left
+waiting after preemptions and aborts."""
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.kv.block_hash import hash_full_blocks
 from kvserve.kv.tiers.record import STATE

@@ -1,7 +1,8 @@
 """The gated delta rule's two forms agree with each other and with transformers' torch fallbacks, from a zero and a
-nonzero state, over lengths that do and do not fill the 64-token chunks; split runs continue exactly where one
-run would; sequences of different lengths padded into one call agree with each run alone; the in-place forms
-agree with the copying ones (the chunked one leaving its final state in the caller's copy); the causal conv continues from its tail."""
+nonzero state, over lengths that do and do not fill the 64-token chunks; split runs continue exactly where one run
+would; sequences of different lengths padded into one call agree with each run alone; the in-place forms agree with
+the copying ones (the chunked one leaving its final state in the caller's copy); the causal conv continues from its
+tail."""
 import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf

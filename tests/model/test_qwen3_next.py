@@ -1,8 +1,9 @@
-"""Our Qwen3-Next / Qwen3.5 decoder (hybrid: Gated DeltaNet layers beside full attention) against transformers' on
-the same random weights, float32, max abs diff <= 1e-4: every prompt position and 20 greedy decode steps, with the
+"""Our Qwen3-Next / Qwen3.5 decoder (hybrid: Gated DeltaNet layers beside full attention) against transformers' on the
+same random weights, float32, max abs diff <= 1e-4: every prompt position and 20 greedy decode steps, with the
 prompt whole, chunked (chunks that do and do not divide the delta rule's 64), batched beside other sequences,
-preempted and recomputed, forked (n = 2, beam search), decoding from slots that are and are not one run, and resumed from a state checkpoint after a prefix hit; every block and
-state slot back afterwards; the settings hybrid models do not run with yet refused by name."""
+preempted and recomputed, forked (n = 2, beam search), decoding from slots that are and are not one run, and resumed
+from a state checkpoint after a prefix hit; every block and state slot back afterwards; the settings hybrid models
+do not run with yet refused by name."""
 import logging
 
 import pytest

@@ -115,8 +115,8 @@ def methods(protocol) -> set[str]:
 
 
 def test_the_disk_tier_offers_every_call_of_the_interface():
-    assert methods(KVTier) == {"attach_pool", "attach_checkpoints", "contains", "worth_reading", "start_reading", "save", "save_state",
-                               "contains_state", "count_hit_tokens", "stats"}
+    assert methods(KVTier) == {"attach_pool", "attach_checkpoints", "contains", "worth_reading", "start_reading",
+                               "save", "save_state", "contains_state", "count_hit_tokens", "stats"}
     assert all(callable(getattr(DiskKVCache, name, None)) for name in methods(KVTier))
     assert methods(TierRead) == {"done", "wait", "finish", "put_state"}
     assert all(callable(getattr(PrefixRead, name, None)) for name in methods(TierRead))

@@ -147,7 +147,7 @@ class ModelConfig:
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size", 0),  # absent: no dense MLP (Qwen3.5 MoE routes every layer)
+            intermediate_size=_intermediate_size(cfg),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=1 if deepseek else cfg.get("num_key_value_heads") or heads,
@@ -240,6 +240,15 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> DeepseekConfig:
         topk_group=cfg.get("topk_group"),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
     )
+
+
+def _intermediate_size(cfg: dict[str, Any]) -> int:
+    """The dense MLP's width; a MoE config may leave it out when no layer is dense (Qwen3.5/3.6 MoE), others may not."""
+    if "intermediate_size" in cfg:
+        return cfg["intermediate_size"]
+    if cfg.get("num_experts") and not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1:
+        return 0
+    raise ValueError("config.json has no intermediate_size (the MLP's width), which this model needs")
 
 
 def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -71,3 +71,11 @@ def test_multimodal_gemma3_is_refused_by_name():
 def test_unsupported_gemma3_variants_are_named(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf({**GEMMA3_4B_STYLE, **change})
+
+
+def test_a_dense_config_without_the_mlp_width_is_refused_by_name():
+    # only a MoE config that routes every layer (Qwen3.5/3.6 MoE) may leave intermediate_size out
+    dense = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "vocab_size": 10}
+    with pytest.raises(ValueError, match="no intermediate_size"):
+        ModelConfig.from_hf(dense)

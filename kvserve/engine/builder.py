@@ -285,7 +285,15 @@ def build_state_cache(config: EngineConfig, setup: EngineSetup) -> StateCache | 
         return None
     shape = StateShape(plan.num_linear_layers, lc.conv_dim, lc.conv_kernel - 1, lc.num_value_heads,
                        lc.key_head_dim, lc.value_head_dim)
-    return StateCache(shape, plan.num_slots + plan.num_checkpoints, config.device)
+    # the decode update compiled as the decode steps are (not in batch-invariant mode, which compiles nothing)
+    cache = StateCache(shape, plan.num_slots + plan.num_checkpoints, config.device,
+                       compile_update=config.compile.decode_steps and not config.batch_invariant)
+    started = time.perf_counter()
+    cache.warm_up()
+    if cache.compiled_update is not None:
+        logger.info(startup.compiled_state_update_line(cache.update_kind(), time.perf_counter() - started,
+                                                       cache.compiled_update))
+    return cache
 
 
 def cache_facts(plan: KVCachePlan, cache: PagedKVCache, layout: KVLayout, max_num_seqs: int) -> startup.CacheFacts:

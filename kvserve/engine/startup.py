@@ -110,6 +110,16 @@ def compiled_attention_line(facts: CompiledAttentionFacts) -> str:
             f"({''.join(f'{part}, ' for part in graphs)}torch.compile; --enforce-eager skips it)")
 
 
+def compiled_state_update_line(kind: str, seconds: float, kernel) -> str:
+    """How a hybrid model's decode steps update the recurrent states (kv/state_cache.py, decay_and_add)."""
+    if kind != "compiled":
+        return f"state cache: decode update eager (compiling it failed: {kernel.failed})"
+    graphs = [f"{count} graph{'s' if count > 1 else ''} {how}" for count, how in
+              ((kernel.graphs_loaded, "loaded"), (kernel.graphs_compiled, "compiled")) if count]
+    return (f"state cache: decode update (decay and rank-one update of the recurrent states) compiled into one pass "
+            f"in {seconds:.1f} s ({''.join(f'{part}, ' for part in graphs)}torch.compile; --enforce-eager skips it)")
+
+
 def speculation_line(config: SpeculativeConfig) -> str:
     """The speculative decoding method and its bounds (engine/speculative.py)."""
     if config.method == "ngram":

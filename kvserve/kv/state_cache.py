@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kv.draft_states import DraftStates
+from kvserve.kv.formats.compiled import CompiledFunction
 
 STATE_DTYPE = torch.float32
 STATE_DTYPE_BYTES = 4
@@ -42,16 +43,64 @@ class StateShape:
         return self.num_layers * per_layer * STATE_DTYPE_BYTES
 
 
-class StateCache:
-    """The slots' storage: conv[layer][slot] and recurrent[layer][slot], float32, zero at start."""
+def decay_and_add_(states: torch.Tensor, decay: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """S = decay S + k u^T for each of N recurrent states, in place: states [N, Dk, Dv] float32 and contiguous,
+    decay [N, 1, 1], keys [N, 1, Dk], values [N, 1, Dv] (the delta rule's u). Two passes over the states: the
+    decay, then the batched outer product added (model/gated_delta.py's decode update)."""
+    states.mul_(decay).baddbmm_(keys.transpose(1, 2), values)
 
-    def __init__(self, shape: StateShape, num_slots: int, device: str | torch.device = "cpu"):
+
+def decay_and_add_in_one_pass(states: torch.Tensor, decay: torch.Tensor, keys: torch.Tensor,
+                              values: torch.Tensor) -> torch.Tensor:
+    """decay_and_add_ as one loop that reads each state once and writes it once, for torch.compile (StateCache);
+    returns `decay` (a compiled function's None means "not run")."""
+    states.copy_(states * decay + keys.transpose(1, 2) * values)
+    return decay
+
+
+class StateCache:
+    """The slots' storage: conv[layer][slot] and recurrent[layer][slot], float32, zero at start. A decode token's
+    update of the recurrent states (decay_and_add) is a pass over many MiB per sequence: with `compile_update` it
+    runs as one compiled loop (compiled or loaded at warm_up, as the KV formats' decode kernels: kv/formats/
+    compiled.py), otherwise as two eager passes."""
+
+    def __init__(self, shape: StateShape, num_slots: int, device: str | torch.device = "cpu",
+                 compile_update: bool = False):
         self.shape = shape
         self.num_slots = num_slots
         s = shape
         self.conv = torch.zeros(s.num_layers, num_slots, s.conv_dim, s.conv_tail, dtype=STATE_DTYPE, device=device)
         self.recurrent = torch.zeros(s.num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim,
                                      dtype=STATE_DTYPE, device=device)
+        self.compiled_update = CompiledFunction(decay_and_add_in_one_pass) if compile_update else None
+
+    def decay_and_add(self, states: torch.Tensor, decay: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        """decay_and_add_ over `states` (a decode step's, read from this cache): compiled where it was warmed up,
+        eagerly otherwise (a call no graph takes, or a failed compile: CompiledFunction says so once)."""
+        if self.compiled_update is None or self.compiled_update((states, decay, keys, values)) is None:
+            decay_and_add_(states, decay, keys, values)
+
+    def warm_up(self) -> None:
+        """Compile (or load) the compiled update for the calls decode steps make, inside inference mode: over a
+        view of the pool (decoding slots that form one run) and over a copy of some of its slots (others); the
+        number of states is dynamic, one graph each for every batch."""
+        if self.compiled_update is None:
+            return
+        s = self.shape
+        scratch = torch.zeros(2, s.num_value_heads, s.key_head_dim, s.value_head_dim, dtype=STATE_DTYPE,
+                              device=self.recurrent.device)  # made as the pool is: outside inference mode
+        with torch.inference_mode(), self.compiled_update.warming_up():
+            for states in (scratch, scratch.clone()):  # the pool's view, then a copy made in inference mode
+                flat = states.view(-1, s.key_head_dim, s.value_head_dim)
+                n = flat.shape[0]
+                args = (flat, torch.ones(n, 1, 1, device=flat.device), flat.new_zeros(n, 1, s.key_head_dim),
+                        flat.new_zeros(n, 1, s.value_head_dim))
+                self.compiled_update(args, dynamic=[(a, 0) for a in args])
+
+    def update_kind(self) -> str:
+        """How the decode update runs, for the start-up line."""
+        return "eager" if self.compiled_update is None or self.compiled_update.failed else "compiled"
 
     @property
     def nbytes(self) -> int:

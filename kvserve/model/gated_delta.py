@@ -7,8 +7,12 @@ The rule, per value head, with state S (key_dim x value_dim), decay g_t <= 0 (lo
 with q and k L2-normalized and q scaled by key_dim ** -0.5 (qk_norm_and_scale)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from kvserve.kv.state_cache import decay_and_add_
 
 CHUNK_TOKENS = 64  # the chunked form's block of tokens: one triangular solve and a few matmuls each
 
@@ -51,11 +55,13 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+                                beta: torch.Tensor, state: torch.Tensor,
+                                update: Callable[..., None] = decay_and_add_) -> torch.Tensor:
     """recurrent_gated_delta_rule updating `state` (float32, contiguous: e.g. a view of the state cache's slots) in
     place; returns o. A decode step's cost is reading the states (many MiB per sequence), so each token reads them
-    three times rather than once per term: S^T k and S^T q in one batched matmul before the decay
-    (o = exp(g) S^T q + (k.q) u), then the decay and the rank-one update in place."""
+    once to compute S^T k and S^T q in one batched matmul before the decay (o = exp(g) S^T q + (k.q) u), then
+    `update` decays them and adds the rank-one update in place (kv/state_cache.py: two eager passes, or one
+    compiled)."""
     batch, heads, dk, dv = state.shape
     flat = state.view(batch * heads, dk, dv)
     outs = []
@@ -63,10 +69,10 @@ def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         decay = g[:, t].float().exp().reshape(-1, 1, 1)
         k_t, q_t = k[:, t].float().reshape(-1, 1, dk), q[:, t].float().reshape(-1, 1, dk)
         read = torch.bmm(torch.cat([k_t, q_t], dim=1), flat)  # [B*H, 2, Dv]: S^T k, S^T q
-        update = (v[:, t].float().reshape(-1, 1, dv) - decay * read[:, :1]) * beta[:, t].float().reshape(-1, 1, 1)
+        u = (v[:, t].float().reshape(-1, 1, dv) - decay * read[:, :1]) * beta[:, t].float().reshape(-1, 1, 1)
         k_dot_q = (k_t * q_t).sum(-1, keepdim=True)
-        outs.append((decay * read[:, 1:]).addcmul_(k_dot_q, update).view(batch, heads, dv))
-        flat.mul_(decay).baddbmm_(k_t.transpose(1, 2), update)  # S = exp(g) S + k u^T
+        outs.append((decay * read[:, 1:]).addcmul_(k_dot_q, u).view(batch, heads, dv))
+        update(flat, decay, k_t, u)  # S = exp(g) S + k u^T
     return torch.stack(outs, dim=1)
 
 

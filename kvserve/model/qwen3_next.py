@@ -116,7 +116,8 @@ class GatedDeltaNetLayer:
         tails, states = decodes.read(conv), decodes.read(state)
         mixed = conv_step_(qkv[rows].float(), tails, self.conv_weight)
         q, k, v = self._heads(mixed[:, None])
-        out = recurrent_gated_delta_rule_(q, k, v, g[rows][:, None], beta[rows][:, None], states)
+        out = recurrent_gated_delta_rule_(q, k, v, g[rows][:, None], beta[rows][:, None], states,
+                                          step.cache.decay_and_add)
         decodes.write(conv, tails)
         decodes.write(state, states)
         return out[:, 0]

@@ -300,3 +300,8 @@ def test_a_default_rows_name_says_what_its_engine_ran():
     assert default.ran_as(True) == "kvserve (float32, compiled decode)" and default.ran_as(False) == "kvserve (float32)"
     asked = KvserveConfig("float32", "none", "auto", compile_decode=True)
     assert asked.ran_as(False) == "kvserve (float32, compiled decode)"
+    # a hybrid model's engine: eager steps, its states' decode update compiled (kv/state_cache.py)
+    hybrid = "kvserve (bfloat16, compiled state update)"
+    for config in (KvserveConfig("bfloat16", "none", "auto"),
+                   KvserveConfig("bfloat16", "none", "auto", compile_decode=True)):
+        assert config.ran_as(False, state_update_compiled=True) == hybrid

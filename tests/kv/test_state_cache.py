@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvserve.kv.kv_cache_manager import KVCacheManager
-from kvserve.kv.state_cache import SlotBatch, StateCache, StateCheckpoints, StateShape, StateSlots, prompt_rounds
+from kvserve.kv.state_cache import (SlotBatch, StateCache, StateCheckpoints, StateShape, StateSlots, decay_and_add_,
+                                    prompt_rounds)
 from kvserve.planner.capacity import plan_kv_cache
 from kvserve.planner.model_spec import ModelSpec
 from tests.kv.sequences import Seq
@@ -209,3 +210,22 @@ def test_prompt_chunks_are_cut_at_their_checkpoints_into_rounds_of_at_most_a_bat
     assert rounds[0].rows[0].tolist() == [20, 21, 22, 23, 24] + [24] * 11  # padding repeats the last real row
     assert rounds[0].real.sum(1).tolist() == [5, 16]
     assert [r.checkpoints for r in rounds] == [[(1, 8)], [(3, 9)], []]  # saved after the piece before them
+
+
+def test_the_compiled_decode_update_equals_the_eager_one_for_any_batch():
+    cache = StateCache(SHAPE, num_slots=6, compile_update=True)
+    cache.warm_up()  # two graphs: the pool's view and a copy, each for any number of states
+    assert cache.update_kind() == "compiled" and len(cache.compiled_update.graphs.graphs) == 2
+    gen = torch.Generator().manual_seed(0)
+    cache.recurrent.copy_(torch.randn(cache.recurrent.shape, generator=gen))
+    with torch.inference_mode():
+        for states in (cache.recurrent[1, 2:5], cache.recurrent[2].index_select(0, torch.tensor([0, 3, 5]))):
+            flat = states.view(-1, SHAPE.key_head_dim, SHAPE.value_head_dim)
+            n = flat.shape[0]  # 12 states: neither warm-up batch
+            decay, keys, values = (torch.rand(n, 1, 1, generator=gen), torch.randn(n, 1, SHAPE.key_head_dim,
+                                   generator=gen), torch.randn(n, 1, SHAPE.value_head_dim, generator=gen))
+            expected = flat.clone()
+            decay_and_add_(expected, decay, keys, values)
+            assert cache.compiled_update((flat, decay, keys, values)) is not None  # a graph took it
+            assert torch.allclose(flat, expected, rtol=1e-6, atol=1e-6)
+    assert not StateCache(SHAPE, num_slots=2).compiled_update  # eager unless asked

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from kvserve import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
+from kvserve.kv import state_cache
 from kvserve.model.qwen3_next import Qwen3NextModel
 
 NUM_DECODE_STEPS = 20
@@ -138,9 +139,16 @@ def test_batched_chunked_decodes_match_transformers(tmp_path, kind):
     assert_nothing_held(llm.engine)
 
 
-def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])  # the states' decode update eager, or compiled at start
+def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path, monkeypatch, compiled):
     path = make_hybrid_model(tmp_path, "qwen3_next")
-    llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4)
+    llm = LLM(str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4,
+              **({"compile_decode": True} if compiled else {}))
+    update = llm.engine.runner.state_cache.compiled_update
+    assert (update is not None) == compiled
+    eager_updates = []  # decode updates that ran eagerly
+    eager = state_cache.decay_and_add_
+    monkeypatch.setattr(state_cache, "decay_and_add_", lambda *args: eager_updates.append(1) or eager(*args))
     sampled = recording(llm)
     runs = []  # per decode step: whether its slots were one run (read and written in place)
     state_step = llm.engine.runner._state_step
@@ -156,6 +164,8 @@ def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path):
             continue
         assert_matches(logits, generated, prompt, output.outputs[0].token_ids, sampled[output.request_id])
     assert_nothing_held(llm.engine)
+    # compiled: both kinds of decode (in place and through copies) ran the two graphs compiled at start
+    assert (len(eager_updates) == 0) == compiled and (not compiled or len(update.graphs.graphs) == 2)
 
 
 def test_preempted_sequences_recompute_to_the_same_logits(tmp_path):

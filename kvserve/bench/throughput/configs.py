@@ -45,9 +45,12 @@ class KvserveConfig:
         """Whether its decode steps are to run compiled (the engine may still run them eagerly and say why)."""
         return CompileConfig(False, self.compile_decode, self.compile_gemms, self.batch_invariant).decode_steps
 
-    def ran_as(self, compiled: bool) -> str:
+    def ran_as(self, compiled: bool, state_update_compiled: bool = False) -> str:
         """The row's name once its engine is built: the default mode named by what the engine did (an engine whose
-        model no graph supports runs eagerly, and says why at start)."""
+        model no graph supports runs eagerly, and says why at start; a hybrid model's then compiles its states'
+        decode update alone, kv/state_cache.py)."""
+        if state_update_compiled and not compiled:
+            return f"{replace(self, compile_decode=False).name[:-1]}, compiled state update)"
         return replace(self, compile_decode=compiled).name if self.compile_decode is None else self.name
 
     @property

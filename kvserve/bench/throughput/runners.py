@@ -224,7 +224,9 @@ class KvserveRuns:
                   compile_gemms=config.compile_gemms, **config.eviction)
         if not self.prompts:
             self._describe(llm.engine)
-        config_name = config.ran_as(llm.engine.runner.compiled is not None)
+        states = llm.engine.runner.state_cache
+        config_name = config.ran_as(llm.engine.runner.compiled is not None,
+                                    states is not None and states.update_kind() == "compiled")
         for name, workload in self.workloads.items():
             run_kvserve(llm, self.prompts[name][:2], 4)  # warm-up
             _reset(llm)  # every timed run prefills its prompts in full, as the other engines do

@@ -100,11 +100,12 @@ class CompiledFunction:
 
 def argument_kinds(args: tuple, dynamic: list[tuple[torch.Tensor, int]]) -> str:
     """What a graph's guards check of its arguments besides the batch's sizes, as a digest for its file's name: each
-    tensor's dtype, device and the sizes that are constants (every size but the `dynamic` ones). A cache of another
-    dtype or head size names graphs of its own; one of another pool size or batch finds the same."""
+    tensor's dtype, device, whether it is an inference tensor (its dispatch keys) and the sizes that are constants
+    (every size but the `dynamic` ones). A cache of another dtype or head size names graphs of its own; one of
+    another pool size or batch finds the same."""
     marked = {(id(tensor), dim) for tensor, dim in dynamic}
     kinds = [[str(a.dtype), str(a.device), [None if (id(a), d) in marked else n for d, n in enumerate(a.shape)]]
-             if isinstance(a, torch.Tensor) else repr(a) for a in args]
+             + (["inference"] if a.is_inference() else []) if isinstance(a, torch.Tensor) else repr(a) for a in args]
     return hashlib.sha256(json.dumps(kinds).encode()).hexdigest()[:12]
 
 

@@ -42,6 +42,12 @@ def test_greedy_is_argmax():
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0))
     seqs = [make_seq(SamplingParams(temperature=0)) for _ in range(5)]
     assert sample(logits, seqs, torch.Generator()).token_ids == logits.argmax(dim=-1).tolist()
+    # a tie goes to the first of the largest, as argmax's does, in rows long enough to be split up
+    tied = torch.zeros(3, 300_000)
+    tied[:, [7, 123_456, 299_999]] = 1.0
+    tied[1, 5] = 1.0
+    seqs = [make_seq(SamplingParams(temperature=0)) for _ in range(3)]
+    assert sample(tied, seqs, torch.Generator()).token_ids == [7, 5, 7]
 
 
 def test_unfiltered_sampling_draws_in_proportion():
@@ -58,6 +64,12 @@ def test_filters_that_keep_one_token_equal_greedy(params):
     logits = torch.randn(64, VOCAB, generator=torch.Generator().manual_seed(1))
     seqs = [make_seq(params, seed=i) for i in range(64)]
     assert sample(logits, seqs, torch.Generator()).token_ids == logits.argmax(dim=-1).tolist()
+    # a tie goes to the first of the largest, as argmax's does, in rows long enough to be split up
+    tied = torch.zeros(3, 300_000)
+    tied[:, [7, 123_456, 299_999]] = 1.0
+    tied[1, 5] = 1.0
+    seqs = [make_seq(SamplingParams(temperature=0)) for _ in range(3)]
+    assert sample(tied, seqs, torch.Generator()).token_ids == [7, 5, 7]
 
 
 @pytest.mark.parametrize("params, allowed", [

@@ -14,7 +14,8 @@ The scheduler gives a drafted sequence 1 + k tokens: its last token and the draf
 
 Verifying, after the forward pass (`sample_drafted`): row j of a drafted sequence's logits is the distribution of
 the token after the last token and draft tokens 1..j. Every row is sampled exactly as a plain decode step samples
-(penalties see the drafts before it); the draft is accepted up to the first row whose sample differs from it, and
+(penalties see the drafts before it, a constrained sequence's grammar masks it as of them: its draft was cut
+where the grammar stops taking it); the draft is accepted up to the first row whose sample differs from it, and
 that row's sample ends the step. Greedy, the tokens are exactly plain decoding's. Sampling: a proposal that is one
 fixed token is a draft distribution q that is one-hot, for which the rejection sampler (Leviathan et al., Chen et
 al.) accepts d with probability min(1, p(d)/q(d)) = p(d) and on rejection samples from max(0, p - q) renormalized
@@ -190,13 +191,16 @@ class Speculator:
         """Draft tokens to verify after `seq`'s last token this step: at most `max_tokens` (the step's token budget
         left), none while more than max_batch sequences decode, none past max_tokens or a block its format
         finalizes."""
-        if self.paused or num_decoding > self.max_batch or seq.grammar is not None:
-            return []  # a constrained sequence is not drafted: the draft would skip its grammar's mask
+        if self.paused or num_decoding > self.max_batch:
+            return []
         limit = min(self.config.num_speculative_tokens, max_tokens, seq.max_tokens - seq.num_output_tokens - 1)
         room = self.cache.max_draft_tokens(len(seq.token_ids) - 1)
         if room is not None:
             limit = min(limit, room)
-        return self.lookup(seq, limit)[:limit] if limit > 0 else []
+        draft = self.lookup(seq, limit)[:limit] if limit > 0 else []
+        if seq.grammar is not None and draft:  # a constrained sequence drafts only what its grammar takes next
+            draft = seq.grammar.valid_draft(draft, seq.eos_token_ids)
+        return draft
 
     def lookup(self, seq: Sequence, limit: int) -> list[int]:
         """The method's proposal of up to `limit` tokens to follow `seq`'s tokens (empty: no match)."""
@@ -237,7 +241,10 @@ class Speculator:
         """Sample each of the 1 + len(draft) rows as a plain decode step would; returns the samples (token id,
         logprob, top logprobs) to append, the accepted drafts and then the one that ended the step, and how many
         draft tokens were accepted."""
-        if seq.params.needs_penalties:  # penalties count the tokens before each row: the sequence's and the drafts
+        if seq.grammar is not None:  # each row masked by the grammar as of the drafts before it
+            masks = seq.grammar.draft_masks(draft)
+            rows = [_DraftedRow(seq, draft[:j], _RowMask(masks[j])) for j in range(len(draft) + 1)]
+        elif seq.params.needs_penalties:  # penalties count the tokens before each row: the sequence's and the drafts
             rows = [_DraftedRow(seq, draft[:j]) for j in range(len(draft) + 1)]
         else:
             rows = [seq] * (len(draft) + 1)
@@ -253,12 +260,28 @@ class Speculator:
 
 
 @dataclass
+class _RowMask:
+    """A verification row's grammar mask, computed with the draft's (GrammarMatcher.draft_masks), as the sampler
+    reads a sequence's grammar (structured.grammar_bitmask)."""
+
+    bitmask_row: torch.Tensor
+
+    @property
+    def num_words(self) -> int:
+        return self.bitmask_row.shape[0]
+
+    def fill(self, bitmask_row: torch.Tensor) -> None:
+        bitmask_row.copy_(self.bitmask_row)
+
+
+@dataclass
 class _DraftedRow:
-    """What the sampler reads of a sequence, as of one verification row: its tokens and the drafts before it."""
+    """What the sampler reads of a sequence, as of one verification row: its tokens and the drafts before it, and
+    a constrained sequence's grammar mask there."""
 
     seq: Sequence
     drafts: list[int]
-    grammar = None  # a constrained sequence is never drafted (propose)
+    grammar: _RowMask | None = None
 
     @property
     def params(self) -> SamplingParams:

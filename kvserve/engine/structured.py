@@ -35,6 +35,32 @@ class GrammarMatcher:
             raise RuntimeError(f"the grammar rejected token {token_id}: {self.llmatcher.get_error()}")
         self.num_accepted += 1
 
+    def valid_draft(self, draft: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+        """The longest start of a speculative draft that this grammar takes from here, before any end token (the
+        sequence would end there): what is worth verifying."""
+        for i, token_id in enumerate(draft):
+            if token_id in eos_token_ids:
+                draft = draft[:i]
+                break
+        return draft[: self.llmatcher.validate_tokens(draft)] if draft else draft
+
+    def draft_masks(self, draft: list[int]) -> torch.Tensor:
+        """[len(draft) + 1, num_words] int32: the next token's mask here (fill), then after each token of a draft
+        that valid_draft gave; the matcher is rolled back to where it was."""
+        masks = torch.empty(len(draft) + 1, self.num_words, dtype=torch.int32)
+        self.fill(masks[0])
+        consumed = 0
+        try:
+            for j, token_id in enumerate(draft):
+                if not self.llmatcher.consume_token(token_id):
+                    raise RuntimeError(f"the grammar rejected drafted token {token_id}: {self.llmatcher.get_error()}")
+                consumed += 1
+                self.llmatcher.unsafe_compute_mask_ptr(masks[j + 1].data_ptr(), self.num_words * 4)
+        finally:
+            if consumed:
+                self.llmatcher.rollback(consumed)
+        return masks
+
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and takes nothing more (only an end-of-sequence token)."""

@@ -166,3 +166,31 @@ def test_speculative_engine_skips_drafts_for_constrained_sequences(tmp_path):
     jsonschema.validate(json.loads(outputs[1].outputs[0].text), SCHEMAS["array of enums"])
     assert outputs[1].num_draft_tokens == 0
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_drafts_are_cut_at_the_grammar_and_verified_under_its_masks(tmp_path, temperature):
+    """Speculative decoding on a constrained request: a draft keeps only what the grammar takes (an invalid token
+    ends it), each verification row is masked as of the drafts before it, and the output equals the undrafted
+    one, token for token (greedy, and sampled with a seed: a row's mask and distribution are the same)."""
+    model = make_tiny_chat_model(tmp_path / "tiny-chat")
+    params = SamplingParams(temperature=temperature, seed=4, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMAS["nested object"]))
+    undrafted = LLM(str(model), **ENGINE_OPTIONS).generate(["Give me JSON:"], params)[0].outputs[0]
+    answer = list(undrafted.token_ids)
+    llm = LLM(str(model), **ENGINE_OPTIONS, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    proposed = []
+    invalid = llm.engine.tokenizer.encode("\n", add_special_tokens=False)[0]  # a raw newline: never valid JSON here
+
+    def lookup(seq, limit):  # the answer's next tokens, then one the grammar cannot take there
+        draft = (answer[seq.num_output_tokens : seq.num_output_tokens + 2] + [invalid])[:limit]
+        proposed.append(draft)
+        return draft
+    llm.engine.speculator.lookup = lookup
+    drafted = llm.generate(["Give me JSON:"], params)[0].outputs[0]
+    assert drafted.token_ids == answer and drafted.text == undrafted.text
+    jsonschema.validate(json.loads(drafted.text), SCHEMAS["nested object"])
+    stats = llm.engine.speculator.stats
+    assert proposed and stats.num_accepted_tokens > 0  # drafts were verified and taken
+    assert stats.num_draft_tokens < sum(len(d) for d in proposed)  # the invalid tokens were never verified
+    assert_pool_empty(llm)

@@ -209,11 +209,14 @@ def test_constrained_beside_unconstrained_in_one_batch(server):
     jsonschema.validate(json.loads(constrained.json()["choices"][0]["message"]["content"]), SCHEMAS[1])
 
 
-def test_speculating_server_serves_constrained_requests_undrafted(tmp_path):
+def test_speculating_server_verifies_no_draft_the_grammar_cannot_take(tmp_path):
+    """Drafts of a special token, which no JSON output takes: cut before verification for the constrained request
+    (tests/engine/test_structured.py verifies drafts the grammar takes), verified for the plain one."""
     model_dir = make_tiny_chat_model(tmp_path / "tiny-chat")
     engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS,
                                     speculative_config='{"method": "ngram", "num_speculative_tokens": 3}'))
-    engine.speculator.lookup = lambda seq, limit: [5] * limit  # a random model never repeats itself: always draft
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")  # not an end token
+    engine.speculator.lookup = lambda seq, limit: [special] * limit  # a random model never repeats: always draft
     with ServerThread(build_app(engine)) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         response = client.chat.completions.create(messages=USER, seed=9, response_format=json_schema_format(

@@ -53,6 +53,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self.num_constrained_requests = self.num_grammar_cache_hits = self.num_invalid_constrained_outputs = 0
         self._grammars_lock = threading.Lock()
         self._mask_worker: MaskWorker | None = None  # started at the first step that samples a constrained sequence
 
@@ -71,6 +72,10 @@ class LLMEngine:
                                                                                       parsed.add_special_tokens)
         max_tokens = self.validator.check_lengths(token_ids, params)
         grammar = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        if grammar is not None:  # a grammar an earlier request had compiled is a hit of the grammar cache
+            self.num_constrained_requests += 1
+            self.num_grammar_cache_hits += grammar.num_requests > 0
+            grammar.num_requests += 1
         request = Request(request_id, parsed.text, list(token_ids), params, grammar=grammar)
         seq = self.sequence_factory.new(request, 0, list(token_ids), max_tokens, parsed.cache_salt)
         request.sequences.append(seq)
@@ -313,6 +318,11 @@ class LLMEngine:
         if request.finished:
             request.metrics.finished_time = now
             del self.requests[request.request_id]
+            # a constrained output that stopped where its grammar does not accept (should stay 0: the masks end it
+            # only where the grammar does; a stop string can cut it short); max_tokens cut-offs are not counted
+            self.num_invalid_constrained_outputs += sum(
+                seq.grammar is not None and seq.finish_reason == "stop" and not seq.grammar.is_accepting
+                for seq in request.sequences)
         return output
 
     def _built_output(self, request: Request) -> RequestOutput:
@@ -343,7 +353,12 @@ class LLMEngine:
         disk = self.disk_cache.stats() if self.disk_cache is not None else {}
         spec = self.speculator.stats.as_dict() if self.speculator is not None else {}
         tokens = {"num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens}
-        tokens["num_grammars_compiled"] = self._grammars.num_compiled if self._grammars is not None else 0
+        grammars = self._grammars
+        tokens["num_grammars_compiled"] = grammars.num_compiled if grammars is not None else 0
+        tokens["grammar_compile_seconds"] = grammars.compile_seconds if grammars is not None else 0.0
+        tokens.update(num_constrained_requests=self.num_constrained_requests,
+                      num_grammar_cache_hits=self.num_grammar_cache_hits,
+                      num_invalid_constrained_outputs=self.num_invalid_constrained_outputs)
         return {**sliding_window_stats(self.kv, live, windows), **disk, **spec, **pool_stats(self.kv, live, windows),
                 **self.scheduler.stats(), **freed_block_stats(self.kv), **tokens, **prefix_cache_stats(self.kv),
                 **state_stats(self.kv)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -66,6 +67,11 @@ class GrammarMatcher:
         """The grammar is complete and takes nothing more (only an end-of-sequence token)."""
         return self.llmatcher.is_stopped()
 
+    @property
+    def is_accepting(self) -> bool:
+        """The tokens taken so far are a whole output of the grammar (it may take more)."""
+        return self.llmatcher.is_accepting()
+
     def fill(self, bitmask_row: torch.Tensor) -> None:
         """The next token's mask into `bitmask_row` (num_words int32): the one computed ahead for this state if
         there is one, else computed now."""
@@ -83,6 +89,7 @@ class Grammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, num_words: int):
         self._matcher, self._num_words = matcher, num_words
+        self.num_requests = 0  # requests constrained by it (LLMEngine.add_request: grammar cache hits)
 
     def new_matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self._matcher.deep_copy(), self._num_words)
@@ -101,6 +108,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
+        self.compile_seconds = 0.0  # spent compiling the grammars not found in the cache
 
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """The spec's grammar, compiled or from the cache; a ValueError names what is wrong with the spec."""
@@ -109,9 +117,11 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        started = time.perf_counter()
         grammar = Grammar(self._matcher(spec), self._num_words)
         with self._lock:
             self.num_compiled += 1
+            self.compile_seconds += time.perf_counter() - started
             self._cache[key] = grammar
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)

@@ -47,6 +47,13 @@ COUNTERS = [
      "KV blocks freed by sliding-window layers once their window passed."),
     ("kvserve:grammars_compiled", "num_grammars_compiled",
      "Structured-output grammars compiled (a spec seen again comes from the cache)."),
+    ("kvserve:grammar_compile_seconds", "grammar_compile_seconds", "Time spent compiling structured-output grammars."),
+    ("kvserve:constrained_requests", "num_constrained_requests", "Requests with structured outputs or tool calls "
+     "constrained by a grammar."),
+    ("kvserve:grammar_cache_hits", "num_grammar_cache_hits",
+     "Constrained requests whose grammar an earlier request had compiled."),
+    ("kvserve:invalid_constrained_outputs", "num_invalid_constrained_outputs",
+     "Constrained outputs that stopped where their grammar does not accept (a stop string cut them; else 0)."),
 ]
 
 # the disk tier's (--kv-disk-cache), when the engine has one

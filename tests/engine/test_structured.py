@@ -131,6 +131,23 @@ def test_grammars_are_cached_by_spec(llm):
     llm.generate(["a", "b"], [constrained(0, json=schema), constrained(1, json=json.dumps(schema))])
     after = llm.engine.stats()
     assert after["num_grammars_compiled"] == before["num_grammars_compiled"] + 1  # the second found it cached
+    assert after["num_constrained_requests"] == before["num_constrained_requests"] + 2
+    assert after["num_grammar_cache_hits"] == before["num_grammar_cache_hits"] + 1
+    assert after["grammar_compile_seconds"] > before["grammar_compile_seconds"]
+
+
+def test_invalid_constrained_outputs_are_counted(llm):
+    """The masks end an output only where its grammar accepts (none counted); a stop string that cuts one short
+    is counted, and a max_tokens cut-off is not (finish_reason "length" says it)."""
+    before = llm.engine.stats()["num_invalid_constrained_outputs"]
+    whole = llm.generate("x", constrained(7, json=SCHEMAS["nested object"]))[0].outputs[0]
+    assert whole.finish_reason == "stop" and llm.engine.stats()["num_invalid_constrained_outputs"] == before
+    llm.generate("x", constrained(7, max_tokens=3, json=SCHEMAS["nested object"]))
+    assert llm.engine.stats()["num_invalid_constrained_outputs"] == before
+    params = constrained(7, json=SCHEMAS["nested object"])
+    params.stop = ['"user"']  # cut right after the opening brace
+    cut = llm.generate("x", params)[0].outputs[0]
+    assert cut.finish_reason == "stop" and llm.engine.stats()["num_invalid_constrained_outputs"] == before + 1
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -8,7 +8,9 @@ from kvserve.server.metrics import ServerMetrics
 
 STATS = {"kv_cache_usage": 0.5, "num_blocks": 8, "num_free_blocks": 4, "num_used_blocks": 4, "num_cached_blocks": 1,
          "num_running": 1, "num_waiting": 0, "num_preemptions": 0, "prefix_cache_queries": 10,
-         "prefix_cache_hits": 5, "num_evicted_blocks": 0, "num_window_blocks_freed": 0, "num_grammars_compiled": 0}
+         "prefix_cache_hits": 5, "num_evicted_blocks": 0, "num_window_blocks_freed": 0, "num_grammars_compiled": 0,
+         "grammar_compile_seconds": 0.0, "num_constrained_requests": 0, "num_grammar_cache_hits": 0,
+         "num_invalid_constrained_outputs": 0}
 
 
 def replica_text(prompt_tokens: int) -> str:

@@ -69,12 +69,17 @@ def test_chat_json_schema_outputs_validate(client, index):
 def test_repeated_schemas_compile_once(server, client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    before = scrape_metrics(server.url, "tiny-chat")["kvserve:grammars_compiled_total"]
+    names = ["kvserve:grammars_compiled_total", "kvserve:constrained_requests_total",
+             "kvserve:grammar_cache_hits_total", "kvserve:grammar_compile_seconds_total",
+             "kvserve:invalid_constrained_outputs_total"]
+    before = [scrape_metrics(server.url, "tiny-chat")[name] for name in names]
     for seed in range(3):
         response = client.chat.completions.create(messages=USER, seed=seed, response_format=json_schema_format(schema),
                                                   **SAMPLED)
         jsonschema.validate(json.loads(response.choices[0].message.content), schema)
-    assert scrape_metrics(server.url, "tiny-chat")["kvserve:grammars_compiled_total"] == before + 1
+    compiled, requests, hits, seconds, invalid = (scrape_metrics(server.url, "tiny-chat")[name] - was
+                                                  for name, was in zip(names, before))
+    assert (compiled, requests, hits, invalid) == (1, 3, 2, 0) and seconds > 0
 
 
 def test_completions_json_object_and_structured_outputs(client):

@@ -32,9 +32,15 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
 
 
 def conv_step_(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One token per sequence: x [B, C], tail [B, C, K-1] updated in place to end at x. Returns silu(conv) [B, C]."""
-    out = torch.einsum("bck,ck->bc", tail, weight[:, :-1]).addcmul_(x, weight[:, -1])
-    tail.copy_(torch.cat([tail[..., 1:], x[..., None]], dim=-1))
+    """One token per sequence: x [B, C], tail [B, C, K-1] updated in place to end at x. Returns silu(conv) [B, C].
+    A tap at a time, over [B, C] views: the tail's K-1 is its innermost size (3), which a reduction or a
+    concatenation over it walks element by element (an einsum and a cat measured slower at 32 sequences)."""
+    out = torch.addcmul(x * weight[:, -1], tail[..., 0], weight[:, 0])
+    for k in range(1, tail.shape[-1]):
+        out.addcmul_(tail[..., k], weight[:, k])
+    for k in range(tail.shape[-1] - 1):  # shift the tail left by one (each tap reads the next before it changes)
+        tail[..., k].copy_(tail[..., k + 1])
+    tail[..., -1].copy_(x)
     return F.silu(out)
 
 

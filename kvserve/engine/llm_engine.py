@@ -319,7 +319,8 @@ class LLMEngine:
             request.metrics.finished_time = now
             del self.requests[request.request_id]
             # a constrained output that stopped where its grammar does not accept (should stay 0: the masks end it
-            # only where the grammar does; a stop string can cut it short); max_tokens cut-offs are not counted
+            # only where the grammar does; a stop string or token can cut it short); max_tokens cut-offs are not
+            # counted (finish_reason "length")
             self.num_invalid_constrained_outputs += sum(
                 seq.grammar is not None and seq.finish_reason == "stop" and not seq.grammar.is_accepting
                 for seq in request.sequences)

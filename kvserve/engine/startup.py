@@ -103,21 +103,24 @@ def batch_invariance_line(batch_invariant: bool, block_size: int) -> str:
             "may flip a near-tie); --batch-invariant makes logits bitwise independent of the batch")
 
 
-def compiled_attention_line(facts: CompiledAttentionFacts) -> str:
+def compiled_kernel_parts(loaded: int, compiled: int) -> str:
+    """How a start got a compiled kernel's graphs, as the start-up lines say it."""
     graphs = [f"{count} graph{'s' if count > 1 else ''} {how}" for count, how in
-              ((facts.graphs_loaded, "loaded"), (facts.graphs_compiled, "compiled")) if count]
+              ((loaded, "loaded"), (compiled, "compiled")) if count]
+    return f"({''.join(f'{part}, ' for part in graphs)}torch.compile; --enforce-eager skips it)"
+
+
+def compiled_attention_line(facts: CompiledAttentionFacts) -> str:
     return (f"{facts.format_name} decode attention compiled in {facts.compile_s:.1f} s "
-            f"({''.join(f'{part}, ' for part in graphs)}torch.compile; --enforce-eager skips it)")
+            f"{compiled_kernel_parts(facts.graphs_loaded, facts.graphs_compiled)}")
 
 
 def compiled_state_update_line(kind: str, seconds: float, kernel) -> str:
     """How a hybrid model's decode steps update the recurrent states (kv/state_cache.py, decay_and_add)."""
     if kind != "compiled":
         return f"state cache: decode update eager (compiling it failed: {kernel.failed})"
-    graphs = [f"{count} graph{'s' if count > 1 else ''} {how}" for count, how in
-              ((kernel.graphs_loaded, "loaded"), (kernel.graphs_compiled, "compiled")) if count]
     return (f"state cache: decode update (decay and rank-one update of the recurrent states) compiled into one pass "
-            f"in {seconds:.1f} s ({''.join(f'{part}, ' for part in graphs)}torch.compile; --enforce-eager skips it)")
+            f"in {seconds:.1f} s {compiled_kernel_parts(kernel.graphs_loaded, kernel.graphs_compiled)}")
 
 
 def speculation_line(config: SpeculativeConfig) -> str:

@@ -53,7 +53,8 @@ COUNTERS = [
     ("kvserve:grammar_cache_hits", "num_grammar_cache_hits",
      "Constrained requests whose grammar an earlier request had compiled."),
     ("kvserve:invalid_constrained_outputs", "num_invalid_constrained_outputs",
-     "Constrained outputs that stopped where their grammar does not accept (a stop string cut them; else 0)."),
+     "Constrained outputs that stopped where their grammar does not accept (a stop string or token cut them; "
+     "else 0)."),
 ]
 
 # the disk tier's (--kv-disk-cache), when the engine has one

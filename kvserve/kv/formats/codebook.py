@@ -46,37 +46,42 @@ def lloyd_max_levels(dim: int, bits: int) -> tuple[float, ...]:
     return tuple(levels.tolist())
 
 
-def codebook(dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(levels [2**bits], midpoints between neighbouring levels [2**bits - 1], the coefficients of levels_of
-    [2**(bits - 1)]) in float32. The levels are levels_of's values, within 1e-6 of lloyd_max_levels', so that a
+def codebook(dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, tuple[float, ...]]:
+    """(levels [2**bits], midpoints between neighbouring levels [2**bits - 1]) in float32, and the 2**(bits - 1)
+    coefficients of levels_of. The levels are levels_of's values, within 1e-6 of lloyd_max_levels', so that a
     code is read back as the level it was chosen for."""
     coefficients = level_polynomial(dim, bits)
     levels = levels_of(torch.arange(2**bits), coefficients, bits)
     return levels, (levels[1:] + levels[:-1]) / 2, coefficients
 
 
-def level_polynomial(dim: int, bits: int) -> torch.Tensor:
-    """Coefficients (ascending powers, float32) of the polynomial through the codebook's positive levels at
-    u = -1 ... 1 (see levels_of); solved in float64."""
+def level_polynomial(dim: int, bits: int) -> tuple[float, ...]:
+    """Coefficients c (ascending powers of y², float32 values as Python numbers) of the odd polynomial
+    y (c0 + c1 y² + c2 y⁴ + ...) through the codebook's levels at y = the codes' offsets from the middle, mapped onto
+    -1 ... 1 (see levels_of); solved in float64."""
     levels = torch.tensor(lloyd_max_levels(dim, bits), dtype=torch.float64)
     half = len(levels) // 2
-    u = torch.linspace(-1, 1, half, dtype=torch.float64)
-    powers = torch.stack([u**k for k in range(half)], dim=1)
-    return torch.linalg.solve(powers, levels[half:]).float()
+    y = (torch.arange(half, dtype=torch.float64) + 0.5) / (half - 0.5)  # the positive levels' offsets
+    powers = torch.stack([y * y ** (2 * k) for k in range(half)], dim=1)
+    return tuple(torch.linalg.solve(powers, levels[half:]).float().tolist())
 
 
-def levels_of(codes: torch.Tensor, coefficients: torch.Tensor, bits: int) -> torch.Tensor:
+def levels_of(codes: torch.Tensor, coefficients: tuple[float, ...], bits: int) -> torch.Tensor:
     """The codebook's level of each code, float32, by arithmetic rather than a table lookup (which a compiled CPU
-    loop loads element by element): the codebook is symmetric, so a code's level is its offset x from the middle's
-    sign times the positive level |x| - 1/2 places out, and those 2**(bits - 1) levels lie on a polynomial of as
-    many coefficients (exact at those points, evaluated by Horner's rule at u, |x| mapped onto -1 ... 1)."""
+    loop loads element by element): the codebook is symmetric, so the level is an odd function of the code's offset
+    from the middle, and its 2**bits levels lie on an odd polynomial of 2**(bits - 1) coefficients (exact at those
+    points, evaluated by Horner's rule in y², y the offset mapped onto -1 ... 1). The coefficients are numbers, not a
+    tensor, so a compiled loop holds them as constants: each element of a tensor was one more read, and the few
+    operations are what keep the levels in the loop that reads the codes (Inductor stores a pointwise result of
+    more than 8 reads, or more than 50 operations on a CPU, in a buffer of its own: the levels then went through
+    memory twice before attention read them)."""
     half = 2 ** (bits - 1)
-    x = codes.float() - (2**bits - 1) / 2
-    u = (x.abs() - 0.5) * (2 / (half - 1)) - 1
-    level = u * coefficients[half - 1] + coefficients[half - 2]
+    y = (codes.float() - (half - 0.5)) * (1 / (half - 0.5))
+    square = y * y
+    level = square * coefficients[half - 1] + coefficients[half - 2]
     for k in range(half - 3, -1, -1):
-        level = level * u + coefficients[k]
-    return torch.where(x < 0, -level, level)
+        level = level * square + coefficients[k]
+    return level * y
 
 
 class NearestLevel:

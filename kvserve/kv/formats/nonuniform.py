@@ -59,17 +59,17 @@ class NonUniformKVCache(StagedBlockKVCache):
             check_packable(bs, b, format_name)
         self.basis = hadamard(D).to(dtype=self.dtype, device=self.device)  # K and V are stored multiplied by it
         self._basis_t = self.basis.T.contiguous()
-        self.value_levels, midpoints, self.value_coefficients = (t.to(self.device)
-                                                                 for t in codebook(D, self.value_bits))
-        self._nearest_value_level = NearestLevel(midpoints)
+        self.value_levels, midpoints, self.value_coefficients = codebook(D, self.value_bits)
+        self.value_levels = self.value_levels.to(self.device)
+        self._nearest_value_level = NearestLevel(midpoints.to(self.device))
         # codes packed across each block's tokens (formats.codebook): packed_rows(bs, bits) rows of [H, D] bytes
         self.k = torch.zeros(L, N * packed_rows(bs, self.key_bits), H, D, dtype=torch.uint8, device=self.device)
         self.k_offset = torch.zeros(L, N, H, D, dtype=SCALE_DTYPE, device=self.device)  # per block and channel
         self.k_scale = torch.zeros(L, N, H, D, dtype=self.key_scale_dtype, device=self.device)
         self.v = torch.zeros(L, N * packed_rows(bs, self.value_bits), H, D, dtype=torch.uint8, device=self.device)
         self.v_scale = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)  # per token
-        self.attend_decodes_with(fused_decode_attention(self.block_size, self.key_bits, self.value_bits)
-                                 if compile else None)
+        self.attend_decodes_with(fused_decode_attention(self.block_size, self.key_bits, self.value_bits,
+                                                        self.value_coefficients) if compile else None)
 
     def describe(self) -> str:
         return (f"{self.format_name}, {self.key_bits}-bit keys per channel per block, {self.value_bits}-bit Lloyd-Max "
@@ -136,9 +136,9 @@ class NonUniformKVCache(StagedBlockKVCache):
         N = self.num_blocks
         staged_k, staged_v = self._staged(row, own_blocks)
         args = (queries @ self.basis, self.k[row].view(N, -1), self.k_offset[row].view(N, -1),
-                self.k_scale[row].view(N, -1), self.v[row].view(N, -1), self.v_scale[row].view(N, -1),
-                self.value_coefficients, block_tables, torch.cat([staged_k, new_k], dim=1) @ self.basis,
-                torch.cat([staged_v, new_v], dim=1) @ self.basis, mask)
+                self.k_scale[row].view(N, -1), self.v[row].view(N, -1), self.v_scale[row].view(N, -1), block_tables,
+                torch.cat([staged_k, new_k], dim=1) @ self.basis, torch.cat([staged_v, new_v], dim=1) @ self.basis,
+                mask)
         dynamic = [(t, 0) for t in args if t.dim() > 1] + [(block_tables, 1), (mask, 3)] \
             if self.fused_decode.warming else ()
         out = self.fused_decode(args, dynamic)
@@ -163,7 +163,7 @@ def decode_half_range(stored: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
-                      v_scale: torch.Tensor, value_coefficients: torch.Tensor, bits: tuple[int, int],
+                      v_scale: torch.Tensor, value_coefficients: tuple[float, ...], bits: tuple[int, int],
                       shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """n selected blocks' rows (one flat row per block, as _select_blocks gives them) -> rotated K and V [n,
     block_size, heads, dim] in float32; `shape` is (block_size, heads, dim). Plain tensor ops, so the compiled decode
@@ -180,13 +180,15 @@ def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: to
     return keys, values * v_scale.float().view(n, bs, heads, 1)
 
 
-def fused_decode_attention(block_size: int, key_bits: int, value_bits: int) -> CompiledFunction:
+def fused_decode_attention(block_size: int, key_bits: int, value_bits: int,
+                           value_coefficients: tuple[float, ...]) -> CompiledFunction:
     """Decode attention over the packed codes (see formats.compiled): selecting the blocks, unpacking the codes,
-    looking up their levels, scaling, shifting and attending become a few generated loops; block size and bits are
-    constants of them. Each cache gets its own; the graphs are saved whole, named by the block size and bits."""
+    looking up their levels, scaling, shifting and attending become a few generated loops; block size, bits and the
+    codebook's polynomial are constants of them. Each cache gets its own; the graphs are saved whole, named by
+    those constants."""
     def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
                                     k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
-                                    value_coefficients: torch.Tensor, block_tables: torch.Tensor,
+                                    block_tables: torch.Tensor,
                                     own_k: torch.Tensor, own_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [S, kv_heads, heads per kv head, head_dim], rotated and multiplied by the softmax scale; own_k and own_v
         [S, block_size + 1, kv_heads, head_dim]: the own block's staged tokens and the new one, rotated."""

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from kvserve import saved_graphs
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats import int4, int8, nonuniform
+from kvserve.kv.formats.codebook import codebook
 from kvserve.kv.formats.compiled import KERNEL_DIRECTORY, CompiledFunction
 from kvserve.planner.layout import KVLayout
 
@@ -146,13 +147,20 @@ def test_a_saved_kernel_that_cannot_be_read_or_others_may_write_is_compiled_agai
 
 
 def test_a_kernels_name_holds_its_block_size_and_bits():
-    """A saved kernel keeps the values its closure held when it compiled: they name its file."""
+    """A saved kernel keeps the values its closure held when it compiled: they name its file (the nonuniform
+    kernel's codebook polynomial too: its coefficients are constants of the generated loops)."""
     def name(kernel):
         return saved_graphs.GraphKey.of(kernel.fn).digest
 
+    def nonuniform_kernel(block_size, key_bits, value_bits, coefficients=None):
+        coefficients = coefficients or codebook(64, value_bits)[2]
+        return nonuniform.fused_decode_attention(block_size, key_bits, value_bits, coefficients)
+
     assert name(int8.fused_decode_attention(16)) == name(int8.fused_decode_attention(16))
     assert name(int8.fused_decode_attention(16)) != name(int8.fused_decode_attention(32))
-    assert name(nonuniform.fused_decode_attention(16, 4, 4)) != name(nonuniform.fused_decode_attention(16, 3, 3))
+    assert name(nonuniform_kernel(16, 4, 4)) != name(nonuniform_kernel(16, 3, 3))
+    assert name(nonuniform_kernel(16, 4, 4)) != name(nonuniform_kernel(16, 4, 4, codebook(128, 4)[2]))
+    assert name(nonuniform_kernel(16, 4, 4)) == name(nonuniform_kernel(16, 4, 4))
     assert name(int4.fused_decode_attention(16)) != name(int8.fused_decode_attention(16))
 
 

@@ -73,7 +73,7 @@ def levels_of(codes: torch.Tensor, coefficients: tuple[float, ...], bits: int) -
     points, evaluated by Horner's rule in y², y the offset mapped onto -1 ... 1). The coefficients are numbers, not a
     tensor, so a compiled loop holds them as constants: each element of a tensor was one more read, and the few
     operations are what keep the levels in the loop that reads the codes (Inductor stores a pointwise result of
-    more than 8 reads, or more than 50 operations on a CPU, in a buffer of its own: the levels then went through
+    more than 12 reads or more than 50 operations in a buffer of its own on a CPU: the levels then went through
     memory twice before attention read them)."""
     half = 2 ** (bits - 1)
     y = (codes.float() - (half - 0.5)) * (1 / (half - 0.5))

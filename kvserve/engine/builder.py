@@ -271,10 +271,11 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
     compile_seconds = time.perf_counter() - started
     logger.info(startup.capacity_line(cache_facts(plan, cache, layout, config.max_num_seqs)))
     logger.info(startup.batch_invariance_line(config.batch_invariant, config.block_size))
-    if decode_kind(cache.fused_decode) == "compiled":
-        kernel = cache.fused_decode
+    kernels = {name: k for name, k in cache.compiled_kernels().items() if decode_kind(k) == "compiled"}
+    if "decode attention" in kernels:
         logger.info(startup.compiled_attention_line(startup.CompiledAttentionFacts(
-            cache.format_name, compile_seconds, kernel.graphs_loaded, kernel.graphs_compiled)))
+            cache.format_name, compile_seconds, sum(k.graphs_loaded for k in kernels.values()),
+            sum(k.graphs_compiled for k in kernels.values()), tuple(kernels))))
     return cache
 
 

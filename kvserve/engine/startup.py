@@ -37,13 +37,14 @@ class CacheFacts:
 
 @dataclass(frozen=True)
 class CompiledAttentionFacts:
-    """A KV format's decode attention compiled at start: its graphs loaded (saved by an earlier start, or built by
-    an earlier engine of this process) and compiled (kv/formats/compiled.py)."""
+    """A KV format's decode attention (and other kernels: `kernels`) compiled at start: their graphs loaded (saved
+    by an earlier start, or built by an earlier engine of this process) and compiled (kv/formats/compiled.py)."""
 
     format_name: str
     compile_s: float
     graphs_loaded: int = 0
     graphs_compiled: int = 0
+    kernels: tuple[str, ...] = ("decode attention",)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def compiled_kernel_parts(loaded: int, compiled: int) -> str:
 
 
 def compiled_attention_line(facts: CompiledAttentionFacts) -> str:
-    return (f"{facts.format_name} decode attention compiled in {facts.compile_s:.1f} s "
+    return (f"{facts.format_name} {' and '.join(facts.kernels)} compiled in {facts.compile_s:.1f} s "
             f"{compiled_kernel_parts(facts.graphs_loaded, facts.graphs_compiled)}")
 
 

@@ -63,6 +63,10 @@ class PagedKVCache:
         """The format as the start-up line names it."""
         return self.format_name
 
+    def compiled_kernels(self) -> dict:
+        """The format's compiled kernels (formats.compiled.CompiledFunction) by what they do, for the start-up line."""
+        return {} if self.fused_decode is None else {"decode attention": self.fused_decode}
+
     def warm_up(self, num_query_heads: int) -> None:
         """Prepare attention before the first step, for a model with `num_query_heads` query heads (a format that
         compiles its decode attention compiles it here)."""

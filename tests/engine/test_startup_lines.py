@@ -65,6 +65,10 @@ def test_compiled_attention_and_steps_lines():
     assert compiled_attention_line(CompiledAttentionFacts("nuq3", 9.0, 1, 1)) == (
         "nuq3 decode attention compiled in 9.0 s (1 graph loaded, 1 graph compiled, torch.compile; --enforce-eager "
         "skips it)")
+    kernels = ("decode attention", "block store")
+    assert compiled_attention_line(CompiledAttentionFacts("nuq4", 2.0, 0, 3, kernels)) == (
+        "nuq4 decode attention and block store compiled in 2.0 s (3 graphs compiled, torch.compile; --enforce-eager "
+        "skips it)")
     assert eager_steps_line("h2o scores attention") == "decode steps: eager (h2o scores attention)"
     assert gemms_not_applied_line("int8 weights") == (
         "--compile-gemms: not applied (int8 weights); the decode step compiles without it")

@@ -103,10 +103,12 @@ class NearestLevel:
         # per cell: its code, and the bounds of that code (float32 rows, as index_select reads fastest)
         self.table = torch.stack([codes.float(), bounds[codes], bounds[codes + 1]]).to(midpoints.device)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """uint8 codes of float32 x (any shape); inf and -inf get the outer codes, as bucketize gives them, NaN 0."""
+    def __call__(self, x: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 codes of float32 x (any shape); inf and -inf get the outer codes, as bucketize gives them, NaN 0.
+        `table`: self.table, passed in by a compiled caller (a graph's argument, not a constant of it)."""
         cell = ((x - self.low) * (1 / self.width)).clamp_(0, self.cells - 1).nan_to_num_(0).to(torch.int32).view(-1)
-        code, below, above = (row.index_select(0, cell).view(x.shape) for row in self.table)
+        code, below, above = (row.index_select(0, cell).view(x.shape) for row in
+                              (self.table if table is None else table))
         return code.add_(x > above).sub_((x <= below).view(torch.uint8)).to(torch.uint8)
 
 

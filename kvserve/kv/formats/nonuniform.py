@@ -15,9 +15,10 @@ by a polynomial through the levels (formats.codebook.levels_of).
 The filling block stays in full precision until it fills (formats.staged, shared with int4), and each query reads
 its own block from there. Stored K and V are in the rotated basis; a gather rotates them back, since the staged
 and new tokens it joins are not rotated. The compiled decode attention (formats.compiled) reads the codes in place
-and rotates the query and the few staged and new tokens instead, then its output back (formats.fp8 explains why
-that is exact). Storing a block finds each key's level by rounding (the grid is even) and each value's by a table
-(formats.codebook.NearestLevel), not by a search."""
+and rotates the query and the new token instead, reads the staged tokens from a rotated copy kept beside the exact
+one (formats.staged, stage_rotated), and rotates its output back (formats.fp8 explains why that is exact). Storing a
+block finds each key's level by rounding (the grid is even) and each value's by a table
+(formats.codebook.NearestLevel), not by a search, in one compiled kernel of its own where decode is compiled."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,11 +71,27 @@ class NonUniformKVCache(StagedBlockKVCache):
         self.v_scale = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)  # per token
         self.attend_decodes_with(fused_decode_attention(self.block_size, self.key_bits, self.value_bits,
                                                         self.value_coefficients) if compile else None)
+        self._quantize = quantizer(bits, self._nearest_value_level)
+        self.compiled_store = CompiledFunction(self._quantize) if compile else None
+        if compile:
+            self.stage_rotated(self.basis)
+
+    def warm_up(self, num_query_heads: int) -> None:
+        super().warm_up(num_query_heads)
+        if self.compiled_store is not None:
+            shape = (2, self.block_size, self.num_kv_heads, self.head_dim)
+            with torch.inference_mode(), self.compiled_store.warming_up():
+                self.quantize_blocks(*(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)))
+
+    def compiled_kernels(self) -> dict:
+        stores = {} if self.compiled_store is None else {"block store": self.compiled_store}
+        return {**super().compiled_kernels(), **stores}
 
     def describe(self) -> str:
         return (f"{self.format_name}, {self.key_bits}-bit keys per channel per block, {self.value_bits}-bit Lloyd-Max "
                 f"codes of Hadamard-rotated values per token; {self.block_size - 1}-token full-precision residual per "
-                f"sequence; {decode_kind(self.fused_decode)} decode attention")
+                f"sequence{', kept also rotated' if self.rotated_k is not None else ''}; "
+                f"{decode_kind(self.fused_decode)} decode attention")
 
     # ---- quantizing -------------------------------------------------------------------------------------------
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,36 +101,30 @@ class NonUniformKVCache(StagedBlockKVCache):
     def quantize_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full blocks [F, block_size, heads, dim] -> codes packed across each block's tokens [F, rows, heads, dim]
         (formats.codebook), float16 midpoints and stored half ranges [F, heads, dim] of each rotated channel over
-        the block."""
-        x = self.rotate(k.flatten(0, 1)).view(k.shape)
-        low, high = x.amin(dim=1), x.amax(dim=1)
-        scale = encode_half_range((high - low) / 2, self.key_scale_dtype)
-        half = decode_half_range(scale)[:, None]
-        # the nearest level of the even grid -1, -1 + step, ..., 1 by rounding (a search would run value by value)
-        top, step = 2**self.key_bits - 1, 2 / (2**self.key_bits - 1)
-        codes = ((x - ((high + low) / 2)[:, None]) / (half * step) + top / 2).round_().clamp_(0, top)
-        offset = (x - (codes * step - 1) * half).mean(dim=1)  # least squares, given the codes and half range
-        return pack(codes.to(torch.uint8), self.key_bits), offset.to(SCALE_DTYPE), scale
+        the block (quantize_keys)."""
+        return quantize_keys(self.rotate(k.flatten(0, 1)).view(k.shape), self.key_bits, self.key_scale_dtype)
 
     def quantize_values(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full blocks [F, block_size, heads, dim] -> codes packed across each block's tokens [F, rows, heads, dim]
-        and float16 scales [F, block_size, heads] of each token's vector rotated: the scale maps the largest
-        coordinate onto the outermost level at 4 bits, the RMS onto 1 at 3 bits (the smaller error on SmolLM2's
-        values), then refitted to the chosen levels (least squares)."""
-        x, levels = self.rotate(v.flatten(0, 1)).view(v.shape), self.value_levels
-        scale = x.abs().amax(dim=-1) / levels[-1] if self.value_bits >= 4 else x.norm(dim=-1) / self.head_dim**0.5
-        codes = self._nearest_value_level(x / scale.clamp(min=MIN_SCALE)[..., None])
-        chosen = levels.index_select(0, codes.view(-1).int()).view(x.shape)
-        fitted = (x * chosen).sum(-1) / (chosen * chosen).sum(-1).clamp(min=MIN_SCALE)
-        return pack(codes, self.value_bits), fitted.clamp(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
+        and float16 scales [F, block_size, heads] (quantize_values)."""
+        return quantize_values(self.rotate(v.flatten(0, 1)).view(v.shape), self.value_levels,
+                               self._nearest_value_level, self._nearest_value_level.table, self.value_bits)
+
+    def quantize_blocks(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Full blocks' K and V [F, block_size, heads, dim] -> quantize_keys' and quantize_values' results, rotated
+        here and quantized by the compiled store kernel where there is one (one call for the ~30 operations)."""
+        args = (self.rotate(k.flatten(0, 1)).view(k.shape), self.rotate(v.flatten(0, 1)).view(v.shape),
+                self.value_levels, self._nearest_value_level.table)
+        stored = None if self.compiled_store is None else \
+            self.compiled_store(args, [(args[0], 0), (args[1], 0)] if self.compiled_store.warming else ())
+        return stored or self._quantize(*args)
 
     def _store_blocks(self, row: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        codes, offset, scale = self.quantize_keys(k)
-        self._blocks_view(self.k, row)[blocks] = codes
-        self.k_offset[row, blocks], self.k_scale[row, blocks] = offset, scale
-        codes, scale = self.quantize_values(v)
-        self._blocks_view(self.v, row)[blocks] = codes
-        self._blocks_view(self.v_scale, row)[blocks] = scale
+        k_codes, k_offset, k_scale, v_codes, v_scale = self.quantize_blocks(k, v)
+        self._blocks_view(self.k, row)[blocks] = k_codes
+        self.k_offset[row, blocks], self.k_scale[row, blocks] = k_offset, k_scale
+        self._blocks_view(self.v, row)[blocks] = v_codes
+        self._blocks_view(self.v_scale, row)[blocks] = v_scale
 
     # ---- reading ----------------------------------------------------------------------------------------------
     def _dequantize_into(self, row: int, block_tables: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
@@ -132,20 +143,54 @@ class NonUniformKVCache(StagedBlockKVCache):
                           own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor | None:
         """Over the codes in place, with the query, the own block's staged tokens and the new ones rotated as the
-        stored K and V were, and the output rotated back."""
+        stored K and V were, and the output rotated back (all in the kernel; the staged tokens kept rotated)."""
         N = self.num_blocks
-        staged_k, staged_v = self._staged(row, own_blocks)
-        args = (queries @ self.basis, self.k[row].view(N, -1), self.k_offset[row].view(N, -1),
+        staged_k, staged_v = self._staged(row, own_blocks, rotated=True)
+        args = (queries, self.k[row].view(N, -1), self.k_offset[row].view(N, -1),
                 self.k_scale[row].view(N, -1), self.v[row].view(N, -1), self.v_scale[row].view(N, -1), block_tables,
-                torch.cat([staged_k, new_k], dim=1) @ self.basis, torch.cat([staged_v, new_v], dim=1) @ self.basis,
-                mask)
-        dynamic = [(t, 0) for t in args if t.dim() > 1] + [(block_tables, 1), (mask, 3)] \
-            if self.fused_decode.warming else ()
-        out = self.fused_decode(args, dynamic)
-        return None if out is None else out @ self._basis_t
+                staged_k, staged_v, new_k, new_v, mask, self.basis)
+        dynamic = [(t, 0) for t in args[:-1] if t.dim() > 1] + [(block_tables, 1), (mask, 3)] \
+            if self.fused_decode.warming else ()  # not the basis's
+        return self.fused_decode(args, dynamic)
 
     def _block_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_offset, self.k_scale, self.v_scale]
+
+
+def quantize_keys(x: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Rotated full blocks [F, block_size, heads, dim] (float32) -> codes packed across each block's tokens [F, rows,
+    heads, dim], float16 midpoints and stored half ranges [F, heads, dim] of each channel over the block."""
+    low, high = x.amin(dim=1), x.amax(dim=1)
+    scale = encode_half_range((high - low) / 2, scale_dtype)
+    half = decode_half_range(scale)[:, None]
+    # the nearest level of the even grid -1, -1 + step, ..., 1 by rounding (a search would run value by value)
+    top, step = 2**bits - 1, 2 / (2**bits - 1)
+    codes = ((x - ((high + low) / 2)[:, None]) / (half * step) + top / 2).round_().clamp_(0, top)
+    offset = (x - (codes * step - 1) * half).mean(dim=1)  # least squares, given the codes and half range
+    return pack(codes.to(torch.uint8), bits), offset.to(SCALE_DTYPE), scale
+
+
+def quantize_values(x: torch.Tensor, levels: torch.Tensor, nearest: NearestLevel, table: torch.Tensor,
+                    bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated full blocks [F, block_size, heads, dim] (float32) -> codes packed across each block's tokens [F, rows,
+    heads, dim] and float16 scales [F, block_size, heads] of each token's vector: the scale maps the largest
+    coordinate onto the outermost level at 4 bits, the RMS onto 1 at 3 bits (the smaller error on SmolLM2's values),
+    then refitted to the chosen levels (least squares). `table`: nearest's (NearestLevel)."""
+    scale = x.abs().amax(dim=-1) / levels[-1] if bits >= 4 else x.norm(dim=-1) / x.shape[-1]**0.5
+    codes = nearest(x / scale.clamp(min=MIN_SCALE)[..., None], table)
+    chosen = levels.index_select(0, codes.view(-1).int()).view(x.shape)
+    fitted = (x * chosen).sum(-1) / (chosen * chosen).sum(-1).clamp(min=MIN_SCALE)
+    return pack(codes, bits), fitted.clamp(MIN_SCALE, MAX_SCALE).to(SCALE_DTYPE)
+
+
+def quantizer(bits: NonUniformBits, nearest: NearestLevel):
+    """Rotated full blocks' keys and values, the codebook's levels and nearest's table -> what a block stores."""
+    def nonuniform_quantize(k: torch.Tensor, v: torch.Tensor, levels: torch.Tensor,
+                            table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (*quantize_keys(k, bits.key_bits, bits.key_scale_dtype),
+                *quantize_values(v, levels, nearest, table, bits.value_bits))
+
+    return nonuniform_quantize
 
 
 def encode_half_range(half: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -188,19 +233,23 @@ def fused_decode_attention(block_size: int, key_bits: int, value_bits: int,
     those constants."""
     def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
                                     k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
-                                    block_tables: torch.Tensor,
-                                    own_k: torch.Tensor, own_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [S, kv_heads, heads per kv head, head_dim], rotated and multiplied by the softmax scale; own_k and own_v
-        [S, block_size + 1, kv_heads, head_dim]: the own block's staged tokens and the new one, rotated."""
+                                    block_tables: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
+                                    new_k: torch.Tensor, new_v: torch.Tensor, mask: torch.Tensor,
+                                    basis: torch.Tensor) -> torch.Tensor:
+        """q [S, kv_heads, heads per kv head, head_dim], multiplied by the softmax scale; staged_k and staged_v [S,
+        block_size, kv_heads, head_dim]: the own block's staged tokens, rotated (stage_rotated); new_k and new_v [S,
+        1, kv_heads, head_dim]: the new one. The query and the new token are rotated here, as broadcast products and
+        sums (small: a few loops of the kernel, not four more operations a layer), and the output rotated back."""
         S, B = block_tables.shape
-        H, D = q.shape[1], q.shape[3]
+        H, D, dtype = q.shape[1], q.shape[3], q.dtype
+        q, new_k, new_v = ((x[..., None].float() * basis).sum(-2) for x in (q, new_k, new_v))
         blocks = block_tables.reshape(-1)
         keys, values = dequantize_blocks(k_codes.index_select(0, blocks), k_offset.index_select(0, blocks),
                                          k_scale.index_select(0, blocks), v_codes.index_select(0, blocks),
                                          v_scale.index_select(0, blocks), value_coefficients, (key_bits, value_bits),
                                          (block_size, H, D))
-        keys = torch.cat([keys.view(S, B * block_size, H, D), own_k.float()], dim=1)
-        values = torch.cat([values.view(S, B * block_size, H, D), own_v.float()], dim=1)
-        return attend(q, keys, values, mask)
+        keys = torch.cat([keys.view(S, B * block_size, H, D), staged_k.float(), new_k], dim=1)
+        values = torch.cat([values.view(S, B * block_size, H, D), staged_v.float(), new_v], dim=1)
+        return (attend(q, keys, values, mask)[..., :, None] * basis.T).sum(-2).to(dtype)
 
     return CompiledFunction(nonuniform_decode_attention)

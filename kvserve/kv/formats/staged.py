@@ -7,7 +7,11 @@ block to the format (`_store_blocks`). To keep outputs independent of how a sequ
 or served from the prefix cache, every query reads earlier blocks in their quantized form and its own block in full
 precision — exactly what decode sees, token by token — so the runner adds the own block's exact keys to attention
 (`exact_own_block`). A filled block's bytes are final: prefix sharing, copy-on-write of full blocks and the disk tier
-copy them as they are; copy-on-write of a partly filled block copies its staging row."""
+copy them as they are; copy-on-write of a partly filled block copies its staging row.
+
+A format whose compiled decode reads K and V in another basis (nuq: Hadamard-rotated) also keeps its staged tokens
+in that basis (`stage_rotated`), each rotated once as it is written, so a decode step rotates only its new tokens
+rather than its whole block; the exact copy stays what the gathers return."""
 from __future__ import annotations
 
 import logging
@@ -49,6 +53,9 @@ class StagedBlockKVCache(PagedKVCache):
         L, bs, H, D = self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
         self.staging_k = torch.zeros(L, 0, bs, H, D, dtype=self.dtype, device=self.device)  # [layers, rows, ...]
         self.staging_v = torch.zeros(L, 0, bs, H, D, dtype=self.dtype, device=self.device)
+        self.rotated_k: torch.Tensor | None = None  # the staged tokens in `staging_basis` (stage_rotated)
+        self.rotated_v: torch.Tensor | None = None
+        self.staging_basis: torch.Tensor | None = None
         self._free_rows: list[int] = []
         # A sequence holds one staging row for its filling block, and a second during a step in which a prefill
         # chunk completes that block and starts the next (the completed block's row is read by every layer's
@@ -70,13 +77,18 @@ class StagedBlockKVCache(PagedKVCache):
         offset = position % self.block_size
         return self.block_size - 1 if offset == self.block_size - 1 else self.block_size - 2 - offset
 
+    def stage_rotated(self, basis: torch.Tensor) -> None:
+        """Keep the staged tokens also multiplied by `basis` [head_dim, head_dim] (`_staged(..., rotated=True)`)."""
+        self.staging_basis = basis
+        self.rotated_k, self.rotated_v = torch.zeros_like(self.staging_k), torch.zeros_like(self.staging_v)
+
     @property
     def staging_rows(self) -> int:
         return self.staging_k.shape[1]
 
     @property
     def extra_nbytes(self) -> int:
-        return self.staging_k.nbytes + self.staging_v.nbytes
+        return sum(t.nbytes for t in self._stagings())
 
     # ---- what a format adds ---------------------------------------------------------------------------------
     def _store_blocks(self, row: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -136,14 +148,17 @@ class StagedBlockKVCache(PagedKVCache):
             src_row = int(self.row_of_block[src])
             if src_row >= 0:
                 dst_row = self._row(dst)
-                self.staging_k[:, dst_row] = self.staging_k[:, src_row]
-                self.staging_v[:, dst_row] = self.staging_v[:, src_row]
+                for staging in self._stagings():
+                    staging[:, dst_row] = staging[:, src_row]
 
     # ---- per layer -----------------------------------------------------------------------------------------
     def _write(self, row: int, group: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         plan = self._plans[group]
-        for staging, x in ((self.staging_k, k), (self.staging_v, v)):
-            staging[row, plan.stage_rows, plan.stage_offsets] = x[plan.stage_tokens].to(self.dtype)
+        for staging, rotated, x in ((self.staging_k, self.rotated_k, k), (self.staging_v, self.rotated_v, v)):
+            staged = x[plan.stage_tokens].to(self.dtype)
+            staging[row, plan.stage_rows, plan.stage_offsets] = staged
+            if rotated is not None:
+                rotated[row, plan.stage_rows, plan.stage_offsets] = staged @ self.staging_basis
         if not len(plan.fill_blocks):
             return
         shape = (len(plan.fill_blocks), self.block_size, self.num_kv_heads, self.head_dim)
@@ -180,12 +195,14 @@ class StagedBlockKVCache(PagedKVCache):
         """Full-precision K/V [S, block_size, heads, dim] staged for each of `blocks` (-1 or unstaged: zeros to mask)."""
         return self._staged(self.layout.row_of[layer], blocks)
 
-    def _staged(self, row: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _staged(self, row: int, blocks: torch.Tensor, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged K and V of `blocks` (as gather_residual); `rotated`: in `staging_basis` (stage_rotated)."""
         if id(blocks) not in self._own_rows:  # every layer of a step asks again for the same blocks
             rows = self.row_of_block[blocks.cpu().clamp(min=0)].to(self.device)
             self._own_rows[id(blocks)] = blocks, torch.where((blocks >= 0) & (rows >= 0), rows, 0)
         rows = self._own_rows[id(blocks)][1]
-        return self.staging_k[row].index_select(0, rows), self.staging_v[row].index_select(0, rows)
+        k, v = (self.rotated_k, self.rotated_v) if rotated else (self.staging_k, self.staging_v)
+        return k[row].index_select(0, rows), v[row].index_select(0, rows)
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _assemble(self, plan: _StepPlan, row: int, new: torch.Tensor, staging: torch.Tensor,
@@ -195,6 +212,9 @@ class StagedBlockKVCache(PagedKVCache):
         scratch[plan.fill_positions] = new[plan.fill_tokens].to(self.dtype)
         scratch[plan.residual_positions] = staging[row, plan.residual_rows, plan.residual_offsets]
         return scratch.view(shape)
+
+    def _stagings(self) -> list[torch.Tensor]:
+        return [t for t in (self.staging_k, self.staging_v, self.rotated_k, self.rotated_v) if t is not None]
 
     def _row(self, block: int) -> int:
         row = int(self.row_of_block[block])
@@ -220,6 +240,7 @@ class StagedBlockKVCache(PagedKVCache):
         shape = list(self.staging_k.shape)
         shape[1] = rows - old
         zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.staging_k = torch.cat([self.staging_k, zeros], dim=1)
-        self.staging_v = torch.cat([self.staging_v, zeros], dim=1)
+        for name in ("staging_k", "staging_v", "rotated_k", "rotated_v"):
+            if getattr(self, name) is not None:
+                setattr(self, name, torch.cat([getattr(self, name), zeros], dim=1))
         self._free_rows += range(rows - 1, old - 1, -1)

@@ -325,7 +325,7 @@ def test_the_compiled_block_store_stores_the_eager_stores_bytes(fmt):
     store = compiled.compiled_store
     assert store.failed is None and not store._misses and store.graphs_compiled + store.graphs_loaded == 1
     # the same arithmetic; sums over a block or a vector may run in another order (the generated loops' vectors):
-    # a code may then differ at a rounding tie, a stored float16 by one unit (bitwise equal on the Xeons measured)
+    # a code may then differ at a rounding tie, a stored float16 by one unit (bitwise equal on the Xeon measured)
     for got, expected in zip(compiled._block_tensors(), eager._block_tensors()):
         if got.dtype == torch.uint8:
             assert (got != expected).float().mean() < 0.01

@@ -28,7 +28,7 @@ from kvserve.model.attention import (AttentionGroup, AttentionMetadata, LayerReg
 from kvserve.model.gemma3 import Gemma3Model
 from kvserve.model.float_kernels import BLAS
 from kvserve.model.int8_kernels import FloatKernel
-from kvserve.model.linear import GRAPH_MATRIX_VECTOR_DTYPES, Linear
+from kvserve.model.linear import GRAPH_MATRIX_VECTOR_DTYPES, Int8Linear, Linear
 from kvserve.model.llama import LlamaModel
 from kvserve.saved_graphs import GraphKey, GraphMiss, GraphSet, first_line
 
@@ -129,9 +129,12 @@ def _decode_logits(hidden: torch.Tensor) -> torch.Tensor:
 
 def head_in_graph(model) -> bool:
     """Whether one row's logits run compiled: an output head of dense float weights (with a packed copy too under
-    --compile-decode: model/linear.py, keep_dense), whose matrix-vector product the graph splits over every core
-    (one_row_in_graph). An int8 head's call is the same kernel in a graph and out of one."""
+    --compile-decode: model/linear.py, keep_dense), or of int8 codes kept as they are (Int8Linear's keep_codes),
+    whose matrix-vector product the graph splits over every core (one_row_in_graph, one_row_sums). An int8 head
+    without them would call the same kernel in a graph and out of one."""
     head = model.lm_head
+    if isinstance(head, Int8Linear):
+        return head.codes is not None
     return isinstance(head, Linear) and head.weight is not None and head.dtype in GRAPH_MATRIX_VECTOR_DTYPES
 
 
@@ -359,7 +362,8 @@ class CompiledSteps:
                 self.run_outside(input_ids, meta, zero_attention)
             if self._head is not None:
                 head = self.model.lm_head
-                hidden = torch.zeros(1, head.in_features, dtype=head.dtype, device=self.cache.device)
+                hidden = torch.zeros(1, head.in_features, dtype=self.model.linears.policy.dtype,
+                                     device=self.cache.device)
                 with torch.no_grad():
                     self._head.add("head", (hidden,))
                     self._head(hidden)

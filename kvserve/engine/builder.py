@@ -249,8 +249,9 @@ def weights_facts(config: EngineConfig, model) -> startup.WeightsFacts:
     """What the built model holds: its bytes, its form and the copies its kernels keep."""
     linears = model.linears
     fallback = linears.kernel.reason if isinstance(linears.kernel, FloatKernel) else None
+    kernel = linears.kernel or linears.matmul  # what multiplies the weights: int8's kernel, or the float one
     return startup.WeightsFacts(model.weights_nbytes, config.dtype, config.quantization, fallback,
-                                linears.tied_copy_nbytes, linears.dense_copy_nbytes, linears.matmul.name)
+                                linears.tied_copy_nbytes, linears.dense_copy_nbytes, kernel.name)
 
 
 def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> PagedKVCache:

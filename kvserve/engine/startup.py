@@ -20,8 +20,8 @@ class WeightsFacts:
     quantization: str | None  # "int8": linear weights quantized to int8
     fallback_kernel_reason: str | None = None  # int8 codes held as float32 for the fallback kernel: why
     tied_copy_nbytes: int = 0  # a kernel's packed copy of the tied embedding table
-    dense_copy_nbytes: int = 0  # dense weights kept beside packed copies for compiled decode steps
-    matmul_name: str = ""  # the float linear kernel whose packed copies those are
+    dense_copy_nbytes: int = 0  # dense weights (int8: codes) kept beside packed copies for compiled decode steps
+    matmul_name: str = ""  # the float linear kernel (int8: the int8 kernel) whose packed copies those are
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ def weights_line(facts: WeightsFacts) -> str:
         if facts.tied_copy_nbytes:
             form += (f"; of which {facts.tied_copy_nbytes / 1e6:,.1f} MB is the int8 kernel's own copy of the tied "
                      "embedding table (lookups read the codes, the output head its packed copy)")
+        if facts.dense_copy_nbytes:
+            form += (f"; of which {facts.dense_copy_nbytes / 1e6:,.1f} MB the codes kept as they are beside "
+                     f"{facts.matmul_name}'s packed copies for compiled decode steps: the single stream's graph "
+                     "multiplies them in loops of its own")
     else:
         form = facts.dtype
         copies = []

@@ -33,6 +33,9 @@ class Int8Kernel:
     copies_codes = True  # pack() makes its own copy of the codes (False: a view of them)
     # Inductor lowers this kernel's calls over weights frozen into a graph (--compile-gemms) to its own C++ GEMM
     inductor_template = False
+    # a compiled graph sums one row's codes in a loop of its own (model/linear.py, one_row_sums) instead of calling
+    # this kernel: an op of kvserve's own, whose every call from a graph costs more than the loop at one row
+    loops_at_one_row = False
 
     def available(self) -> bool:
         """Present here and exact: full-range codes, whose pairwise sums overflow an int16 (oneDNN on a CPU without
@@ -83,6 +86,7 @@ class OneDNNKernel(Int8Kernel):
     name = "onednn.qlinear"
     library = "oneDNN quantized linear (PyTorch's x86 inductor kernel)"
     inductor_template = True
+    loops_at_one_row = True
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (_frozen(torch.ops.onednn.qlinear_prepack(weight, None)), *_unit_scales(weight.shape[0]))
@@ -136,6 +140,7 @@ class FbgemmKernel(Int8Kernel):
 
     name = "fbgemm linear"
     library = "FBGEMM's u8s8 linear (torch.ops.quantized, x86)"
+    loops_at_one_row = True
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.float_kernels import BLAS, FloatMatmul, choose_matmul
-from kvserve.model.int8_kernels import FloatKernel, Int8Kernel, choose_kernel
+from kvserve.model.int8_kernels import EXACT_FLOAT_COLUMNS, FloatKernel, Int8Kernel, choose_kernel
 from kvserve.rotation import KroneckerRotation, kronecker_rotation
 
 INT8_MAX = 127
@@ -83,38 +83,68 @@ class Int8Linear:
     """int8 weights [N, K], rotated (W R), with float32 scales [N] (absmax per output channel / 127), run by
     `kernel`, which keeps the codes in its own form (`packed`); each call rotates its input by the same R."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: Int8Kernel | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: Int8Kernel | None = None,
+                 keep_codes: bool = False):
         rotation = input_rotation(weight)
-        self.__init_from_codes(*quantize_rows(rotation(weight.float())), rotation, bias, kernel or choose_kernel())
+        self.__init_from_codes(*quantize_rows(rotation(weight.float())), rotation, bias, kernel or choose_kernel(),
+                               keep_codes)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, rotation: KroneckerRotation,
-                   kernel: Int8Kernel) -> Int8Linear:
+                   kernel: Int8Kernel, keep_codes: bool = False) -> Int8Linear:
         """A linear over codes already quantized from W R (a tied table's)."""
         linear = cls.__new__(cls)
-        linear.__init_from_codes(codes, scale, rotation, None, kernel)
+        linear.__init_from_codes(codes, scale, rotation, None, kernel, keep_codes)
         return linear
 
     def __init_from_codes(self, codes: torch.Tensor, scale: torch.Tensor, rotation: KroneckerRotation,
-                          bias: torch.Tensor | None, kernel: Int8Kernel) -> None:
+                          bias: torch.Tensor | None, kernel: Int8Kernel, keep_codes: bool) -> None:
         self.weight_scale = scale
         self.rotation = rotation
         self.bias = bias
         self.kernel = kernel
+        self.in_features = codes.shape[1]
         self.packed = kernel.pack(codes)
+        # the codes as they are, for a compiled graph's one-row loops (one_row_sums); a kernel that packs a copy of
+        # its own (oneDNN) then leaves them held twice
+        self.codes = parameter(codes) if keep_codes else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x_q, x_scale = quantize_rows(self.rotation(x.reshape(-1, x.shape[-1]).float()))
-        sums = self.kernel.matmul(x_q, self.packed)  # [M, N] float32: the exact integer sums
+        if self.codes is not None and one_row_in_graph(x) and not torch._inductor.config.freezing:
+            sums = one_row_sums(x_q, self.codes)  # the same exact sums (--compile-gemms: the kernel's template)
+        else:
+            sums = self.kernel.matmul(x_q, self.packed)  # [M, N] float32: the exact integer sums
         y = sums.mul_(x_scale[:, None]).mul_(self.weight_scale).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, y.shape[-1])  # not -1: a call may have no rows (a prefill chunk that samples nothing)
 
+    @property
+    def codes_copy_nbytes(self) -> int:
+        """Bytes of the codes kept beside a kernel's own copy of them (keep_codes); 0 without one."""
+        return self.codes.nbytes if self.codes is not None and self.kernel.copies_codes else 0
+
     def storages(self) -> dict[int, int]:
-        return {**tensor_storages(self.weight_scale, self.bias), **self.kernel.storages(self.packed),
+        return {**tensor_storages(self.weight_scale, self.bias, self.codes), **self.kernel.storages(self.packed),
                 **self.rotation.storages()}
+
+
+def one_row_sums(x_q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """sum_k x_q[0, k] codes[n, k] for one row of int8 codes, as float32 [1, N]: the integer kernels' numbers, as a
+    product and a sum that Inductor compiles to a loop of its own over every core (one_row_in_graph), reading the
+    codes once. Each slice of EXACT_FLOAT_COLUMNS columns sums exactly in float32 in whatever order the loop adds;
+    the slices' integer sums are added as int32 and rounded to float32 once, as the integer kernels' are."""
+    x = x_q.float()
+    # a buffer of its own (Inductor lowers as_strided only over one): the row's rotation and quantization are
+    # elementwise work that Inductor would otherwise inline into the loop below, redone for every output n
+    x = x.as_strided(x.shape, x.stride())
+    sums = None
+    for k in range(0, codes.shape[1], EXACT_FLOAT_COLUMNS):
+        part = (x[:, None, k : k + EXACT_FLOAT_COLUMNS] * codes[:, k : k + EXACT_FLOAT_COLUMNS].float()).sum(-1)
+        sums = part.to(torch.int32) if sums is None else sums + part.to(torch.int32)
+    return sums.float()
 
 
 def parameter(weight: torch.Tensor) -> torch.nn.Parameter:
@@ -181,6 +211,9 @@ class Linears:
         # oneDNN's alone)
         self.dense_in_graph = (policy.dense_in_graph and self.kernel is None and
                                policy.dtype in GRAPH_MATRIX_VECTOR_DTYPES)
+        # ... and int8 codes as they are, beside the packed form of a kernel that a graph's one-row loop replaces
+        # (Int8Linear's keep_codes; the kernel's loops_at_one_row)
+        self.keep_codes = policy.dense_in_graph and self.kernel is not None and self.kernel.loops_at_one_row
         self.tied_copy_nbytes = 0
         self.dense_copy_nbytes = 0
 
@@ -198,13 +231,16 @@ class Linears:
             linear = Linear(weight, bias, self.matmul, keep_dense=self.dense_in_graph)
             self.dense_copy_nbytes += linear.dense_copy_nbytes
             return linear
-        return Int8Linear(weight, bias, self.kernel)
+        linear = Int8Linear(weight, bias, self.kernel, keep_codes=self.keep_codes)
+        self.dense_copy_nbytes += linear.codes_copy_nbytes
+        return linear
 
     @property
     def one_row_loops(self) -> bool:
-        """Whether a compiled graph's one-row steps multiply these float weights in loops of its own (Linear)."""
-        return self.dense_in_graph or (self.kernel is None and self.policy.dtype in GRAPH_MATRIX_VECTOR_DTYPES and
-                                       self.matmul is BLAS)
+        """Whether a compiled graph's one-row steps multiply these weights (float, or int8 codes) in loops of its
+        own (Linear, Int8Linear)."""
+        return self.dense_in_graph or self.keep_codes or (
+            self.kernel is None and self.policy.dtype in GRAPH_MATRIX_VECTOR_DTYPES and self.matmul is BLAS)
 
     def head_and_embedding(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> tuple[Linear | Int8Linear,
                                                                                             Embedding]:
@@ -219,7 +255,7 @@ class Linears:
         codes, scale = quantize_rows(rotation(embed.float()))
         embedding = Embedding(codes, scale, self.policy.dtype, rotation)
         if lm_head is None:  # tied: the head multiplies by the table's own (rotated) codes
-            head = Int8Linear.from_codes(codes, scale, rotation, self.kernel)
+            head = Int8Linear.from_codes(codes, scale, rotation, self.kernel, self.keep_codes)  # the lookups' codes
             self.tied_copy_nbytes = sum(self.kernel.storages(head.packed).values()) if self.kernel.copies_codes else 0
             return head, embedding
         return self.linear(lm_head), embedding

@@ -16,7 +16,7 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     """A compiled graph multiplies one row by float weights in Inductor's own loops (model/linear.py,
     one_row_in_graph), not the BLAS calls the split replays: its single stream's time is not split (its rest would
     come out below zero); an eager single stream's is, and so are compiled batched steps and int8 weights' rows
-    (their own kernel's, said as such). Each row's routes are its engine's (Routes), whatever its name says."""
+    (their own kernel's, said as such, or at one row the graph's loops over their codes). Each row's routes are its engine's (Routes), whatever its name says."""
     cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
                           vocab_size=64)
     blas, int8 = float_kernels.BLAS, int8_kernels.IntMMKernel()
@@ -26,7 +26,8 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
         rows_routes = [("row a", Routes(float_matmul, None, False, False)),
                        ("row b", Routes(float_matmul, None, True, False, one_row_loops=True)),
                        ("row c", Routes(blas, int8, True, False)),
-                       ("row d", Routes(blas, int8_kernels.FloatKernel(), True, False)), *extra]
+                       ("row d", Routes(blas, int8_kernels.FloatKernel(), True, False)),
+                       ("row h", Routes(blas, int8_kernels.OneDNNKernel(), True, False, one_row_loops=True)), *extra]
         runs = [RunResult(name, 8, 1.0, decode_tokens=8, decode_seconds=0.5,
                                      steps=Counter({(rows, rows): 8 // rows}), routes=routes)
                 for name, routes in rows_routes]
@@ -39,7 +40,10 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     assert "row b: 62.5 ms, " in single and "(no split: its matmuls are Inductor's matrix-vector loops" in single
     assert "row c: 62.5 ms, " in single and "(no split: its matmuls are torch._int_mm's int8 ones)" in single
     assert "row d: 62.5 ms = matmuls" in single  # int8 codes multiplied as float32 by F.linear, as replayed
+    assert "row h: 62.5 ms, " in single and ("(no split: its matmuls are Inductor's loops over the int8 codes on every "
+                                             "core, not onednn.qlinear's calls)") in single
     batched = printed(4)
+    assert "(no split: its matmuls are onednn.qlinear's int8 ones)" in batched  # several rows: the kernel's calls
     assert "row b: 62.5 ms = matmuls" in batched and "Inductor's matrix-vector loops" not in batched
     # oneDNN's float linear: the replay multiplies as the engine did, so those rows are split; a row that kept
     # F.linear (--batch-invariant) is not

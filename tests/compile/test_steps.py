@@ -243,16 +243,18 @@ def test_one_rows_logits_run_the_compiled_head(engines, monkeypatch):
     assert eager_rows and all(rows > 1 for rows in eager_rows)
 
 
-def test_an_int8_head_is_not_compiled_on_its_own(tmp_path):
-    """An int8 head's call is the same kernel in a graph and out of one: no graph of its own for it; nor for
-    oneDNN's packed float head without the dense weights that only --compile-decode keeps."""
+def test_which_heads_get_a_graph_of_their_own(tmp_path):
+    """A head gets a graph of its own where one row's product is the graph's loop (one_row_in_graph): float weights
+    held dense, or int8 codes kept as they are (only --compile-decode keeps them, for the kernels a loop replaces);
+    not oneDNN's packed float head without the dense weights, nor an int8 head without its codes, whose call would be
+    the same kernel in a graph and out of one."""
     path = make_tiny_model(tmp_path)
     with float_matmul(BLAS):
         assert compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
     with float_matmul(OneDNNMatmul()):
         assert not compiled_step.head_in_graph(LLM(str(path), **COMMON, enforce_eager=True).engine.model)
     int8 = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True).engine.model
-    assert not compiled_step.head_in_graph(int8)
+    assert not compiled_step.head_in_graph(int8)  # compiled: test_int8_weights_decode_compiled_as_eager
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -304,7 +306,9 @@ def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     """W8A8 weights in the graph, with each route a CPU's probe may pick: the rotations of the activations (and of a
     tied table's rows) are Inductor's own loops there (kvserve/rotation.py), rounded otherwise than eager's BLAS
     (INT8_LOGPROB_TOLERANCE); the integer sums stay the int8 kernel's, exact on every CPU. (oneDNN's op rides in the
-    graph as an op of kvserve's own, which Inductor calls as is: it lowers oneDNN's only over frozen weights.)"""
+    graph as an op of kvserve's own, which Inductor calls as is: it lowers oneDNN's only over frozen weights.) Over
+    those ops' weights a single stream's graphs, its head's included, sum one row's codes in loops of their own
+    (model/linear.py, one_row_sums): the same integers."""
     if not kernel.available():
         pytest.skip(f"{kernel.name} is not available or not exact on this CPU")
     monkeypatch.setattr(linear, "choose_kernel", lambda: kernel)
@@ -313,6 +317,8 @@ def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     compiled = LLM(str(path), **COMMON, **COMPILED, quantization="int8")
     assert compiled.engine.runner.compiled is not None, "the decode step did not compile"
     assert compiled.engine.model.linears.kernel is kernel
+    loops = kernel.loops_at_one_row  # oneDNN's and FBGEMM's (model/int8_kernels.py)
+    assert compiled_step.head_in_graph(compiled.engine.model) == loops == compiled.engine.model.linears.one_row_loops
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params, tolerance=INT8_LOGPROB_TOLERANCE)
     compare(eager, compiled, ALIKE, params, tolerance=INT8_LOGPROB_TOLERANCE)

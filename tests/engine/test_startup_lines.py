@@ -24,10 +24,15 @@ def test_float_weights_name_their_dtype_and_any_copies_a_kernel_keeps():
         "copies for compiled decode steps: the single stream's graph multiplies them in loops of its own)")
 
 
-def test_int8_weights_name_their_scales_the_fallback_kernel_and_the_tied_copy():
-    plain = WeightsFacts(40_000_000, "float32", "int8", dense_copy_nbytes=5, matmul_name="BLAS")
+def test_int8_weights_name_their_scales_the_fallback_kernel_and_the_copies():
+    plain = WeightsFacts(40_000_000, "float32", "int8", matmul_name="torch._int_mm")
     assert weights_line(plain) == ("weights: 40.0 MB int8 (per-output-channel scales, activations quantized per "
                                    "token, both rotated; norms in float32)")
+    codes = WeightsFacts(40_000_000, "float32", "int8", dense_copy_nbytes=5_000_000, matmul_name="onednn.qlinear")
+    assert weights_line(codes) == (
+        "weights: 40.0 MB int8 (per-output-channel scales, activations quantized per token, both rotated; norms in "
+        "float32); of which 5.0 MB the codes kept as they are beside onednn.qlinear's packed copies for compiled "
+        "decode steps: the single stream's graph multiplies them in loops of its own")
     fallback = WeightsFacts(1_234_567_890, "bfloat16", "int8", fallback_kernel_reason="no VNNI",
                             tied_copy_nbytes=3_000_000)
     assert weights_line(fallback) == (

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.model.int8_kernels import KERNELS, FloatKernel, IntMMKernel
-from kvserve.model import float_kernels, linear
+from kvserve.model import float_kernels, int8_kernels, linear
 from kvserve.model.float_kernels import BLAS, OneDNNMatmul
 from kvserve.model.linear import (Embedding, Int8Linear, Linear, Linears, WeightsPolicy, quantize_rows,
                                   weights_nbytes)
@@ -226,6 +226,90 @@ def test_dense_copies_only_of_what_a_one_row_loop_reads():
                     torch.float16: (False, 0, False)}
     int8 = Linears(WeightsPolicy(quantization="int8", dense_in_graph=True), kernel=FloatKernel())
     assert not int8.dense_in_graph and not int8.one_row_loops
+
+
+class CopyingKernel(IntMMKernel):
+    """torch._int_mm over a copy of the codes of its own, as oneDNN's packed form is, replaced at one row in a graph
+    by the loop, as oneDNN's is."""
+
+    copies_codes = True
+    loops_at_one_row = True
+
+    def pack(self, weight):
+        return super().pack(weight.clone())
+
+
+class LoopedIntMMKernel(IntMMKernel):
+    loops_at_one_row = True
+
+
+@pytest.mark.parametrize("kernel, copied", [(LoopedIntMMKernel(), 0), (CopyingKernel(), 8 * 16)],
+                         ids=["a view of the codes", "a copy of its own"])
+def test_int8_codes_are_kept_as_they_are_for_the_one_row_loops(kernel, copied):
+    """With dense_in_graph, the linears of a kernel that a graph's one-row loop replaces (loops_at_one_row) keep their
+    codes as they are (Int8Linear.codes): held twice where the kernel packs a copy of its own (counted in
+    dense_copy_nbytes and the weights' bytes), once where its packed form is a view of them. The tied head reads the
+    lookups' own codes."""
+    linears = Linears(WeightsPolicy(quantization="int8", dense_in_graph=True), kernel=kernel)
+    layer = linears.linear(torch.randn(8, 16))
+    assert layer.codes is not None and linears.one_row_loops and linears.dense_copy_nbytes == copied
+    assert weights_nbytes(layer) == 8 * 16 + copied + weights_nbytes(layer.weight_scale, layer.rotation)
+    head, embedding = linears.head_and_embedding(torch.randn(50, 16), None)
+    assert head.codes.untyped_storage().data_ptr() == embedding.table.untyped_storage().data_ptr()
+    assert linears.dense_copy_nbytes == copied  # the table's codes are the lookups' anyway
+    eager = Linears(WeightsPolicy(quantization="int8"), kernel=kernel)
+    assert eager.linear(torch.randn(8, 16)).codes is None and not eager.one_row_loops
+
+
+def test_the_kernels_a_one_row_loop_replaces():
+    """oneDNN's and FBGEMM's calls from a graph are ops of kvserve's own, slower at one row than the loop on the
+    Intel Xeon (docs/benchmarks.md); torch._int_mm is an op the graph calls directly and keeps its calls, and the
+    float32 fallback's codes are float weights (no integer loop)."""
+    assert [k.loops_at_one_row for k in KERNELS] == [False, True, True]
+    assert [type(k).__name__ for k in KERNELS] == ["IntMMKernel", "OneDNNKernel", "FbgemmKernel"]
+    linears = Linears(WeightsPolicy(quantization="int8", dense_in_graph=True), kernel=IntMMKernel())
+    assert not linears.keep_codes and linears.linear(torch.randn(8, 16)).codes is None
+    assert not FloatKernel().loops_at_one_row
+
+
+@pytest.mark.parametrize("columns", [576, 1536, 3000], ids=lambda k: f"{k} columns")
+def test_one_rows_int8_sums_are_the_integer_sums_in_a_graph_and_out(columns):
+    """one_row_sums, eagerly and as Inductor's loop: bitwise the integer sums that every int8 kernel returns, over
+    one, two and three slices of EXACT_FLOAT_COLUMNS, with rows of the largest codes (sums past 2^24 rounded once to
+    float32, as the kernels' int32 sums are; one float32 sum of all the products rounds on the way and misses)."""
+    gen = torch.Generator().manual_seed(columns)
+    codes = torch.randint(100, 128, (40, columns), dtype=torch.int8, generator=gen)  # sums of like sign: large
+    codes[0], codes[1] = 127, -127
+    codes[2:20] = -codes[2:20]
+    x = torch.randint(100, 128, (1, columns), dtype=torch.int8, generator=gen)
+    reference = (x.long() @ codes.long().t()).float()
+    assert reference.abs().min() > 2**24 or columns < int8_kernels.EXACT_FLOAT_COLUMNS
+    assert torch.equal(linear.one_row_sums(x, codes), reference)
+    assert torch.equal(torch.compile(linear.one_row_sums, dynamic=False, fullgraph=True)(x, codes), reference)
+
+
+def test_an_int8_linear_keeping_its_codes_multiplies_one_row_in_a_graph_by_its_own_loop(monkeypatch):
+    """In a graph torch.compile traces, an int8 linear over one row (its size fixed) that keeps its codes sums them by
+    one_row_sums; over rows whose number is a symbol, and eagerly, by its kernel. The sums are the same integers, so
+    only the rotation and the per-row quantization (Inductor's float32 loops) differ from eager's, by rounding."""
+    seen = []
+    sums = linear.one_row_sums
+    monkeypatch.setattr(linear, "one_row_sums", lambda x, codes: seen.append("loops") or sums(x, codes))
+
+    class Counting(IntMMKernel):
+        def matmul(self, x, packed):
+            seen.append("kernel")
+            return super().matmul(x, packed)
+
+    layer = Int8Linear(gaussian(48, 96, seed=1), gaussian(48, seed=2), Counting(), keep_codes=True)
+    compiled = torch.compile(lambda x: layer(x), dynamic=False, fullgraph=True)
+    one, rows = gaussian(1, 96, seed=3), gaussian(5, 96, seed=4)
+    torch.testing.assert_close(compiled(one), layer(one), rtol=1e-3, atol=1e-3)
+    assert seen == ["loops", "kernel"]  # the graph's one row, then eager's
+    seen.clear()
+    torch._dynamo.mark_dynamic(rows, 0)
+    torch.testing.assert_close(compiled(rows), layer(rows), rtol=1e-3, atol=1e-3)
+    assert seen == ["kernel", "kernel"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

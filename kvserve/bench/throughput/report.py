@@ -261,6 +261,8 @@ def _other_matmuls(routes, replayed, single: bool) -> str | None:
     matmul = routes.float_matmul  # int8 weights: F.linear, as their codes are multiplied as float32 (FloatKernel)
     if routes.gemms:  # the template, over float weights or oneDNN's int8 ones (compile/steps.py, gemms_unused)
         return f"Inductor's GEMM template, not the replayed {replayed.name}"
+    if int8_own and single and routes.one_row_loops:  # int8 codes, one row in the graph: model/linear.py, one_row_sums
+        return f"Inductor's loops over the int8 codes on every core, not {int8_kernel.name}'s calls"
     if int8_own:
         return f"{int8_kernel.name}'s int8 ones"
     if matmul is not replayed:  # float weights by another route (or int8 codes as float32 by F.linear)

@@ -14,7 +14,8 @@ class Routes:
     int8_kernel: object | None  # model/int8_kernels.py: what multiplied int8 weights (None: float weights)
     compiled: bool  # --compile-decode: a graph was built for decode steps (compile/steps.py)
     gemms: bool  # ... with --compile-gemms applied (Inductor's GEMM template)
-    one_row_loops: bool = False  # ... whose one-row steps multiply float weights in loops of its own (Linears)
+    one_row_loops: bool = False  # ... whose one-row steps multiply float weights or int8 codes in loops of its
+    # own (Linears)
 
     @classmethod
     def of(cls, engine) -> Routes:

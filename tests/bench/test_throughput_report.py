@@ -13,10 +13,11 @@ from kvserve.model import float_kernels, int8_kernels
 
 
 def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
-    """A compiled graph multiplies one row by float weights in Inductor's own loops (model/linear.py,
-    one_row_in_graph), not the BLAS calls the split replays: its single stream's time is not split (its rest would
-    come out below zero); an eager single stream's is, and so are compiled batched steps and int8 weights' rows
-    (their own kernel's, said as such, or at one row the graph's loops over their codes). Each row's routes are its engine's (Routes), whatever its name says."""
+    """A compiled graph multiplies one row by float weights in Inductor's own loops (model/linear.py, one_row_in_graph),
+    not the BLAS calls the split replays: its single stream's time is not split (its rest would come out below zero); an
+    eager single stream's is, and so are compiled batched steps and int8 weights' rows (their own kernel's, said as
+    such, or at one row the graph's loops over their codes). Each row's routes are its engine's (Routes), whatever its
+    name says."""
     cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
                           vocab_size=64)
     blas, int8 = float_kernels.BLAS, int8_kernels.IntMMKernel()

@@ -34,7 +34,8 @@ class Int8Kernel:
     # Inductor lowers this kernel's calls over weights frozen into a graph (--compile-gemms) to its own C++ GEMM
     inductor_template = False
     # a compiled graph sums one row's codes in a loop of its own (model/linear.py, one_row_sums) instead of calling
-    # this kernel: an op of kvserve's own, whose every call from a graph costs more than the loop at one row
+    # this kernel: an op of kvserve's own in a graph, which at one row costs more than the loop (measured for oneDNN's
+    # on the Intel Xeon: docs/benchmarks.md; FBGEMM's is called the same way)
     loops_at_one_row = False
 
     def available(self) -> bool:

@@ -262,8 +262,8 @@ def test_int8_codes_are_kept_as_they_are_for_the_one_row_loops(kernel, copied):
 
 
 def test_the_kernels_a_one_row_loop_replaces():
-    """oneDNN's and FBGEMM's calls from a graph are ops of kvserve's own, slower at one row than the loop on the
-    Intel Xeon (docs/benchmarks.md); torch._int_mm is an op the graph calls directly and keeps its calls, and the
+    """oneDNN's and FBGEMM's calls from a graph are ops of kvserve's own (oneDNN's slower at one row than the loop on
+    the Intel Xeon: docs/benchmarks.md); torch._int_mm is an op the graph calls directly and keeps its calls, and the
     float32 fallback's codes are float weights (no integer loop)."""
     assert [k.loops_at_one_row for k in KERNELS] == [False, True, True]
     assert [type(k).__name__ for k in KERNELS] == ["IntMMKernel", "OneDNNKernel", "FbgemmKernel"]

@@ -79,6 +79,8 @@ class NonUniformKVCache(StagedBlockKVCache):
 
     def warm_up(self, num_query_heads: int) -> None:
         super().warm_up(num_query_heads)
+        if self.rotated_k is not None and (self.fused_decode is None or self.fused_decode.failed is not None):
+            self.stage_rotated(None)  # only the compiled decode attention reads the rotated staging: it failed
         if self.compiled_store is not None:
             shape = (2, self.block_size, self.num_kv_heads, self.head_dim)
             with torch.inference_mode(), self.compiled_store.warming_up():

@@ -77,10 +77,14 @@ class StagedBlockKVCache(PagedKVCache):
         offset = position % self.block_size
         return self.block_size - 1 if offset == self.block_size - 1 else self.block_size - 2 - offset
 
-    def stage_rotated(self, basis: torch.Tensor) -> None:
-        """Keep the staged tokens also multiplied by `basis` [head_dim, head_dim] (`_staged(..., rotated=True)`)."""
+    def stage_rotated(self, basis: torch.Tensor | None) -> None:
+        """Keep the staged tokens also multiplied by `basis` [head_dim, head_dim] (`_staged(..., rotated=True)`); None:
+        no longer (nothing will read them)."""
         self.staging_basis = basis
-        self.rotated_k, self.rotated_v = torch.zeros_like(self.staging_k), torch.zeros_like(self.staging_v)
+        if basis is None:
+            self.rotated_k = self.rotated_v = None
+        else:
+            self.rotated_k, self.rotated_v = torch.zeros_like(self.staging_k), torch.zeros_like(self.staging_v)
 
     @property
     def staging_rows(self) -> int:

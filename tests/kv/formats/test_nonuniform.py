@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve import saved_graphs
 from kvserve.config import CacheConfig
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.formats.codebook import (NearestLevel, check_packable, codebook, levels_of, lloyd_max_levels, pack,
@@ -285,6 +286,26 @@ def test_the_rotated_staging_follows_the_exact_one_through_writes_copies_and_gro
         assert exact.any() and torch.allclose(rotated, exact @ cache.basis, atol=1e-5)
     rows = torch.tensor([3, 7])
     assert torch.allclose(cache._staged(1, rows, rotated=True)[0], cache._staged(1, rows)[0] @ cache.basis, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_decode_attention_that_failed_to_compile_leaves_no_rotated_staging(fmt, monkeypatch):
+    """Only the compiled decode attention reads the rotated staging: where compiling it fails at warm-up, the cache
+    stops keeping it (its memory freed, writes no longer rotate) and attends eagerly over the exact staging."""
+    cache = make(fmt, compile=True)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no working C++ compiler found")
+
+    monkeypatch.setattr(saved_graphs, "PROCESS_GRAPHS", {})  # compiled here, not an earlier test's kernel
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "compile", fails)
+        cache.warm_up(num_query_heads=HEADS * 2)
+    assert cache.fused_decode.failed is not None
+    assert cache.rotated_k is None and cache.rotated_v is None and "kept also rotated" not in cache.describe()
+    assert cache.extra_nbytes == cache.staging_k.nbytes + cache.staging_v.nbytes
+    write(cache, slots(2, 0, 3), vectors(3), vectors(3, seed=1), copies=[(2, 4)])  # writes and copies: exact only
+    assert cache.staging_k.any()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

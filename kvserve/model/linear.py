@@ -63,8 +63,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
             # Inductor's own loop over every core (one_row_in_graph), products and sums in float32 (the casts are
-            # fused into the loop: bfloat16 weights are read as they are)
-            y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1).to(x.dtype)
+            # fused into the loop: bfloat16 weights are read as they are), over the row in a buffer (in_buffer)
+            y = (in_buffer(x.float()).unsqueeze(-2) * self.weight.float()).sum(-1).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return self.matmul.linear(x, None, self.packed, self.bias)
@@ -136,15 +136,19 @@ def one_row_sums(x_q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     product and a sum that Inductor compiles to a loop of its own over every core (one_row_in_graph), reading the
     codes once. Each slice of EXACT_FLOAT_COLUMNS columns sums exactly in float32 in whatever order the loop adds;
     the slices' integer sums are added as int32 and rounded to float32 once, as the integer kernels' are."""
-    x = x_q.float()
-    # a buffer of its own (Inductor lowers as_strided only over one): the row's rotation and quantization are
-    # elementwise work that Inductor would otherwise inline into the loop below, redone for every output n
-    x = x.as_strided(x.shape, x.stride())
+    x = in_buffer(x_q.float())  # the row's rotation and quantization done once, not for every output n
     sums = None
     for k in range(0, codes.shape[1], EXACT_FLOAT_COLUMNS):
         part = (x[:, None, k : k + EXACT_FLOAT_COLUMNS] * codes[:, k : k + EXACT_FLOAT_COLUMNS].float()).sum(-1)
         sums = part.to(torch.int32) if sums is None else sums + part.to(torch.int32)
     return sums.float()
+
+
+def in_buffer(row: torch.Tensor) -> torch.Tensor:
+    """`row` itself, which a graph torch.compile traces holds in a buffer of its own (Inductor lowers as_strided only
+    over one): the elementwise work that made the row (a norm, a residual add, a rotation and quantization) would
+    otherwise be inlined into the matrix-vector loop that reads it, and redone for every output."""
+    return row.as_strided(row.shape, row.stride())
 
 
 def parameter(weight: torch.Tensor) -> torch.nn.Parameter:

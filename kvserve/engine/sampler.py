@@ -1,4 +1,9 @@
-"""Logits -> next tokens for a batch of sequences, each with its own parameters and random generator."""
+"""Logits -> next tokens for a batch of sequences, each with its own parameters and random generator.
+
+A seeded sequence draws its output token i from a generator keyed by (seed, i) alone, so its text does not depend on
+how many draws came before: not on the batch, preemption, or speculative decoding (whose verification rows draw for
+every draft token, accepted or not, and whose drafts are dropped when blocks run short). Unseeded sequences share
+the engine's generator."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         rows = torch.tensor(random_rows)
         probs = _processed_probs(logits[rows], [seqs[i] for i in random_rows])
         for j, i in enumerate(random_rows):
-            token_ids[i] = _draw(probs[j], seqs[i].generator or default_generator)
+            token_ids[i] = _draw(probs[j], draw_generator(seqs[i], default_generator))
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
     return SampleResult(
         token_ids=token_ids.tolist(),
@@ -87,6 +92,22 @@ def _processed_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def draw_generator(seq: Sequence, default_generator: torch.Generator) -> torch.Generator:
+    """The generator of `seq`'s next draw: for a seeded sequence, one seeded by its seed and the position of the token
+    being drawn (its output tokens so far, a verification row's drafts included); else the shared default."""
+    if seq.seed is None:
+        return default_generator
+    return torch.Generator().manual_seed(_mix64(_mix64(seq.seed) + len(seq.output_token_ids)))
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a 64-bit hash whose nearby inputs give unrelated outputs."""
+    x &= 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return x ^ (x >> 31)
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -31,7 +31,7 @@ class Sequence:
     max_tokens: int
     detokenizer: Detokenizer
     cache_salt: str | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None  # params.seed + index: what keys this sequence's random draws (engine/sampler.py)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

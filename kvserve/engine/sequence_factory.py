@@ -6,8 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.request import Request
 from kvserve.engine.sequence import Sequence
@@ -22,9 +20,6 @@ class SequenceFactory:
             cache_salt: str | None) -> Sequence:
         """Sample `index` of `request` (index 0: the request's own id), starting from `token_ids`."""
         params = request.params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed + index)
         return Sequence(
             request_id=request.request_id if index == 0 else f"{request.request_id}#{index}",
             index=index,
@@ -35,7 +30,7 @@ class SequenceFactory:
             max_tokens=max_tokens,
             detokenizer=Detokenizer(self.tokenizer, list(params.stop), params.skip_special_tokens),
             cache_salt=cache_salt,
-            generator=generator,
+            seed=params.seed + index if params.seed is not None else None,
             grammar=request.grammar.new_matcher() if request.grammar is not None else None,
         )
 

@@ -244,7 +244,9 @@ class Speculator:
         if seq.grammar is not None:  # each row masked by the grammar as of the drafts before it
             masks = seq.grammar.draft_masks(draft)
             rows = [_DraftedRow(seq, draft[:j], _RowMask(masks[j])) for j in range(len(draft) + 1)]
-        elif seq.params.needs_penalties:  # penalties count the tokens before each row: the sequence's and the drafts
+        elif seq.params.needs_penalties or seq.seed is not None:
+            # penalties count the tokens before each row (the sequence's and the drafts), and a seeded row draws by
+            # its position (engine/sampler.py)
             rows = [_DraftedRow(seq, draft[:j]) for j in range(len(draft) + 1)]
         else:
             rows = [seq] * (len(draft) + 1)
@@ -288,8 +290,8 @@ class _DraftedRow:
         return self.seq.params
 
     @property
-    def generator(self) -> torch.Generator | None:
-        return self.seq.generator
+    def seed(self) -> int | None:
+        return self.seq.seed
 
     @property
     def token_ids(self) -> list[int]:

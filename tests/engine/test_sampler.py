@@ -1,6 +1,6 @@
 """Sampling: greedy is argmax, filters (top-k, top-p, min-p) only remove unlikely tokens, penalties push the
 distribution the documented way, logprobs are true log-probabilities, and a per-request seed gives the same
-tokens whether the request runs alone or batched with others."""
+tokens whether the request runs alone or batched with others, each token drawn by its (seed, position) alone."""
 import math
 
 import pytest
@@ -19,7 +19,7 @@ def make_seq(params: SamplingParams, prompt=(0,), output=(), seed: int | None = 
     return Sequence(
         request_id="r", index=0, token_ids=list(prompt) + list(output), num_prompt_tokens=len(prompt),
         params=params, eos_token_ids=frozenset(), max_tokens=100, detokenizer=Detokenizer(None),
-        generator=None if seed is None else torch.Generator().manual_seed(seed),
+        seed=seed,
     )
 
 
@@ -171,6 +171,27 @@ def others() -> tuple[list[list[int]], list[SamplingParams]]:
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=1234, top_k=5, max_tokens=9, ignore_eos=True)]
     return prompts, params
+
+
+def test_a_seeded_draw_depends_on_its_seed_and_position_alone():
+    """The same seed and output position draw the same token, whatever was drawn before and beside it; another
+    position or seed draws afresh; the shared generator is left as it was."""
+    uniform = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0)
+    shared = torch.Generator().manual_seed(0)
+    before = shared.get_state()
+
+    def pick(seed, output):
+        return sample(uniform, [make_seq(params, output=output, seed=seed)], shared).token_ids[0]
+
+    first = pick(7, [1, 2, 3])
+    assert [pick(7, [9, 9, 9]) for _ in range(3)] == [first] * 3  # the position, not the tokens, keys it
+    assert len({pick(7, [1] * i) for i in range(8)}) > 4  # positions 0..7: fresh draws from 1,000 tokens
+    assert len({pick(seed, [1, 2, 3]) for seed in range(8)}) > 4
+    assert torch.equal(shared.get_state(), before)
+    # beside unseeded rows, which draw from the shared generator
+    batch = [make_seq(params), make_seq(params, output=[5, 5, 5], seed=7), make_seq(params)]
+    assert sample(uniform.expand(3, -1), batch, shared).token_ids[1] == first
 
 
 def test_seeded_request_gives_the_same_tokens_alone_and_batched(llm):

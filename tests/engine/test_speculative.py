@@ -1,7 +1,7 @@
 """Speculative decoding (kvserve/engine/speculative.py): greedy output token-identical with and without it over KV
 formats, prefix hits, chunked prefill, batching, preemption mid-speculation and n > 1; rollback leaves no block
 held and no rejected token in the prefix index; sampling keeps the target distribution; seeds give the same text
-alone or batched; bad configurations are refused by name.
+alone or batched, and as without speculation; bad configurations are refused by name.
 
 A tiny random model never repeats itself, so the real proposers would seldom draft anything here: most tests give
 the speculator an oracle that proposes the reference (non-speculative) continuation with one token in three
@@ -185,6 +185,20 @@ def test_seeds_give_the_same_text_alone_or_batched(llama):
     assert spec.stats()["spec_decode_num_drafts"] > 0
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_seeds_give_the_same_text_as_without_speculation(llama, n):
+    """A verification row draws for every draft token, accepted or not, so a sequential stream would give another
+    text than plain decoding; draws keyed by (seed, position) give the same one, whatever was drafted."""
+    seeded = SamplingParams(n=n, max_tokens=30, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    prompts = [prompt(33, 4), prompt(21, 8)]
+    expected, got, spec = run_both(llama, prompts, seeded)
+    assert tokens(got) == tokens(expected)
+    stats = spec.stats()
+    # drafts from the plain text, one in three with a wrong token: rejected rows drew, accepted ones too
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
+
+
 def test_penalties_see_the_drafts_before_each_row(llama):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.3,
                             frequency_penalty=0.5)
@@ -207,7 +221,7 @@ class _Row:
     """What the sampler reads of a sequence."""
 
     def __init__(self, params):
-        self.params, self.generator, self.request_id = params, None, "row"
+        self.params, self.seed, self.request_id = params, None, "row"
         self.token_ids, self.output_token_ids = [0], [0]
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.grammar = None

@@ -260,6 +260,7 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
     if setup.eviction.per_head:
         cache = build_head_cache(config, plan, layout, mc)
         logger.info(startup.capacity_line(cache_facts(plan, cache, layout, config.max_num_seqs)))
+        logger.info(startup.batch_invariance_line(False, config.block_size, config.kv_eviction))
         return cache
     # batch-invariant attention reads every format the same way for every query (no compiled decode)
     cache = make_kv_cache(KVCacheSpec(config.kv_cache_format, layout, plan.num_blocks, plan.block_size,
@@ -271,7 +272,8 @@ def build_cache(config: EngineConfig, setup: EngineSetup, tiles: RowTiles) -> Pa
     cache.warm_up(mc.num_heads)
     compile_seconds = time.perf_counter() - started
     logger.info(startup.capacity_line(cache_facts(plan, cache, layout, config.max_num_seqs)))
-    logger.info(startup.batch_invariance_line(config.batch_invariant, config.block_size))
+    chunked = config.kv_eviction if setup.eviction.needs_attention_scores else None  # H2O
+    logger.info(startup.batch_invariance_line(config.batch_invariant, config.block_size, chunked))
     kernels = {name: k for name, k in cache.compiled_kernels().items() if decode_kind(k) == "compiled"}
     if "decode attention" in kernels:
         logger.info(startup.compiled_attention_line(startup.CompiledAttentionFacts(

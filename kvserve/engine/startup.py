@@ -98,8 +98,14 @@ def capacity_line(facts: CacheFacts) -> str:
     return line
 
 
-def batch_invariance_line(batch_invariant: bool, block_size: int) -> str:
-    """Which guarantee holds (docs/architecture.md, "Batch invariance")."""
+def batch_invariance_line(batch_invariant: bool, block_size: int, chunked_eviction: str | None = None) -> str:
+    """Which guarantee holds (docs/architecture.md, "Batch invariance"). `chunked_eviction`: the name of an eviction
+    policy that decides what to keep between prompt chunks (H2O, the per-head ones), under which none holds."""
+    if chunked_eviction is not None:
+        return (f"batch invariance: none under {chunked_eviction} eviction: it decides what to keep between prompt "
+                "chunks, from what the chunks so far attended to, so how a prompt is chunked (by the batch beside "
+                "it, the token budget, a preemption) moves what it keeps and the tokens; StreamingLLM's window and "
+                "no eviction do not depend on it")
     if batch_invariant:
         return (f"batch invariance: bitwise (--batch-invariant: every per-token op on tiles of {TILE_ROWS} "
                 f"tokens, attention per {block_size}-token query tile); a request's logits do not "

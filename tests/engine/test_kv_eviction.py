@@ -2,6 +2,8 @@
 positions) token for token, prefilled whole, in chunks or decoded, and runs past max_model_len in bounded blocks;
 H2O stays within its budget; prefix-cache hits never serve K/V computed on a pruned context; nothing leaks after
 aborts, preemption and n>1."""
+import logging
+
 import pytest
 import torch
 import transformers
@@ -151,6 +153,27 @@ def test_h2o_survives_preemption_without_leaks(model_dir):
     stats = tight.stats()
     assert stats["num_preemptions"] > 0 and stats["num_evicted_blocks"] > 0
     assert all(len(o.outputs[0].token_ids) == 120 for o in outputs)
+
+
+PERHEAD = dict(kv_eviction="perhead-span", kv_sink_tokens=4, kv_recent_tokens=16, kv_budget_tokens=48)
+
+
+@pytest.mark.parametrize("options,moves", [(STREAMING, False), (H2O, True), (PERHEAD, True)],
+                         ids=["streaming", "h2o", "perhead-span"])
+def test_start_up_says_whether_chunking_moves_the_tokens(model_dir, caplog, options, moves):
+    """H2O and the per-head policies decide between prompt chunks, so a prompt prefilled 16 tokens a step keeps
+    other tokens than one prefilled whole, and gives other text; StreamingLLM does not. The start-up line says
+    which (the batch chunks prompts by its token budget, so "batched or alone" cannot hold where chunking moves)."""
+    prompts = [torch.randint(3, 256, (100,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        whole = make(model_dir, max_model_len=160, **options)
+        chunked = make(model_dir, max_model_len=160, max_num_batched_tokens=16, **options)
+    texts = [[llm.generate(p, greedy(30))[0].outputs[0].token_ids for p in prompts] for llm in (whole, chunked)]
+    assert (texts[0] != texts[1]) == moves
+    lines = {r.getMessage() for r in caplog.records if r.getMessage().startswith("batch invariance: ")}
+    expected = (f"batch invariance: none under {options['kv_eviction']} eviction" if moves
+                else "batch invariance: same greedy tokens batched or alone")
+    assert len(lines) == 1 and lines.pop().startswith(expected)
 
 
 @pytest.mark.parametrize("options", [STREAMING, H2O], ids=["streaming", "h2o"])

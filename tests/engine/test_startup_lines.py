@@ -60,6 +60,10 @@ def test_batch_invariance_line_says_which_guarantee_holds():
     assert batch_invariance_line(False, 32) == (
         "batch invariance: same greedy tokens batched or alone up to float rounding (a lossy KV format may flip a "
         "near-tie); --batch-invariant makes logits bitwise independent of the batch")
+    assert batch_invariance_line(False, 32, "h2o") == (
+        "batch invariance: none under h2o eviction: it decides what to keep between prompt chunks, from what the "
+        "chunks so far attended to, so how a prompt is chunked (by the batch beside it, the token budget, a "
+        "preemption) moves what it keeps and the tokens; StreamingLLM's window and no eviction do not depend on it")
 
 
 def test_compiled_attention_and_steps_lines():

@@ -78,13 +78,15 @@ class GroupManager(ABC):
         copy_index = self._shared_partial_block(table, start) if not hit else None
         return Growth(first_new, max(0, end_block - first_new), copy_index)
 
-    def grow(self, request_id: str, growth: Growth, cached: Sequence[Block] = (), first_cached: int = 0
-             ) -> list[BlockCopy]:
-        """Take the `cached` blocks of a prefix hit, then do `growth`; returns the copy copy-on-write needs."""
-        table = self.tables.setdefault(request_id, BlockTable())
+    def take_cached(self, request_id: str, cached: Sequence[Block], first_cached: int) -> None:
+        """Hold the `cached` blocks of a prefix hit (logical blocks from `first_cached` on) in the request's table."""
         if cached:
             self.pool.touch(cached)
-            table.extend(cached, first_cached)
+            self.tables.setdefault(request_id, BlockTable()).extend(cached, first_cached)
+
+    def grow(self, request_id: str, growth: Growth) -> list[BlockCopy]:
+        """Do `growth` (after take_cached, where the request hit a prefix); returns the copy copy-on-write needs."""
+        table = self.tables.setdefault(request_id, BlockTable())
         copies = []
         if growth.copy_index is not None:
             shared = table.blocks[growth.copy_index]

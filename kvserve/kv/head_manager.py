@@ -108,7 +108,11 @@ class HeadStreamManager:
         needed = -(-(streams.lengths + new_tokens) // self.block_size) - streams.num_blocks
         return HeadGrowth(needed.clamp_min(0))
 
-    def grow(self, request_id: str, growth: HeadGrowth, cached=(), first_cached: int = 0) -> list:
+    def take_cached(self, request_id: str, cached, first_cached: int) -> None:
+        if cached:
+            raise RuntimeError("per-head streams take no prefix hits (hit_limit is 0)")
+
+    def grow(self, request_id: str, growth: HeadGrowth) -> list:
         streams = self.streams.setdefault(request_id, HeadStreams.empty(self.num_layers, self.num_heads))
         if growth.num_blocks:
             ids = torch.tensor([b.block_id for b in self.pool.allocate(growth.num_blocks)])

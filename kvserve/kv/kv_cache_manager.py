@@ -156,9 +156,14 @@ class KVCacheManager:
                 self.state.restore(seq.request_id, cached.state_checkpoint)
                 self.checkpoints.hit(cached.state_checkpoint)
             self.state.take(seq.request_id)
+        # every group holds its hit before any group takes new blocks: those come off the front of the free queue,
+        # where another group's unreferenced cached blocks wait (taken, they would be written while served as its
+        # prefix)
+        for g, group in enumerate(self.groups):
+            group.take_cached(seq.request_id, cached.blocks[g], cached.first_logical[g])
         copies = []
-        for g, (group, growth) in enumerate(zip(self.groups, growths)):
-            copies += group.grow(seq.request_id, growth, cached.blocks[g], cached.first_logical[g])
+        for group, growth in zip(self.groups, growths):
+            copies += group.grow(seq.request_id, growth)
         return copies
 
     def trim(self, seq: CachedSequence) -> None:

@@ -223,3 +223,24 @@ def test_each_group_keeps_what_its_kind_needs_and_the_counters_add_up():
     evicting.drop_unneeded(a)
     assert evicting.block_table("a").logical == [0, 3, 4]
     assert (evicting.num_window_blocks_freed, evicting.num_evicted_blocks) == (0, 2)
+
+
+def test_a_hit_in_several_groups_is_held_before_any_group_takes_new_blocks():
+    """The free queue can hold one group's cached blocks of a prefix ahead of everything else; a request hitting that
+    prefix must hold them before another group takes new blocks off the front, or they are handed out twice and
+    written while served as the prefix (a wrong answer from the cache)."""
+    kv = KVCacheManager(8, BS, windows=(None, 64))  # two groups; the window reaches every token here
+    x, y = Seq("x", prompt(32)), Seq("y", prompt(32, start=500))
+    prefill(kv, x)
+    prefill(kv, y)
+    kv.free(x)  # the free queue: x's group-0 blocks, x's group-1 blocks, then y's
+    kv.free(y)
+    b = Seq("b", prompt(32) + prompt(20, start=900))  # x's two blocks in each group, then two new ones in each
+    prefill(kv, b)
+    tables = [kv.block_table("b", g).blocks for g in range(2)]
+    assert [len(t) for t in tables] == [4, 4]
+    ids = [block.block_id for table in tables for block in table]
+    assert len(set(ids)) == 8  # no block in both groups
+    assert all(block.ref_cnt == 1 for table in tables for block in table)
+    hit = kv.find_cached_prefix(Seq("c", prompt(32) + [1]))
+    assert hit.num_blocks == 2 and [[blk.block_id for blk in g] for g in hit.blocks] == [ids[:2], ids[4:6]]

@@ -241,15 +241,11 @@ class Speculator:
         """Sample each of the 1 + len(draft) rows as a plain decode step would; returns the samples (token id,
         logprob, top logprobs) to append, the accepted drafts and then the one that ended the step, and how many
         draft tokens were accepted."""
-        if seq.grammar is not None:  # each row masked by the grammar as of the drafts before it
-            masks = seq.grammar.draft_masks(draft)
-            rows = [_DraftedRow(seq, draft[:j], _RowMask(masks[j])) for j in range(len(draft) + 1)]
-        elif seq.params.needs_penalties or seq.seed is not None:
-            # penalties count the tokens before each row (the sequence's and the drafts), and a seeded row draws by
-            # its position (engine/sampler.py)
-            rows = [_DraftedRow(seq, draft[:j]) for j in range(len(draft) + 1)]
-        else:
-            rows = [seq] * (len(draft) + 1)
+        # row j is the sequence as of its first j drafts: penalties count them, a seeded row draws by its position
+        # (engine/sampler.py), and a constrained row is masked by the grammar as of them
+        masks = seq.grammar.draft_masks(draft) if seq.grammar is not None else None
+        rows = [_DraftedRow(seq, draft[:j], _RowMask(masks[j]) if masks is not None else None)
+                for j in range(len(draft) + 1)]
         result = sample(logits, rows, generator)
         samples = list(zip(result.token_ids, result.logprobs, result.top_logprobs))
         accepted = 0

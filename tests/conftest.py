@@ -57,12 +57,17 @@ TINY_KINDS = {
 
 def make_tiny_chat_model(directory: Path, **overrides) -> Path:
     """A tiny random model that speaks SmolLM2's vocabulary and chat template (the embedded model's tokenizer)."""
+    make_tiny_model(directory, vocab_size=49152, **overrides)
+    return add_chat_tokenizer(directory)
+
+
+def add_chat_tokenizer(directory: Path) -> Path:
+    """Give a model directory of SmolLM2's vocabulary size the embedded model's tokenizer and chat template."""
     from kvserve.model.loader import resolve_model
 
-    make_tiny_model(directory, vocab_size=49152, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model(None).path / name, directory / name)
-    return directory
+        shutil.copy(resolve_model(None).path / name, Path(directory) / name)
+    return Path(directory)
 
 
 def scrape_metrics(url: str, model_name: str) -> dict[str, float]:

@@ -165,9 +165,9 @@ class ModelRunner:
             if seq.request_id in out.drafts:
                 drafts.add(seq.request_id, slice(c.offset, c.offset + c.num_tokens), slot, c.start)
                 continue
-            checkpoints = [(boundary - c.start, checkpoint)
-                           for boundary, decoding in self._checkpoint_boundaries(seq, c)
-                           if (checkpoint := self.kv.plan_checkpoint(seq, boundary, decoding)) is not None]
+            checkpoints = sorted((boundary - c.start, checkpoint) for boundary, decoding
+                                 in self.kv.checkpoint_boundaries(seq, seq.num_prompt_tokens, c.start, c.context_len)
+                                 if (checkpoint := self.kv.plan_checkpoint(seq, boundary, decoding)) is not None)
             if c.num_tokens == 1 and c.start > 0:
                 decode_rows.append(c.offset)
                 decode_slots.append(slot)
@@ -189,21 +189,6 @@ class ModelRunner:
             if checkpoint is not None:
                 self.drafted_states.keep(seq.request_id, boundary - start, into=checkpoint)
         self.drafted_states.drop(seq.request_id)
-
-    def _checkpoint_boundaries(self, seq: Sequence, c: _Chunk) -> list[tuple[int, bool]]:
-        """Where this chunk saves state checkpoints, in order, each with whether it is one a decoding sequence keeps
-        only its newest of: the prompt's last block boundary that a hit can use (a later prompt must compute at least
-        its last token), and the chunk's end when it lies on a block boundary at or past the prompt's end (where the
-        next turn of a conversation resumes: the end of the prompt when it fills its last block, then each block
-        boundary reached while decoding; a finished sequence keeps the end of its last full block)."""
-        if self.kv.checkpoints is None:
-            return []
-        bs = self.block_size
-        prompt_boundary = (seq.num_prompt_tokens - 1) // bs * bs
-        boundaries = [(prompt_boundary, False)] if c.start < prompt_boundary <= c.context_len else []
-        if c.context_len % bs == 0 and c.context_len >= seq.num_prompt_tokens:
-            boundaries.append((c.context_len, True))
-        return boundaries
 
     def _tile_calls(self, chunks: list[_Chunk]) -> list[list]:
         """Batch-invariant attention: per layer group, the query tiles of every chunk (engine/attention_tiles.py)."""

@@ -74,6 +74,7 @@ class CachedPrefix:
     blocks: list[list[Block]] = field(default_factory=list)
     first_logical: list[int] = field(default_factory=list)
     state_checkpoint: int | None = None  # hybrid models: the state slot saved at the hit's end (state_cache.py)
+    held_blocks: int = 0  # hybrid models: the blocks the pool held before the hit was cut back to a checkpoint
 
     @property
     def all_blocks(self) -> list[Block]:

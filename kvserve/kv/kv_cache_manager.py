@@ -103,6 +103,12 @@ class KVCacheManager:
         hashes = self._hashes.prompt_hashes(seq)
         return self._resume.cut(hashes, self._prefixes.longest_prefix(self._prefixes.lookup(hashes)))
 
+    def checkpoint_boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int
+                              ) -> list[tuple[int, bool]]:
+        """Where a step computing `seq`'s tokens `start` to `end` saves its state (resume.py:
+        CheckpointEnds.boundaries); none without checkpoints."""
+        return self._resume.boundaries(seq, num_prompt_tokens, start, end)
+
     def plan_checkpoint(self, seq: CachedSequence, num_tokens: int, decoding: bool, saved_now: bool = False
                         ) -> int | None:
         """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
@@ -140,8 +146,9 @@ class KVCacheManager:
     def allocate(self, seq: CachedSequence, num_new_tokens: int, cached: CachedPrefix | None = None
                  ) -> list[BlockCopy] | None:
         """Make room in every group for `num_new_tokens` more tokens after the computed (and `cached`) ones.
-        Returns the copies that copy-on-write needs, or None, changing nothing, if the pool is short."""
-        cached = cached or self._empty_prefix
+        Returns the copies that copy-on-write needs, or None, changing nothing, if the pool is short. An admission
+        passes its prefix hit (`cached`), a running sequence's later chunk none."""
+        admission, cached = cached is not None, cached or self._empty_prefix
         hit = cached.num_blocks
         start = seq.num_computed_tokens + hit * self.block_size
         end_block = blocks_needed(start + num_new_tokens, self.block_size)
@@ -156,6 +163,8 @@ class KVCacheManager:
                 self.state.restore(seq.request_id, cached.state_checkpoint)
                 self.checkpoints.hit(cached.state_checkpoint)
             self.state.take(seq.request_id)
+        if admission:
+            self._resume.admitted(seq, cached)
         # every group holds its hit before any group takes new blocks: those come off the front of the free queue,
         # where another group's unreferenced cached blocks wait (taken, they would be written while served as its
         # prefix)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvserve.kv.tiers.base import KVTier, TierRead
 
 Wanted = Sequence[tuple[int, int]]  # the blocks a read brings, (logical index, group), in order
+CHECKPOINT_INTERVAL_TOKENS = 256  # hybrid models: a prompt saves its state at least this often (whole blocks)
 
 
 class BlockEnds:
@@ -47,13 +48,20 @@ class BlockEnds:
     def trimmed(self, seq: CachedSequence) -> None:
         """`seq` gave back the blocks past its computed tokens."""
 
+    def admitted(self, seq: CachedSequence, cached: CachedPrefix) -> None:
+        """`seq` starts after `cached`: nothing else to remember."""
+
+    def boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int) -> list[tuple[int, bool]]:
+        """Where a step saves `seq`'s state: nowhere, there is none."""
+        return []
+
 
 class CheckpointEnds(BlockEnds):
     """Hybrid models: a hit resumes only after a block with a state checkpoint (state_cache.py: StateCheckpoints),
-    the deepest one inside the KV hit. Checkpoints are planned at block boundaries a step passes anyway (the runner
-    asks `plan`); a decoding sequence keeps its newest. With a disk tier, a prompt's checkpoint goes to disk with
-    its block, and a sequence's newest decode checkpoint when it is freed (where its conversation resumes); a read
-    from the tier ends with the deepest checkpoint usable with the blocks read."""
+    the deepest one inside the KV hit. Checkpoints are planned at block boundaries a step passes anyway
+    (`boundaries`, then `plan` for each); a decoding sequence keeps its newest. With a disk tier, a prompt's
+    checkpoint goes to disk with its block, and a sequence's newest decode checkpoint when it is freed (where its
+    conversation resumes); a read from the tier ends with the deepest checkpoint usable with the blocks read."""
 
     def __init__(self, checkpoints: StateCheckpoints, prefixes: PrefixLookup, hashes: RequestHashes,
                  disk: KVTier | None):
@@ -67,6 +75,10 @@ class CheckpointEnds(BlockEnds):
         # each sequence's newest checkpoint taken while decoding, and its depth in blocks
         self._decoding: dict[str, tuple[BlockHash, int]] = {}
         self._unfilled: dict[str, list[BlockHash]] = {}  # checkpoints a sequence planned, its block not registered
+        # where a sequence's KV hit ended when it had to resume before it (no checkpoint there): a prefix that
+        # another prompt shares, so the next prompt sharing it may resume there
+        self._branches: dict[str, int] = {}
+        self.interval = max(1, CHECKPOINT_INTERVAL_TOKENS // self.block_size) * self.block_size
 
     def cut(self, hashes: list[BlockHash], prefix: CachedPrefix) -> CachedPrefix:
         """The hit cut back to the deepest block end inside it with a checkpoint, whose groups hold what they need
@@ -77,9 +89,35 @@ class CheckpointEnds(BlockEnds):
                 continue
             cut = self.prefixes.longest_prefix(self.prefixes.lookup(hashes[:num_blocks]))
             if cut.num_blocks == num_blocks:
-                cut.state_checkpoint = slot
+                cut.state_checkpoint, cut.held_blocks = slot, prefix.num_blocks
                 return cut
-        return CachedPrefix(blocks=[[] for _ in self.prefixes.groups], first_logical=[0] * len(self.prefixes.groups))
+        return CachedPrefix(blocks=[[] for _ in self.prefixes.groups], first_logical=[0] * len(self.prefixes.groups),
+                            held_blocks=prefix.num_blocks)
+
+    def admitted(self, seq: CachedSequence, cached: CachedPrefix) -> None:
+        """`seq` resumes after `cached`; if the pool held more of its prompt, that hit's end is a branch point."""
+        if cached.held_blocks > cached.num_blocks:
+            self._branches[seq.request_id] = cached.held_blocks * self.block_size
+        else:
+            self._branches.pop(seq.request_id, None)
+
+    def boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int) -> list[tuple[int, bool]]:
+        """The block boundaries in (`start`, `end`] where `seq`'s step saves its state, most valuable first, each
+        with whether it is one a decoding sequence keeps only its newest of. In a prompt: its last block boundary
+        that a hit can use (a later prompt computes at least its last token), the end of the KV hit it found
+        deeper than any checkpoint (a prefix another prompt shares: the next one sharing it resumes there), and
+        every `interval` tokens, deepest first (a prompt's next sharer resumes within `interval` of where they
+        part). At or past the prompt's end, a chunk's end on a block boundary (where the next turn of a
+        conversation resumes: the prompt's end when it fills its last block, then each boundary reached while
+        decoding; a finished sequence keeps the end of its last full block)."""
+        bs = self.block_size
+        prompt_boundary = (num_prompt_tokens - 1) // bs * bs
+        inside = [prompt_boundary, self._branches.get(seq.request_id, 0)]
+        inside += range(min(end, prompt_boundary) // self.interval * self.interval, start, -self.interval)
+        boundaries = [(b, False) for b in dict.fromkeys(inside) if start < b <= end and 0 < b <= prompt_boundary]
+        if end % bs == 0 and end >= num_prompt_tokens:
+            boundaries.append((end, True))
+        return boundaries
 
     def plan(self, seq: CachedSequence, num_tokens: int, decoding: bool, saved_now: bool = False) -> int | None:
         """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
@@ -96,7 +134,7 @@ class CheckpointEnds(BlockEnds):
             old = self._decoding.pop(seq.request_id, None)
             if old is not None:
                 self._give_back(seq, old[0])
-        slot = self.checkpoints.take(key, num_blocks)
+        slot = self.checkpoints.take(key, num_blocks, hits=int(self._branches.get(seq.request_id) == num_tokens))
         if slot is None:
             return None
         if decoding:
@@ -151,6 +189,7 @@ class CheckpointEnds(BlockEnds):
         whose step never registered their block are given back."""
         key, num_blocks = self._decoding.pop(seq.request_id, (None, 0))
         unfilled = self._unfilled.pop(seq.request_id, [])
+        self._branches.pop(seq.request_id, None)
         if key is not None and self.checkpoints.contains(key) and key not in unfilled:
             self._save(seq, self.hashes.block_hashes(seq, num_blocks * self.block_size), num_blocks)
         for key in unfilled:

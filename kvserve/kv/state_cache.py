@@ -316,11 +316,12 @@ class StateCheckpoints:
     `first_slot` on, each holding the state after the block whose chained hash is its key.
 
     Evicted by value, not by age alone (GreedyDual-Size-Frequency): a checkpoint's value is the clock plus
-    (hits + 1) × its depth in blocks, the prefill a hit on it saves, set when it is saved and again at each hit; when
-    no slot is free the lowest value goes and the clock rises to it, so one not hit for a while falls behind newer
-    ones. First of all goes any whose block the pool no longer holds (`held` false): no hit can use it (a hit needs
-    its whole KV prefix). A checkpoint whose block is not registered yet (its step has not run), or that a queued copy
-still reads (`copied`: an admission restores it), is never taken."""
+    (hits + 1) × its depth in blocks, the prefill a hit on it saves, set when it is saved (a branch point counting
+    the miss that found it as a hit) and again at each hit; when no slot is free the lowest value goes and the clock
+    rises to it, so one not hit for a while falls behind newer ones. First of all goes any whose block the pool no
+    longer holds (`held` false): no hit can use it (a hit needs its whole KV prefix). A checkpoint whose block is not
+    registered yet (its step has not run), or that a queued copy still reads (`copied`: an admission restores it), is
+    never taken."""
 
     def __init__(self, first_slot: int, num_slots: int, held: Callable[[bytes], bool] = lambda key: True,
                  copied: Callable[[int], bool] = lambda slot: False):
@@ -354,9 +355,10 @@ still reads (`copied`: an admission restores it), is never taken."""
         checkpoint = self._saved.get(key)
         return checkpoint.slot if checkpoint is not None and checkpoint.filled else None
 
-    def take(self, key: bytes, num_blocks: int) -> int | None:
+    def take(self, key: bytes, num_blocks: int, hits: int = 0) -> int | None:
         """A slot to save the state after `key`'s block (the `num_blocks`-th) in, the least valuable one's if none
-        is free; None if every slot waits for its step."""
+        is free; None if every slot waits for its step. `hits`: those it starts with (a branch point, where a
+        prompt found the blocks but no state, counts the one it missed)."""
         if not self._free:
             victim = self.victim()
             if victim is None:
@@ -364,7 +366,7 @@ still reads (`copied`: an admission restores it), is never taken."""
             self._clock = max(self._clock, self._saved[victim].value)
             self.release(victim)
         slot = self._free.pop()
-        self._saved[key] = _Checkpoint(slot, num_blocks, self._clock + num_blocks)
+        self._saved[key] = _Checkpoint(slot, num_blocks, self._clock + (hits + 1) * num_blocks, hits)
         self._key_of[slot] = key
         return slot
 

@@ -76,6 +76,20 @@ def test_returning_turns_resume_from_a_checkpoint_and_prefill_what_a_plain_model
     assert sum(t.prefilled_tokens for t in cached) * 3 < sum(t.prefilled_tokens for t in baseline)
 
 
+def test_requests_sharing_a_first_prompt_resume_where_they_part_from_the_third_on(tmp_path):
+    # a 100-token first prompt (6 full blocks) and 30 tokens each: the first computes it all; the second finds the
+    # 6 blocks but no state after them and computes it all too, saving one there; the others resume there
+    path = hybrid_model.build_hybrid_model(tmp_path, TINY)
+    conversation = Conversation(first_tokens=100, question_tokens=30, answer_tokens=3, turns=4)
+    runs = run_multiturn(conversation, str(path), kv_cache_memory="16MiB", max_model_len=1024, max_num_seqs=2,
+                         shared_first=True)
+    cached, baseline = runs["prefix caching"], runs["no prefix caching"]
+    assert [t.prompt_tokens for t in cached] == [130] * 4 == [t.prefilled_tokens for t in baseline]
+    assert [t.cached_tokens for t in cached] == [0, 0, 96, 96]
+    assert [t.prefilled_tokens for t in cached] == [130, 130, 34, 34]
+    assert [t.token_ids[:1] for t in cached] == [t.token_ids for t in baseline]
+
+
 def test_multiturn_on_a_hybrid_model_prints_its_checkpoints(tiny_registered, capsys):
     argv = ["bench", "multiturn", "--hybrid-model", "tiny", "--first", "64", "--question", "16", "--answer", "17",
             "--turns", "3", "--kv-cache-memory", "16MiB", "--max-model-len", "512", "--max-num-seqs", "2"]

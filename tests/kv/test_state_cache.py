@@ -117,6 +117,15 @@ def test_checkpoints_are_evicted_by_value_deeper_and_hit_ones_kept_longer():
     assert checkpoints.lookup(b"a") is None and len(checkpoints) == 2
 
 
+def test_a_branch_point_starts_with_the_hit_it_missed():
+    checkpoints = StateCheckpoints(first_slot=0, num_slots=2)
+    checkpoints.take(b"branch", 3, hits=1)  # worth (1 + 1) x 3 = 6
+    checkpoints.take(b"own end", 4)  # worth 4: shallower value, though deeper
+    for key in (b"branch", b"own end"):
+        checkpoints.filled(key)
+    assert checkpoints.victim() == b"own end" and checkpoints.num_hits == 0  # a starting hit is not a hit served
+
+
 def test_no_checkpoint_is_taken_while_every_slot_waits_for_its_step():
     checkpoints = StateCheckpoints(first_slot=0, num_slots=1)
     assert checkpoints.take(b"a", 1) == 0

@@ -14,6 +14,7 @@ from kvserve.engine.attention_mask import GroupChunk, group_keys
 from kvserve.kv.draft_states import DraftStates
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
+from kvserve.kv.resume import DECODE
 from kvserve.kv.readers import AttentionGroup
 from kvserve.kv.scored_attention import AttentionScores
 from kvserve.kv.state_cache import StateCache, StateStep
@@ -165,9 +166,9 @@ class ModelRunner:
             if seq.request_id in out.drafts:
                 drafts.add(seq.request_id, slice(c.offset, c.offset + c.num_tokens), slot, c.start)
                 continue
-            checkpoints = sorted((boundary - c.start, checkpoint) for boundary, decoding
+            checkpoints = sorted((boundary - c.start, checkpoint) for boundary, kind
                                  in self.kv.checkpoint_boundaries(seq, seq.num_prompt_tokens, c.start, c.context_len)
-                                 if (checkpoint := self.kv.plan_checkpoint(seq, boundary, decoding)) is not None)
+                                 if (checkpoint := self.kv.plan_checkpoint(seq, boundary, kind)) is not None)
             if c.num_tokens == 1 and c.start > 0:
                 decode_rows.append(c.offset)
                 decode_slots.append(slot)
@@ -185,7 +186,7 @@ class ModelRunner:
         self.drafted_states.keep(seq.request_id, seq.num_computed_tokens - start)
         boundary = seq.num_computed_tokens // self.block_size * self.block_size
         if self.kv.checkpoints is not None and boundary > start:
-            checkpoint = self.kv.plan_checkpoint(seq, boundary, decoding=True, saved_now=True)
+            checkpoint = self.kv.plan_checkpoint(seq, boundary, DECODE, saved_now=True)
             if checkpoint is not None:
                 self.drafted_states.keep(seq.request_id, boundary - start, into=checkpoint)
         self.drafted_states.drop(seq.request_id)

@@ -104,17 +104,17 @@ class KVCacheManager:
         return self._resume.cut(hashes, self._prefixes.longest_prefix(self._prefixes.lookup(hashes)))
 
     def checkpoint_boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int
-                              ) -> list[tuple[int, bool]]:
+                              ) -> list[tuple[int, str]]:
         """Where a step computing `seq`'s tokens `start` to `end` saves its state (resume.py:
         CheckpointEnds.boundaries); none without checkpoints."""
         return self._resume.boundaries(seq, num_prompt_tokens, start, end)
 
-    def plan_checkpoint(self, seq: CachedSequence, num_tokens: int, decoding: bool, saved_now: bool = False
+    def plan_checkpoint(self, seq: CachedSequence, num_tokens: int, kind: str, saved_now: bool = False
                         ) -> int | None:
-        """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
-        if there is none to save (resume.py: CheckpointEnds.plan). Of the checkpoints taken while decoding, a
-        sequence keeps its newest."""
-        return self._resume.plan(seq, num_tokens, decoding, saved_now)
+        """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary of `kind`,
+        as checkpoint_boundaries gives it) in; None if there is none to save (resume.py: CheckpointEnds.plan). Of
+        the checkpoints taken while decoding, a sequence keeps its newest."""
+        return self._resume.plan(seq, num_tokens, kind, saved_now)
 
     def _holds_block(self, block_hash: bytes) -> bool:
         """Whether the pool holds the block of `block_hash` in every layer group (a checkpoint after it is usable)."""

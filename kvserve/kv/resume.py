@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 Wanted = Sequence[tuple[int, int]]  # the blocks a read brings, (logical index, group), in order
 CHECKPOINT_INTERVAL_TOKENS = 256  # hybrid models: a prompt saves its state at least this often (whole blocks)
+# why a checkpoint is saved where it is (CheckpointEnds.boundaries), most valuable first
+PROMPT_END, BRANCH, INTERVAL, DECODE = "prompt end", "branch point", "interval", "decode"
 
 
 class BlockEnds:
@@ -51,7 +53,7 @@ class BlockEnds:
     def admitted(self, seq: CachedSequence, cached: CachedPrefix) -> None:
         """`seq` starts after `cached`: nothing else to remember."""
 
-    def boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int) -> list[tuple[int, bool]]:
+    def boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int) -> list[tuple[int, str]]:
         """Where a step saves `seq`'s state: nowhere, there is none."""
         return []
 
@@ -59,9 +61,9 @@ class BlockEnds:
 class CheckpointEnds(BlockEnds):
     """Hybrid models: a hit resumes only after a block with a state checkpoint (state_cache.py: StateCheckpoints),
     the deepest one inside the KV hit. Checkpoints are planned at block boundaries a step passes anyway
-    (`boundaries`, then `plan` for each); a decoding sequence keeps its newest. With a disk tier, a prompt's
-    checkpoint goes to disk with its block, and a sequence's newest decode checkpoint when it is freed (where its
-    conversation resumes); a read from the tier ends with the deepest checkpoint usable with the blocks read."""
+    (`boundaries`, then `plan` for each); a decoding sequence keeps its newest. With a disk tier, a prompt's end
+    or branch point goes to disk with its block, and a sequence's newest decode checkpoint when it is freed (where
+    its conversation resumes); a read from the tier ends with the deepest checkpoint usable with the blocks read."""
 
     def __init__(self, checkpoints: StateCheckpoints, prefixes: PrefixLookup, hashes: RequestHashes,
                  disk: KVTier | None):
@@ -74,7 +76,8 @@ class CheckpointEnds(BlockEnds):
         self.block_size = hashes.block_size
         # each sequence's newest checkpoint taken while decoding, and its depth in blocks
         self._decoding: dict[str, tuple[BlockHash, int]] = {}
-        self._unfilled: dict[str, list[BlockHash]] = {}  # checkpoints a sequence planned, its block not registered
+        # the checkpoints a sequence planned whose block is not registered yet, and why each was planned
+        self._unfilled: dict[str, dict[BlockHash, str]] = {}
         # where a sequence's KV hit ended when it had to resume before it (no checkpoint there): a prefix that
         # another prompt shares, so the next prompt sharing it may resume there
         self._branches: dict[str, int] = {}
@@ -101,29 +104,35 @@ class CheckpointEnds(BlockEnds):
         else:
             self._branches.pop(seq.request_id, None)
 
-    def boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int) -> list[tuple[int, bool]]:
+    def boundaries(self, seq: CachedSequence, num_prompt_tokens: int, start: int, end: int) -> list[tuple[int, str]]:
         """The block boundaries in (`start`, `end`] where `seq`'s step saves its state, most valuable first, each
-        with whether it is one a decoding sequence keeps only its newest of. In a prompt: its last block boundary
-        that a hit can use (a later prompt computes at least its last token), the end of the KV hit it found
-        deeper than any checkpoint (a prefix another prompt shares: the next one sharing it resumes there), and
-        every `interval` tokens, deepest first (a prompt's next sharer resumes within `interval` of where they
-        part). At or past the prompt's end, a chunk's end on a block boundary (where the next turn of a
-        conversation resumes: the prompt's end when it fills its last block, then each boundary reached while
+        with why. In a prompt: its last block boundary that a hit can use (PROMPT_END: a later prompt computes at
+        least its last token), the end of the KV hit it found deeper than any checkpoint (BRANCH: a prefix another
+        prompt shares, where the next one sharing it resumes), and every `interval` tokens, deepest first
+        (INTERVAL: a prompt's next sharer resumes within `interval` of where they part). At or past the prompt's
+        end, a chunk's end on a block boundary (DECODE, of which a sequence keeps its newest: where the next turn
+        of a conversation resumes, the prompt's end when it fills its last block, then each boundary reached while
         decoding; a finished sequence keeps the end of its last full block)."""
         bs = self.block_size
         prompt_boundary = (num_prompt_tokens - 1) // bs * bs
-        inside = [prompt_boundary, self._branches.get(seq.request_id, 0)]
-        inside += range(min(end, prompt_boundary) // self.interval * self.interval, start, -self.interval)
-        boundaries = [(b, False) for b in dict.fromkeys(inside) if start < b <= end and 0 < b <= prompt_boundary]
+        last = min(end, prompt_boundary)
+        inside = [(prompt_boundary, PROMPT_END), (self._branches.get(seq.request_id, 0), BRANCH)]
+        inside += [(b, INTERVAL) for b in range(last // self.interval * self.interval, start, -self.interval)]
+        boundaries = []
+        for b, kind in inside:  # a boundary of two kinds is saved as the more valuable
+            if start < b <= last and b not in dict(boundaries):
+                boundaries.append((b, kind))
         if end % bs == 0 and end >= num_prompt_tokens:
-            boundaries.append((end, True))
+            boundaries.append((end, DECODE))
         return boundaries
 
-    def plan(self, seq: CachedSequence, num_tokens: int, decoding: bool, saved_now: bool = False) -> int | None:
-        """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary) in; None
-        if one is saved there already, the boundary lies among draft tokens (not known to be kept), or every slot
-        waits for its step. `saved_now`: the caller saves the state before the next step and the block is already
-        registered (a verified draft passed the boundary), so the checkpoint counts as filled at once."""
+    def plan(self, seq: CachedSequence, num_tokens: int, kind: str, saved_now: bool = False) -> int | None:
+        """A checkpoint slot to save `seq`'s state after its first `num_tokens` tokens (a block boundary, of `kind`:
+        `boundaries`) in; None if one is saved there already, the boundary lies among draft tokens (not known to be
+        kept), or every slot waits for its step. `saved_now`: the caller saves the state before the next step and
+        the block is already registered (a verified draft passed the boundary), so the checkpoint counts as filled
+        at once."""
+        decoding = kind == DECODE
         num_blocks = num_tokens // self.block_size
         if num_tokens > len(seq.token_ids):
             return None
@@ -134,7 +143,7 @@ class CheckpointEnds(BlockEnds):
             old = self._decoding.pop(seq.request_id, None)
             if old is not None:
                 self._give_back(seq, old[0])
-        slot = self.checkpoints.take(key, num_blocks, hits=int(self._branches.get(seq.request_id) == num_tokens))
+        slot = self.checkpoints.take(key, num_blocks, hits=int(kind == BRANCH))
         if slot is None:
             return None
         if decoding:
@@ -142,13 +151,11 @@ class CheckpointEnds(BlockEnds):
         if saved_now:
             self.checkpoints.filled(key)
         else:
-            self._unfilled.setdefault(seq.request_id, []).append(key)
+            self._unfilled.setdefault(seq.request_id, {})[key] = kind
         return slot
 
     def _give_back(self, seq: CachedSequence, key: BlockHash) -> None:
-        unfilled = self._unfilled.get(seq.request_id, [])
-        if key in unfilled:
-            unfilled.remove(key)
+        self._unfilled.get(seq.request_id, {}).pop(key, None)
         self.checkpoints.release(key)
 
     def ends(self, hashes: list[BlockHash], num_usable: int, num_held: int) -> list[int]:
@@ -175,20 +182,21 @@ class CheckpointEnds(BlockEnds):
 
     def registered(self, seq: CachedSequence, hashes: list[BlockHash], first: int, end: int) -> None:
         """The checkpoints `seq` planned in blocks `first` to `end` are saved (their step ran): evictable from now
-        on, and a prompt's goes to the tier with its block."""
-        unfilled = self._unfilled.get(seq.request_id, [])
+        on, and a prompt's end or a branch point goes to the tier with its block (an interval checkpoint stays in
+        memory: a state costs the tier as much as many blocks, and most are never hit)."""
+        unfilled = self._unfilled.get(seq.request_id, {})
         for i in range(first, end):
-            if hashes[i] in unfilled:
-                unfilled.remove(hashes[i])
+            kind = unfilled.pop(hashes[i], None)
+            if kind is not None:
                 self.checkpoints.filled(hashes[i])
-                if self._decoding.get(seq.request_id, (None,))[0] != hashes[i]:
+                if kind in (PROMPT_END, BRANCH):
                     self._save(seq, hashes, i + 1)
 
     def freed(self, seq: CachedSequence) -> None:
         """A freed sequence's newest decode checkpoint goes to the tier (the next turn resumes there); checkpoints
         whose step never registered their block are given back."""
         key, num_blocks = self._decoding.pop(seq.request_id, (None, 0))
-        unfilled = self._unfilled.pop(seq.request_id, [])
+        unfilled = self._unfilled.pop(seq.request_id, {})
         self._branches.pop(seq.request_id, None)
         if key is not None and self.checkpoints.contains(key) and key not in unfilled:
             self._save(seq, self.hashes.block_hashes(seq, num_blocks * self.block_size), num_blocks)
@@ -198,7 +206,7 @@ class CheckpointEnds(BlockEnds):
     def trimmed(self, seq: CachedSequence) -> None:
         """Checkpoints planned past the computed tokens (rejected draft tokens) are given back."""
         computed = self.hashes.block_hashes(seq, seq.num_computed_tokens)
-        for key in [k for k in self._unfilled.get(seq.request_id, []) if k not in computed]:
+        for key in [k for k in self._unfilled.get(seq.request_id, {}) if k not in computed]:
             self._give_back(seq, key)
             if self._decoding.get(seq.request_id, (None,))[0] == key:
                 del self._decoding[seq.request_id]

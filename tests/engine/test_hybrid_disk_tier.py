@@ -5,6 +5,7 @@ missing is never used, nor one whose KV blocks the pool evicted (poisoned, it wo
 the records; `cached_tokens` is exactly the tokens the model did not run; no state slot or checkpoint is left
 waiting after preemptions and aborts."""
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvserve.kv import resume
 from kvserve.kv.block_hash import hash_full_blocks
 from kvserve.kv.tiers.record import STATE
 from tests.engine.test_disk_tier import behind_writer
@@ -165,3 +166,25 @@ def test_preemptions_and_aborts_leave_no_slot_held_nor_checkpoint_waiting(tmp_pa
     assert engine_.scheduler.num_preemptions > 0
     assert engine_.kv.checkpoints.num_waiting == 0 and len(engine_.kv.checkpoints) <= engine_.kv.checkpoints.num_slots
     assert_nothing_held(engine_)
+
+
+def test_a_branch_point_goes_to_disk_and_interval_checkpoints_stay_in_memory(tmp_path, monkeypatch):
+    # interval 32: the first 70-token prompt saves its state at 32 (interval) and 64 (its end), the second, sharing
+    # 50 tokens (3 blocks), resumes at 32 and saves its state at 48 (a branch point) and 64 (its end). Only the
+    # prompts' ends and the branch point are written; after a restart the third prompt resumes at the branch point
+    monkeypatch.setattr(resume, "CHECKPOINT_INTERVAL_TOKENS", 32)
+    path = make_hybrid_model(tmp_path / "model", "qwen3_next")
+    llm = engine(path, tmp_path / "disk")
+    shared = random_prompt(50, seed=11)
+    prompts = [shared + random_prompt(20 + i, seed=12 + i) for i in range(3)]
+    outputs = [llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))[0] for prompt in prompts[:2]]
+    assert [o.num_cached_tokens for o in outputs] == [0, 32]
+    assert llm.engine.disk_cache.store.flush(10)
+    llm = engine(path, tmp_path / "disk")
+    assert llm.engine.disk_cache.store.num_states_at_start == 3
+    sampled = recording(llm)
+    output = llm.generate({"prompt_token_ids": prompts[2]}, GREEDY)[0]
+    assert (output.num_cached_tokens, output.num_disk_cached_tokens) == (48, 48)
+    logits, generated = reference(path, prompts[2])
+    assert_matches(logits, generated, prompts[2], output.outputs[0].token_ids, sampled[output.request_id])
+    assert_nothing_held(llm.engine)

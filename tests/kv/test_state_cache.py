@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvserve.kv.kv_cache_manager import KVCacheManager
+from kvserve.kv.resume import DECODE, PROMPT_END
 from kvserve.kv.state_cache import (SlotBatch, StateCache, StateCheckpoints, StateShape, StateSlots, decay_and_add_,
                                     prompt_rounds)
 from kvserve.planner.capacity import plan_kv_cache
@@ -139,10 +140,10 @@ def test_a_decoding_sequence_keeps_its_newest_checkpoint_and_a_hit_restores_it()
                         state_checkpoints=2)
     seq = Seq("a", list(range(70)))
     assert kv.allocate(seq, 70) is not None
-    first = kv.plan_checkpoint(seq, 32, decoding=True)
-    second = kv.plan_checkpoint(seq, 48, decoding=True)  # gives the one at 32 back
+    first = kv.plan_checkpoint(seq, 32, DECODE)
+    second = kv.plan_checkpoint(seq, 48, DECODE)  # gives the one at 32 back
     assert first == second == 2 and len(kv.checkpoints) == 1
-    assert kv.plan_checkpoint(seq, 48, decoding=True) is None  # saved there already
+    assert kv.plan_checkpoint(seq, 48, DECODE) is None  # saved there already
     seq.num_computed_tokens = 70
     kv.cache_full_blocks(seq)
     kv.free(seq)
@@ -158,8 +159,8 @@ def test_a_checkpoint_whose_step_never_registered_its_block_is_given_back():
                         state_checkpoints=2)
     seq = Seq("a", list(range(40)))
     assert kv.allocate(seq, 40) is not None
-    assert kv.plan_checkpoint(seq, 32, decoding=False) == 2 and kv.checkpoints.num_waiting == 1
-    assert kv.plan_checkpoint(seq, 48, decoding=True) is None  # past its tokens (a draft's): not known to stay
+    assert kv.plan_checkpoint(seq, 32, PROMPT_END) == 2 and kv.checkpoints.num_waiting == 1
+    assert kv.plan_checkpoint(seq, 48, DECODE) is None  # past its tokens (a draft's): not known to stay
     kv.free(seq)  # freed before cache_full_blocks registered the block (its step never ran)
     assert len(kv.checkpoints) == 0 and kv.checkpoints.num_waiting == 0
 
@@ -169,10 +170,10 @@ def test_trimmed_tokens_give_their_checkpoints_back_and_registered_ones_stay():
                         state_checkpoints=2)
     seq = Seq("a", list(range(50)))
     assert kv.allocate(seq, 50) is not None
-    kv.plan_checkpoint(seq, 16, decoding=False)
+    kv.plan_checkpoint(seq, 16, PROMPT_END)
     seq.num_computed_tokens = 20
     kv.cache_full_blocks(seq)  # block 1 registered: its checkpoint is saved and may be evicted from now on
-    kv.plan_checkpoint(seq, 32, decoding=True)
+    kv.plan_checkpoint(seq, 32, DECODE)
     assert kv.checkpoints.num_waiting == 1
     kv.trim(seq)  # the tokens up to 32 were rejected drafts: 20 computed
     assert len(kv.checkpoints) == 1 and kv.checkpoints.num_waiting == 0
@@ -185,7 +186,7 @@ def test_a_checkpoint_an_admission_restores_is_not_overwritten_before_its_copy()
                         state_checkpoints=1)
     seq = Seq("a", list(range(40)))
     kv.allocate(seq, 40)
-    slot = kv.plan_checkpoint(seq, 32, decoding=False)
+    slot = kv.plan_checkpoint(seq, 32, PROMPT_END)
     seq.num_computed_tokens = 40
     kv.cache_full_blocks(seq)
     kv.free(seq)
@@ -193,7 +194,7 @@ def test_a_checkpoint_an_admission_restores_is_not_overwritten_before_its_copy()
     hit = kv.find_cached_prefix(again)
     kv.allocate(again, 40 - 32, hit)  # queues the copy from the checkpoint's slot
     assert hit.state_checkpoint == slot and kv.checkpoints.victim() is None
-    assert kv.plan_checkpoint(Seq("c", list(range(100, 140))), 32, decoding=False) is None  # no slot to take
+    assert kv.plan_checkpoint(Seq("c", list(range(100, 140))), 32, PROMPT_END) is None  # no slot to take
     assert kv.state.take_copies() == [(slot, kv.state.slot("b"))]
     assert kv.checkpoints.victim() is not None  # copied: it may go now
 

@@ -31,15 +31,15 @@ SKIPPED_PREFIXES = {"model.visual.": "the vision tower", "mtp.": "the multi-toke
 
 
 def text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A vision-language checkpoint's text model weights under the text model's names; the vision tower and the
-    multi-token prediction layer are skipped, with one log line saying so. Other checkpoints unchanged."""
-    if not any(name.startswith(LANGUAGE_MODEL_PREFIX) for name in weights):
-        return weights
+    """The text model's weights under its names (a vision-language checkpoint's are under model.language_model);
+    a vision tower and a multi-token prediction layer, which a checkpoint of either layout may hold, are skipped,
+    with one log line saying so."""
     skipped = sorted({what for name in weights for prefix, what in SKIPPED_PREFIXES.items()
                       if name.startswith(prefix)})
     if skipped:
         logger.info(f"weights: {' and '.join(skipped)} skipped (kvserve runs the text model)")
-    return {name.replace(LANGUAGE_MODEL_PREFIX, "model.", 1): t for name, t in weights.items()
+    composite = any(name.startswith(LANGUAGE_MODEL_PREFIX) for name in weights)
+    return {name.replace(LANGUAGE_MODEL_PREFIX, "model.", 1) if composite else name: t for name, t in weights.items()
             if not any(name.startswith(prefix) for prefix in SKIPPED_PREFIXES)}
 
 

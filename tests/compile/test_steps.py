@@ -331,6 +331,8 @@ def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     (dict(kv_cache_dtype="fp8_e5m2"), "the fp8_e5m2 KV cache attends eagerly", LOSSY_KV_TOLERANCE),
     (dict(kv_cache_dtype="nuq4"), "the nuq4 KV cache attends with its own compiled decode kernel", LOSSY_KV_TOLERANCE),
     (dict(kv_cache_dtype="nuq3"), "the nuq3 KV cache attends with its own compiled decode kernel", LOSSY_KV_TOLERANCE),
+    (dict(kv_cache_dtype="nuq3k4v"), "the nuq3k4v KV cache attends with its own compiled decode kernel",
+     LOSSY_KV_TOLERANCE),
     (dict(kv_eviction="h2o", kv_budget_tokens=64, kv_recent_tokens=32), "H2O's attention scores", LOGPROB_TOLERANCE),
 ])
 def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(tmp_path, caplog, options, reason,
@@ -354,7 +356,8 @@ def test_formats_that_attend_their_own_way_run_the_graph_with_attention_outside(
     # int8 and int4 attend with their own compiled kernel, called from the graph's attention op: those calls must fit
     # the kernel's graphs (built in inference mode, as eager steps call it), or it fails and attends eagerly for good
     fused = compiled.engine.cache.fused_decode  # float32 (H2O's) reads blocks in place where it attends unscored
-    assert (fused is not None) == (options.get("kv_cache_dtype", "auto") in ("int8", "int4", "nuq4", "nuq3", "auto"))
+    assert (fused is not None) == (options.get("kv_cache_dtype", "auto") in ("int8", "int4", "nuq4", "nuq3", "nuq3k4v",
+                                                                             "auto"))
     assert fused is None or fused.failed is None, fused.failed
     print(f"\n{reason}: largest logprob deviation from eager {max(deviations):.1e} nats over {len(deviations)}")
 

@@ -7,6 +7,7 @@ do not run with yet refused by name."""
 import logging
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
@@ -376,6 +377,27 @@ VISION_LANGUAGE = {
 }
 
 
+def add_mtp_weights(directory) -> None:
+    """Add a multi-token prediction layer's weights to a saved model (the released checkpoints hold one beside the
+    text model; transformers' models have none to save)."""
+    path = directory / "model.safetensors"
+    weights = safetensors.torch.load_file(path)
+    weights |= {"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.mlp.up_proj.weight": torch.randn(128, 64)}
+    safetensors.torch.save_file(weights, path, metadata={"format": "pt"})
+
+
+def test_a_causal_lm_checkpoint_skips_its_multi_token_prediction_layer(tmp_path, caplog):
+    path = make_hybrid_model(tmp_path / "plain", "qwen3_next")
+    prompt = random_prompt(37, seed=4)
+    expected, _ = prompt_logits(LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256,
+                                                       max_num_seqs=4)), prompt)
+    add_mtp_weights(path)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4))
+    assert "weights: the multi-token prediction layer skipped (kvserve runs the text model)" in caplog.text
+    assert torch.equal(prompt_logits(engine, prompt)[0], expected)
+
+
 @pytest.mark.parametrize("kind", VISION_LANGUAGE)
 def test_the_released_vision_language_layout_runs_its_text_model(tmp_path, caplog, kind):
     # Qwen3.5/3.6's checkpoints: *ForConditionalGeneration, the text model's config under text_config and its
@@ -388,10 +410,11 @@ def test_the_released_vision_language_layout_runs_its_text_model(tmp_path, caplo
     torch.manual_seed(0)
     config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
     model_cls(config).eval().save_pretrained(tmp_path)
+    add_mtp_weights(tmp_path)
     with caplog.at_level(logging.INFO, logger="kvserve"):
         engine = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory="4MiB", max_model_len=256,
                                         max_num_seqs=4))
-    assert "the vision tower skipped" in caplog.text
+    assert "weights: the multi-token prediction layer and the vision tower skipped" in caplog.text
     assert all(hasattr(layer.mlp, "moe") == bool(extra) for layer in engine.model.layers)
     prompt = random_prompt(37, seed=4)
     ours, tokens = prompt_logits(engine, prompt)

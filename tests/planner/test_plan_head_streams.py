@@ -1,7 +1,11 @@
-"""The plan under per-(layer, KV head) streams: the pool counted in head blocks, and the context a GiB serves when a
-request holds its budget per head instead of every token."""
+"""The plan under per-(layer, KV head) streams: the pool counted in head blocks, the context a GiB serves when a
+request holds its budget per head instead of every token, and the KV formats the streams cannot store refused as the
+engine refuses them."""
+import pytest
+
+from kvserve.cli import main
 from kvserve.planner.capacity import plan_kv_cache
-from kvserve.planner.kv_size import eviction_max_blocks
+from kvserve.planner.kv_size import KV_DTYPES, eviction_max_blocks
 from kvserve.planner.loaders import load_model_spec
 from kvserve.planner.units import GiB
 
@@ -18,3 +22,14 @@ def test_summary_counts_head_blocks_and_context_tokens_per_gib():
     ratio = plan.context_tokens_per_gib() / full.context_tokens_per_gib()
     assert abs(ratio - 8192 / (bound * 16)) < 1e-6
     assert "head" not in full.summary_line()
+
+
+@pytest.mark.parametrize("kv_cache_dtype, refused", [("int8", True), ("int4", True), ("nuq4", True), ("fp8", True),
+                                                     ("bfloat16", False), ("float32", False), ("auto", False)])
+def test_the_plan_refuses_what_the_engine_refuses(capsys, kv_cache_dtype, refused):
+    # per-head streams store float K/V: the engine refuses quantized formats with them, so the plan does too
+    argv = ["plan", "smollm2-135m", "--kv-eviction", "perhead-span", "--kv-cache-dtype", kv_cache_dtype, "--json"]
+    assert main(argv) == (2 if refused else 0)
+    err = capsys.readouterr().err
+    assert ("is not supported with kv_eviction='perhead-span' (per-head streams store float K/V)" in err) == refused
+    assert not refused or f"kv_cache_dtype {KV_DTYPES[kv_cache_dtype].name} " in err

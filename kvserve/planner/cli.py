@@ -211,7 +211,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         spec=spec, kv_dtype=kv_dtype, block_size=args.block_size, max_model_len=max_model_len,
         contexts=_contexts(spec, args.context), weights_bytes=weights, weights_source=weights_source,
         gpu_name=args.gpu or args.gpu_memory, budget=budget, kv_plan=kv_plan, conversation=conversation,
-        max_blocks_per_request=max_blocks, state=state,
+        max_blocks_per_request=max_blocks, kv_eviction=args.kv_eviction, state=state,
         disk_cache_bytes=parse_memory_size(args.kv_disk_cache_size) if args.kv_disk_cache_size else None,
     )
 

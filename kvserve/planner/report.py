@@ -22,7 +22,7 @@ from kvserve.planner.kv_size import (
     request_kv_bytes,
 )
 from kvserve.planner.model_spec import FULL, LINEAR, SLIDING, ModelSpec
-from kvserve.planner.units import format_bytes
+from kvserve.planner.units import GiB, format_bytes
 
 DISK_RECORD_HEADER_BYTES = 1024  # a disk tier record's safetensors header: tensor shapes, keys, 16 token ids (< 1 KiB)
 DISK_STATES_PER_TURN = 2  # a hybrid model's request saves a checkpoint at its prompt's last full block and its end
@@ -44,6 +44,7 @@ class PlanReport:
     kv_plan: KVCachePlan | None = None
     conversation: ConversationPlan | None = None
     max_blocks_per_request: int | None = None  # a KV eviction policy's bound on one request's blocks
+    kv_eviction: str = "none"  # the policy that bound comes from
     disk_cache_bytes: int | None = None  # --kv-disk-cache-size: the disk tier's cap
     state: StatePlan | None = None  # a hybrid model's state slots and checkpoints, as the engine takes them
 
@@ -105,6 +106,22 @@ class PlanReport:
         if self.budget is not None and self.budget.error:
             return self.budget.error
         return self.kv_plan.error if self.kv_plan is not None else None
+
+    def context_tokens_per_gib(self, tokens: int | None = None) -> float:
+        """Tokens of context a GiB of KV cache serves for requests of `tokens` (default max_model_len), as the
+        engine's start-up line says: what an eviction policy's bound on a request's blocks buys."""
+        tokens = tokens or self.max_model_len
+        return tokens * GiB / self.request_bytes(tokens)
+
+    def eviction_line(self) -> str:
+        """What the eviction policy's bound holds per request, and the context a GiB serves, against the full
+        cache's."""
+        tokens = self.max_model_len
+        full = request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
+        return (f"Under --kv-eviction {self.kv_eviction}: a request of {tokens:,} tokens holds "
+                f"{format_bytes(self.request_bytes(tokens))} of KV cache (all of it: {format_bytes(full)}), "
+                f"{self.context_tokens_per_gib():,.0f} tokens of context per GiB "
+                f"({full / self.request_bytes(tokens):.1f}x the full cache's)")
 
     def request_bytes(self, tokens: int) -> int:
         kv = request_kv_bytes(self.spec, self.kv_dtype, tokens, self.block_size)
@@ -222,6 +239,8 @@ def report_to_json(report: PlanReport) -> dict:
         "kv_cache_dtype": report.kv_dtype.name,
         "kv_scales": report.kv_dtype.scales,
         "max_blocks_per_request": report.max_blocks_per_request,
+        "kv_eviction": report.kv_eviction,
+        "context_tokens_per_gib": report.context_tokens_per_gib(),
         "block_size": report.block_size,
         "kv_bytes_per_token": report.kv_bytes_per_token,
         "kv_bytes_per_token_formula": kv_formula(spec, report.kv_dtype, report.block_size),
@@ -296,6 +315,8 @@ def render_report(report: PlanReport, console: Console) -> None:
         console.print(_conversation_table(report))
     else:
         console.print(_per_request_table(report))
+    if report.max_blocks_per_request is not None:
+        console.print(report.eviction_line(), highlight=False, soft_wrap=True)
     if report.budget is not None:
         console.print(_budget_table(report))
         if report.kv_plan is not None and report.budget.error is None:

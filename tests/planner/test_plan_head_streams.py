@@ -1,13 +1,15 @@
 """The plan under per-(layer, KV head) streams: the pool counted in head blocks, the context a GiB serves when a
 request holds its budget per head instead of every token, and the KV formats the streams cannot store refused as the
 engine refuses them."""
+import json
+
 import pytest
 
 from kvserve.cli import main
 from kvserve.planner.capacity import plan_kv_cache
 from kvserve.planner.kv_size import KV_DTYPES, eviction_max_blocks
 from kvserve.planner.loaders import load_model_spec
-from kvserve.planner.units import GiB
+from kvserve.planner.units import GiB, format_bytes
 
 
 def test_summary_counts_head_blocks_and_context_tokens_per_gib():
@@ -33,3 +35,19 @@ def test_the_plan_refuses_what_the_engine_refuses(capsys, kv_cache_dtype, refuse
     err = capsys.readouterr().err
     assert ("is not supported with kv_eviction='perhead-span' (per-head streams store float K/V)" in err) == refused
     assert not refused or f"kv_cache_dtype {KV_DTYPES[kv_cache_dtype].name} " in err
+
+
+def test_the_plan_shows_tokens_per_gib_under_the_setting_without_a_gpu(capsys):
+    # the engine's start-up line says the context a GiB serves under the setting; the plan says it too, for any
+    # memory, and the same number as with a GPU's budget
+    spec = load_model_spec("smollm2-135m")
+    bound = eviction_max_blocks("perhead-span", 4, 32, 1024, 16)
+    per_gib = plan_kv_cache(spec, GiB, 16, "bf16", 8192, "perhead-span", bound).context_tokens_per_gib()
+    argv = ["plan", "smollm2-135m", "--kv-eviction", "perhead-span", "--kv-budget-tokens", "1024",
+            "--kv-recent-tokens", "32", "--kv-sink-tokens", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"a request of 8,192 tokens holds {format_bytes(bound * 16 * 30 * 3 * 2 * 64 * 2)} of KV cache" in out
+    assert f"{per_gib:,.0f} tokens of context per GiB ({8192 / (bound * 16):.1f}x the full cache's)" in out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context_tokens_per_gib"] == pytest.approx(per_gib)

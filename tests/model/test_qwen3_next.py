@@ -97,8 +97,9 @@ def assert_nothing_held(engine: LLMEngine) -> None:
     assert engine.kv.state.num_free_slots == engine.kv.state.num_slots
 
 
-def prompt_logits(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """Logits at every prompt position (over however many chunks the prompt took), and the greedy tokens."""
+def engine_logits(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Logits at every prompt position (over however many chunks the prompt took) and at each decode step, in order
+    (transformers' over the prompt and the greedy tokens but the last, row for row), and the greedy tokens."""
     hidden = []
     forward = engine.model.forward
     engine.model.forward = lambda *args: hidden.append(forward(*args)) or hidden[-1]
@@ -107,21 +108,22 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, l
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens = output.outputs[0].token_ids
-    rows = torch.cat(hidden)[: len(prompt)]  # one sequence: the prompt's chunks come first, in order
+    rows = torch.cat(hidden)  # one sequence: the prompt's chunks, then one row per decode step
+    assert len(rows) == len(prompt) + NUM_DECODE_STEPS - 1
     return engine.model.compute_logits(rows), tokens
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("chunk", [None, 16, 24])  # whole; chunks that divide 64 and that do not
-def test_prompt_logits_match_transformers(tmp_path, kind, chunk):
+def test_prompt_and_decode_logits_match_transformers(tmp_path, kind, chunk):
     path = make_hybrid_model(tmp_path, kind)
     engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4,
                                     **({"max_num_batched_tokens": chunk} if chunk else {})))
     assert isinstance(engine.model, Qwen3NextModel)
     prompt = random_prompt(70, seed=1)  # more than one 64-token block of the chunked delta rule
-    ours, tokens = prompt_logits(engine, prompt)
+    ours, tokens = engine_logits(engine, prompt)
     logits, generated = reference(path, prompt)
-    assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
+    assert (ours - logits[: len(ours)]).abs().max() <= TOLERANCE
     assert tokens == generated
     assert_nothing_held(engine)
 
@@ -364,9 +366,9 @@ def test_sparse_moe_logits_match_transformers(tmp_path, kind):
     assert [hasattr(layer.mlp, "moe") for layer in engine.model.layers] == routed
     assert all(layer.mlp.moe.num_experts == 4 for layer in engine.model.layers if hasattr(layer.mlp, "moe"))
     prompt = random_prompt(40, seed=2)
-    ours, tokens = prompt_logits(engine, prompt)
+    ours, tokens = engine_logits(engine, prompt)
     logits, generated = reference(path, prompt)
-    assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
+    assert (ours - logits[: len(ours)]).abs().max() <= TOLERANCE
     assert tokens == generated
     assert_nothing_held(engine)
 
@@ -389,13 +391,13 @@ def add_mtp_weights(directory) -> None:
 def test_a_causal_lm_checkpoint_skips_its_multi_token_prediction_layer(tmp_path, caplog):
     path = make_hybrid_model(tmp_path / "plain", "qwen3_next")
     prompt = random_prompt(37, seed=4)
-    expected, _ = prompt_logits(LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256,
+    expected, _ = engine_logits(LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256,
                                                        max_num_seqs=4)), prompt)
     add_mtp_weights(path)
     with caplog.at_level(logging.INFO, logger="kvserve"):
         engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4))
     assert "weights: the multi-token prediction layer skipped (kvserve runs the text model)" in caplog.text
-    assert torch.equal(prompt_logits(engine, prompt)[0], expected)
+    assert torch.equal(engine_logits(engine, prompt)[0], expected)
 
 
 @pytest.mark.parametrize("kind", VISION_LANGUAGE)
@@ -417,11 +419,11 @@ def test_the_released_vision_language_layout_runs_its_text_model(tmp_path, caplo
     assert "weights: the multi-token prediction layer and the vision tower skipped" in caplog.text
     assert all(hasattr(layer.mlp, "moe") == bool(extra) for layer in engine.model.layers)
     prompt = random_prompt(37, seed=4)
-    ours, tokens = prompt_logits(engine, prompt)
+    ours, tokens = engine_logits(engine, prompt)
     hf = model_cls.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(input_ids=torch.tensor([prompt + tokens])).logits[0]
-    assert (ours - logits[: len(prompt)]).abs().max() <= TOLERANCE
+    assert (ours - logits[: len(ours)]).abs().max() <= TOLERANCE  # every prompt position and decode step
     # each greedy token is transformers' argmax after the tokens before it
     assert tokens == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     assert_nothing_held(engine)

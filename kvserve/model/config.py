@@ -1,6 +1,7 @@
 """The few facts of an HF config.json that the forward pass needs (Llama family, Gemma 3, DeepSeek-V2/V3)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,7 +262,14 @@ def _language_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_hybrid(cfg: dict[str, Any]) -> None:
-    """What kvserve's Gated DeltaNet models do not run yet, refused by name."""
+    """What kvserve's Gated DeltaNet models do not run yet, refused by name; a state dtype other than float32 is
+    said (states stay float32)."""
+    state_dtype = cfg.get("mamba_ssm_dtype", "float32")
+    if state_dtype != "float32":
+        logging.getLogger("kvserve").warning(
+            f"{cfg.get('model_type')}: mamba_ssm_dtype={state_dtype!r} in the config, but kvserve keeps Gated DeltaNet "
+            "states in float32 (as the released checkpoints ask): they take the memory float32 takes, which "
+            "`kvserve plan` and the start-up line count")
     activation = cfg.get("hidden_act", "silu")
     if activation != "silu":
         raise ValueError(f"{cfg.get('model_type')} hidden_act {activation!r} is not supported (silu is)")

@@ -327,8 +327,19 @@ def test_beam_search_forks_the_state_and_matches_transformers(tmp_path):
     assert_nothing_held(llm.engine)
 
 
+def test_a_state_dtype_other_than_float32_is_said_and_the_state_stays_float32(tmp_path, caplog):
+    path = make_hybrid_model(tmp_path, "qwen3_next", mamba_ssm_dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4))
+    assert "mamba_ssm_dtype='bfloat16' in the config, but kvserve keeps Gated DeltaNet states in float32" in caplog.text
+    cache = engine.runner.state_cache
+    assert cache.recurrent.dtype == cache.conv.dtype == torch.float32
+    assert cache.nbytes == engine.cache_plan.state.total_bytes  # what the plan counted
+
+
 @pytest.mark.parametrize("setting, name", [
     (dict(kv_eviction="streaming"), "kv_eviction"),
+    (dict(kv_eviction="h2o"), "kv_eviction"),
     (dict(batch_invariant=True), "batch_invariant"),
 ])
 def test_settings_not_built_yet_are_refused_by_name(tmp_path, setting, name):

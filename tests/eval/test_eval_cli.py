@@ -11,6 +11,7 @@ import transformers
 from kvserve.cli import main
 from kvserve.eval.windows import sliding_windows
 from tests.conftest import char_tokenizer, make_tiny_model, save_char_tokenizer
+from tests.model.test_qwen3_next import make_hybrid_model
 
 TEXT = ("The cache holds keys and values of every earlier token. A block holds sixteen of them, and a table "
         "of blocks says where a request's tokens live. Sharing a prefix means sharing its blocks. ") * 8
@@ -114,3 +115,13 @@ def test_an_empty_corpus_is_refused(capsys, model_dir, tmp_path):
     empty.write_text("  \n")
     assert main(["eval", "--model", str(model_dir), "--corpus", str(empty)]) == 2
     assert "is empty" in capsys.readouterr().err
+
+
+def test_a_hybrid_model_is_evaluated_as_transformers_scores_it(capsys, tmp_path, corpus):
+    # Gated DeltaNet layers beside full attention: every window is prefilled from a fresh state slot
+    model_dir = save_char_tokenizer(make_hybrid_model(tmp_path / "hybrid", "qwen3_next"))
+    reference, int8 = run_json(capsys, "--model", str(model_dir), "--corpus", str(corpus), "--tokens", "300",
+                               "--context", "128", "--stride", "48", "--kv-cache-dtype", "auto,int8")
+    token_ids = char_tokenizer()(TEXT).input_ids[:300]
+    assert reference["ppl"] == pytest.approx(transformers_ppl(model_dir, token_ids, 128, 48), rel=1e-3)
+    assert int8["kld"] > 0 and int8["tokens_scored"] == reference["tokens_scored"] == 299

@@ -14,6 +14,7 @@ import transformers
 from kvserve import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 from kvserve.kv import resume, state_cache
 from kvserve.model.qwen3_next import Qwen3NextModel
+from tests.conftest import add_chat_tokenizer
 
 NUM_DECODE_STEPS = 20
 GREEDY = SamplingParams(max_tokens=NUM_DECODE_STEPS, temperature=0, ignore_eos=True)
@@ -324,6 +325,18 @@ def test_beam_search_forks_the_state_and_matches_transformers(tmp_path):
     assert_nothing_held(llm.engine)
     with pytest.raises(ValueError, match="need 7 state slots while beams are forked; the cache has 4"):
         llm.beam_search([prompt, prompt], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+    assert_nothing_held(llm.engine)
+
+
+def test_chat_runs_a_hybrid_model_as_transformers_does(tmp_path):
+    path = add_chat_tokenizer(make_hybrid_model(tmp_path, "qwen3_5", vocab_size=49152))
+    llm = LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=4)
+    sampled = recording(llm)
+    output = llm.chat([{"role": "user", "content": "Where does the state live?"}], GREEDY)
+    prompt = output.prompt_token_ids
+    assert "Where does the state live?" in llm.tokenizer.decode(prompt)
+    logits, generated = reference(path, prompt)
+    assert_matches(logits, generated, prompt, output.outputs[0].token_ids, sampled[output.request_id])
     assert_nothing_held(llm.engine)
 
 

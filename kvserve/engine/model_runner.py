@@ -14,8 +14,8 @@ from kvserve.engine.attention_mask import GroupChunk, group_keys
 from kvserve.kv.draft_states import DraftStates
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.kv_cache_manager import BlockTable, KVCacheManager
-from kvserve.kv.resume import DECODE
 from kvserve.kv.readers import AttentionGroup
+from kvserve.kv.resume import DECODE
 from kvserve.kv.scored_attention import AttentionScores
 from kvserve.kv.state_cache import StateCache, StateStep
 from kvserve.model.attention import AttentionMetadata

@@ -42,7 +42,7 @@ def inputs(batch: int, tokens: int, heads: int, dk: int, dv: int, seed: int = 0)
     v = torch.randn(batch, tokens, heads, dv, generator=g)
     decay = -torch.rand(batch, tokens, heads, generator=g) * 0.5
     beta = torch.rand(batch, tokens, heads, generator=g)
-    return q, k, v, decay, beta, torch.randn(batch, heads, dk, dv, generator=g) * 0.1
+    return q, k, v, decay, beta, torch.randn(batch, heads, dv, dk, generator=g) * 0.1  # the state cache's layout
 
 
 def medians_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:

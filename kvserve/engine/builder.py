@@ -309,10 +309,13 @@ def open_disk_cache(config: EngineConfig, setup: EngineSetup, cache: PagedKVCach
                     state_cache: StateCache | None = None) -> DiskKVCache:
     """The disk tier, its records named for everything that decides a block's bytes (kv/tiers/); a hybrid model's
     state checkpoints are kept there too."""
+    # a hybrid's checkpoints are stored as its slots hold them
+    states = {"state_layout": state_cache.shape.describe()} if state_cache is not None else {}
     fingerprint = model_fingerprint(
         setup.model_path, kv_cache_format=config.kv_cache_format, block_specs=cache.block_specs(),
         block_size=config.block_size, dtype=config.dtype, quantization=config.quantization,
-        layout=setup.layout, batch_invariant=config.batch_invariant, device=torch.device(config.device).type)
+        layout=setup.layout, batch_invariant=config.batch_invariant, device=torch.device(config.device).type,
+        **states)
     store = DiskBlockStore(config.kv_disk_cache, config.kv_disk_cache_size_bytes, fingerprint)
     logger.info(store.start_line(config.block_size, setup.layout.num_groups))
     return DiskKVCache(store, cache, state_cache)

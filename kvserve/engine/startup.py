@@ -127,11 +127,13 @@ def compiled_attention_line(facts: CompiledAttentionFacts) -> str:
 
 
 def compiled_state_update_line(kind: str, seconds: float, kernel) -> str:
-    """How a hybrid model's decode steps update the recurrent states (kv/state_cache.py, decay_and_add)."""
+    """How a hybrid model's decode steps read and update the recurrent states (kv/state_cache.py,
+    delta_rule_step)."""
     if kind != "compiled":
         return f"state cache: decode update eager (compiling it failed: {kernel.failed})"
-    return (f"state cache: decode update (decay and rank-one update of the recurrent states) compiled into one pass "
-            f"in {seconds:.1f} s {compiled_kernel_parts(kernel.graphs_loaded, kernel.graphs_compiled)}")
+    return (f"state cache: decode update (the recurrent states read, decayed and given their rank-one update) "
+            f"compiled into one pass in {seconds:.1f} s "
+            f"{compiled_kernel_parts(kernel.graphs_loaded, kernel.graphs_compiled)}")
 
 
 def speculation_line(config: SpeculativeConfig) -> str:

@@ -63,9 +63,9 @@ class DraftStates:
         if whole and into is None:
             return
         slot = drafted.slot if into is None else into
-        tail = self.conv.shape[-1]
+        tail = self.conv.shape[-2]
         for layer, resume in drafted.resumes.items():
-            self.conv[layer, slot] = drafted.conv_inputs[layer][:, num_tokens : num_tokens + tail]
+            self.conv[layer, slot] = drafted.conv_inputs[layer][:, num_tokens : num_tokens + tail].T
             self.recurrent[layer, slot] = self.recurrent[layer, drafted.slot] if whole else resume(num_tokens)
 
     def drop(self, request_id: str) -> None:

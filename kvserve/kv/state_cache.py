@@ -26,8 +26,9 @@ PROMPT_BATCH_STATE_BYTES = 2 << 20
 
 @dataclass(frozen=True)
 class StateShape:
-    """One slot's tensors per linear layer: the conv tail [conv_dim, kernel - 1] and the recurrent state
-    [value_heads, key_head_dim, value_head_dim]."""
+    """One slot's tensors per linear layer: the conv tail [kernel - 1, conv_dim] (the inputs before the next token,
+    oldest first) and the recurrent state [value_heads, value_head_dim, key_head_dim] (each row a value dim's
+    weights over the keys: S transposed, so that a decode token's reads and update of a row need only that row)."""
 
     num_layers: int
     conv_dim: int
@@ -42,64 +43,82 @@ class StateShape:
         per_layer = self.conv_dim * self.conv_tail + self.num_value_heads * self.key_head_dim * self.value_head_dim
         return self.num_layers * per_layer * STATE_DTYPE_BYTES
 
-
-def decay_and_add_(states: torch.Tensor, decay: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """S = decay S + k u^T for each of N recurrent states, in place: states [N, Dk, Dv] float32 and contiguous,
-    decay [N, 1, 1], keys [N, 1, Dk], values [N, 1, Dv] (the delta rule's u). Two passes over the states: the
-    decay, then the batched outer product added (model/gated_delta.py's decode update)."""
-    states.mul_(decay).baddbmm_(keys.transpose(1, 2), values)
+    def describe(self) -> str:
+        """The slots' layout, for the disk tier's fingerprint: records of another layout are not read."""
+        return "conv tail [kernel - 1, conv_dim]; recurrent state [value heads, value dim, key dim]; float32"
 
 
-def decay_and_add_in_one_pass(states: torch.Tensor, decay: torch.Tensor, keys: torch.Tensor,
-                              values: torch.Tensor) -> torch.Tensor:
-    """decay_and_add_ as one loop that reads each state once and writes it once, for torch.compile (StateCache);
-    returns `decay` (a compiled function's None means "not run")."""
-    states.copy_(states * decay + keys.transpose(1, 2) * values)
-    return decay
+def delta_rule_step_(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                     beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token of the gated delta rule (model/gated_delta.py) over N recurrent states in the state cache's
+    layout, in place: states [N, Dv, Dk] float32 and contiguous, q and k [N, Dk], v [N, Dv], decay (exp(g)) and
+    beta [N]. Returns (S q, S k) of the states before the token, [N, Dv] each; the states become
+    decay S + u k^T with u = beta (v - decay S k). Two passes: a batched matmul reads the states (as [q k]^T S^T,
+    which the BLAS runs faster than S [q k]), then the decay and the rank-one update."""
+    read_q, read_k = torch.bmm(torch.stack([q, k], dim=1), states.transpose(1, 2)).unbind(1)
+    u = beta[:, None] * (v - decay[:, None] * read_k)
+    states.mul_(decay[:, None, None]).baddbmm_(u[:, :, None], k[:, None, :])
+    return read_q, read_k
+
+
+def delta_rule_step_in_one_pass(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                decay: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_rule_step_ as broadcast products and sums, which torch.compile makes one loop that reads each state row
+    once and writes it once: a row's reads are sums over its keys, and its update needs only them (the layout's
+    point). u is not returned: a buffer between the sums and the update would split the loop in two."""
+    read_k = (states * k[:, None, :]).sum(-1)
+    read_q = (states * q[:, None, :]).sum(-1)
+    u = beta[:, None] * (v - decay[:, None] * read_k)
+    states.copy_(states * decay[:, None, None] + u[:, :, None] * k[:, None, :])
+    return read_q, read_k
 
 
 class StateCache:
-    """The slots' storage: conv[layer][slot] and recurrent[layer][slot], float32, zero at start. A decode token's
-    update of the recurrent states (decay_and_add) is a pass over many MiB per sequence: with `compile_update` it
-    runs as one compiled loop (compiled or loaded at warm_up, as the KV formats' decode kernels: kv/formats/
-    compiled.py), otherwise as two eager passes."""
+    """The slots' storage: conv[layer][slot] and recurrent[layer][slot] (StateShape's layout), float32, zero at
+    start. A decode token reads and updates many MiB of recurrent state per sequence: with `compile_update` that is
+    one compiled loop (compiled or loaded at warm_up, as the KV formats' decode kernels: kv/formats/compiled.py),
+    otherwise a batched matmul and an update in place (delta_rule_step_)."""
 
     def __init__(self, shape: StateShape, num_slots: int, device: str | torch.device = "cpu",
                  compile_update: bool = False):
         self.shape = shape
         self.num_slots = num_slots
         s = shape
-        self.conv = torch.zeros(s.num_layers, num_slots, s.conv_dim, s.conv_tail, dtype=STATE_DTYPE, device=device)
-        self.recurrent = torch.zeros(s.num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim,
+        self.conv = torch.zeros(s.num_layers, num_slots, s.conv_tail, s.conv_dim, dtype=STATE_DTYPE, device=device)
+        self.recurrent = torch.zeros(s.num_layers, num_slots, s.num_value_heads, s.value_head_dim, s.key_head_dim,
                                      dtype=STATE_DTYPE, device=device)
-        self.compiled_update = CompiledFunction(decay_and_add_in_one_pass) if compile_update else None
+        self.compiled_update = CompiledFunction(delta_rule_step_in_one_pass) if compile_update else None
 
-    def decay_and_add(self, states: torch.Tensor, decay: torch.Tensor, keys: torch.Tensor,
-                      values: torch.Tensor) -> None:
-        """decay_and_add_ over `states` (a decode step's, read from this cache): compiled where it was warmed up,
+    def delta_rule_step(self, states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        decay: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta_rule_step_ over `states` (a decode step's, read from this cache): compiled where it was warmed up,
         eagerly otherwise (a call no graph takes, or a failed compile: CompiledFunction says so once)."""
-        if self.compiled_update is None or self.compiled_update((states, decay, keys, values)) is None:
-            decay_and_add_(states, decay, keys, values)
+        args = (states, q, k, v, decay, beta)
+        if self.compiled_update is not None:
+            reads = self.compiled_update(args)
+            if reads is not None:
+                return reads
+        return delta_rule_step_(*args)
 
     def warm_up(self) -> None:
-        """Compile (or load) the compiled update for the calls decode steps make, inside inference mode: over a
-        view of the pool (decoding slots that form one run) and over a copy of some of its slots (others); the
-        number of states is dynamic, one graph each for every batch."""
+        """Compile (or load) the compiled step for the calls decode steps make, inside inference mode: over a view
+        of the pool (decoding slots that form one run) and over a copy of some of its slots (others); the number
+        of states is dynamic, one graph each for every batch."""
         if self.compiled_update is None:
             return
         s = self.shape
-        scratch = torch.zeros(2, s.num_value_heads, s.key_head_dim, s.value_head_dim, dtype=STATE_DTYPE,
+        scratch = torch.zeros(2, s.num_value_heads, s.value_head_dim, s.key_head_dim, dtype=STATE_DTYPE,
                               device=self.recurrent.device)  # made as the pool is: outside inference mode
         with torch.inference_mode(), self.compiled_update.warming_up():
             for states in (scratch, scratch.clone()):  # the pool's view, then a copy made in inference mode
-                flat = states.view(-1, s.key_head_dim, s.value_head_dim)
+                flat = states.view(-1, s.value_head_dim, s.key_head_dim)
                 n = flat.shape[0]
-                args = (flat, torch.ones(n, 1, 1, device=flat.device), flat.new_zeros(n, 1, s.key_head_dim),
-                        flat.new_zeros(n, 1, s.value_head_dim))
+                args = (flat, flat.new_zeros(n, s.key_head_dim), flat.new_zeros(n, s.key_head_dim),
+                        flat.new_zeros(n, s.value_head_dim), flat.new_ones(n), flat.new_zeros(n))
                 self.compiled_update(args, dynamic=[(a, 0) for a in args])
 
     def update_kind(self) -> str:
-        """How the decode update runs, for the start-up line."""
+        """How the decode step runs, for the start-up line."""
         return "eager" if self.compiled_update is None or self.compiled_update.failed else "compiled"
 
     @property

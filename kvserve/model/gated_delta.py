@@ -2,9 +2,11 @@
 conv tail, and the gated delta rule in two forms that continue from a recurrent state — chunked for prompt chunks
 (a few matmuls per 64 tokens) and recurrent for decode (one update per token, many sequences in one call).
 
-The rule, per value head, with state S (key_dim x value_dim), decay g_t <= 0 (log space) and rate beta_t:
-    S' = exp(g_t) S;   u_t = beta_t (v_t - S'^T k_t);   S_t = S' + k_t u_t^T;   o_t = S_t^T q_t
-with q and k L2-normalized and q scaled by key_dim ** -0.5 (qk_norm_and_scale)."""
+The rule, per value head, with state S (value_dim x key_dim), decay g_t <= 0 (log space) and rate beta_t:
+    S' = exp(g_t) S;   u_t = beta_t (v_t - S' k_t);   S_t = S' + u_t k_t^T;   o_t = S_t q_t
+with q and k L2-normalized and q scaled by key_dim ** -0.5 (qk_norm_and_scale). S is held as the state cache holds
+it (kv/state_cache.py): [..., value_dim, key_dim], the transpose of transformers' [..., key_dim, value_dim]; conv
+tails as [..., kernel - 1, channels], oldest input first."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,35 +14,35 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.kv.state_cache import decay_and_add_
+from kvserve.kv.state_cache import delta_rule_step_
 
 CHUNK_TOKENS = 64  # the chunked form's block of tokens: one triangular solve and a few matmuls each
 
 
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
                 lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [B, C, T] new inputs, tail: [B, C, K-1] the inputs before them (zeros at a sequence's start), weight:
-    [C, K]. Returns silu(conv) [B, C, T] and the new tail [B, C, K-1]. `lengths` [B]: each sequence's real inputs,
+    """x: [B, C, T] new inputs, tail: [B, K-1, C] the inputs before them (zeros at a sequence's start), weight:
+    [C, K]. Returns silu(conv) [B, C, T] and the new tail [B, K-1, C]. `lengths` [B]: each sequence's real inputs,
     the rest of its T padding (its outputs there are not meant; its tail ends at its last real input)."""
-    full = torch.cat([tail.to(x.dtype), x], dim=-1)
+    full = torch.cat([tail.transpose(1, 2).to(x.dtype), x], dim=-1)
     out = F.conv1d(full, weight.unsqueeze(1).to(x.dtype), groups=weight.shape[0])
-    kept = tail.shape[-1]
+    kept = tail.shape[1]
     if lengths is None:
-        return F.silu(out), full[..., full.shape[-1] - kept :]
+        return F.silu(out), full[..., full.shape[-1] - kept :].transpose(1, 2)
     ends = (lengths[:, None] + torch.arange(kept, device=x.device))[:, None, :].expand(-1, x.shape[1], -1)
-    return F.silu(out), full.gather(-1, ends)
+    return F.silu(out), full.gather(-1, ends).transpose(1, 2)
 
 
-def conv_step_(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One token per sequence: x [B, C], tail [B, C, K-1] updated in place to end at x. Returns silu(conv) [B, C].
-    A tap at a time, over [B, C] views: the tail's K-1 is its innermost size (3), which a reduction or a
-    concatenation over it walks element by element (an einsum and a cat measured slower at 32 sequences)."""
-    out = torch.addcmul(x * weight[:, -1], tail[..., 0], weight[:, 0])
-    for k in range(1, tail.shape[-1]):
-        out.addcmul_(tail[..., k], weight[:, k])
-    for k in range(tail.shape[-1] - 1):  # shift the tail left by one (each tap reads the next before it changes)
-        tail[..., k].copy_(tail[..., k + 1])
-    tail[..., -1].copy_(x)
+def conv_step_(x: torch.Tensor, tail: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """One token per sequence: x [B, C], tail [B, K-1, C] updated in place to end at x, taps [K, C] (the conv
+    weight transposed, contiguous). Returns silu(conv) [B, C]. A tap at a time, each a contiguous [B, C] slice of the
+    tail times a contiguous row of taps."""
+    out = torch.addcmul(x * taps[-1], tail[:, 0], taps[0])
+    for k in range(1, tail.shape[1]):
+        out.addcmul_(tail[:, k], taps[k])
+    for k in range(tail.shape[1] - 1):  # shift the tail by one input (each tap reads the next before it changes)
+        tail[:, k].copy_(tail[:, k + 1])
+    tail[:, -1].copy_(x)
     return F.silu(out)
 
 
@@ -55,30 +57,30 @@ def qk_norm_and_scale(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token at a time. q, k: [B, T, H, Dk] (normalized and scaled), v: [B, T, H, Dv], g, beta: [B, T, H],
-    state: [B, H, Dk, Dv]. Returns o [B, T, H, Dv] and the final state, all float32; the caller's state is kept."""
-    state = state.float().clone()
+    state: [B, H, Dv, Dk]. Returns o [B, T, H, Dv] and the final state, all float32; the caller's state is kept."""
+    state = state.float().clone(memory_format=torch.contiguous_format)
     return recurrent_gated_delta_rule_(q, k, v, g, beta, state), state
 
 
 def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, state: torch.Tensor,
-                                update: Callable[..., None] = decay_and_add_) -> torch.Tensor:
+                                step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = delta_rule_step_
+                                ) -> torch.Tensor:
     """recurrent_gated_delta_rule updating `state` (float32, contiguous: e.g. a view of the state cache's slots) in
-    place; returns o. A decode step's cost is reading the states (many MiB per sequence), so each token reads them
-    once to compute S^T k and S^T q in one batched matmul before the decay (o = exp(g) S^T q + (k.q) u), then
-    `update` decays them and adds the rank-one update in place (kv/state_cache.py: two eager passes, or one
-    compiled)."""
-    batch, heads, dk, dv = state.shape
-    flat = state.view(batch * heads, dk, dv)
+    place; returns o. A decode token's cost is reading and writing the states (many MiB per sequence): `step`
+    (kv/state_cache.py) reads S k and S q and updates them, and o = S_t q = exp(g) S q + (k.q) u follows from the
+    reads."""
+    batch, heads, dv, dk = state.shape
+    flat = state.view(batch * heads, dv, dk)
     outs = []
     for t in range(q.shape[1]):
-        decay = g[:, t].float().exp().reshape(-1, 1, 1)
-        k_t, q_t = k[:, t].float().reshape(-1, 1, dk), q[:, t].float().reshape(-1, 1, dk)
-        read = torch.bmm(torch.cat([k_t, q_t], dim=1), flat)  # [B*H, 2, Dv]: S^T k, S^T q
-        u = (v[:, t].float().reshape(-1, 1, dv) - decay * read[:, :1]) * beta[:, t].float().reshape(-1, 1, 1)
+        decay, rate = g[:, t].float().exp().reshape(-1), beta[:, t].float().reshape(-1)
+        q_t, k_t = (x[:, t].float().reshape(-1, dk).contiguous() for x in (q, k))
+        v_t = v[:, t].float().reshape(-1, dv).contiguous()
+        read_q, read_k = step(flat, q_t, k_t, v_t, decay, rate)
+        u = (v_t - decay[:, None] * read_k).mul_(rate[:, None])
         k_dot_q = (k_t * q_t).sum(-1, keepdim=True)
-        outs.append((decay * read[:, 1:]).addcmul_(k_dot_q, u).view(batch, heads, dv))
-        update(flat, decay, k_t, u)  # S = exp(g) S + k u^T
+        outs.append((decay[:, None] * read_q).addcmul_(k_dot_q, u).view(batch, heads, dv))
     return torch.stack(outs, dim=1)
 
 
@@ -117,21 +119,23 @@ def _chunk_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             state: torch.Tensor) -> torch.Tensor:
     """One block of L tokens from `state`, which it leaves at the block's end (in place); returns the outputs. With
     c the cumulative decay inside the block, decay(t, s) = exp(c_t - c_s) and the new values u of every token solve
-    (I + A) u = beta (v - exp(c) k S0), A[t, s] = beta_t decay(t, s) k_t.k_s for s < t: one unit lower-triangular
-    solve instead of L sequential updates. The state is read by one matmul for keys and queries together."""
+    (I + A) u = beta (v - exp(c) S0 k), A[t, s] = beta_t decay(t, s) k_t.k_s for s < t: one unit lower-triangular
+    solve instead of L sequential updates. The state ([B, H, Dv, Dk]) is read by one matmul for keys and queries
+    together."""
     length = q.shape[2]
     c = g.cumsum(-1)  # [B, H, L]
     earlier = torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-1)
     # decay between positions, masked before exp so that the upper triangle cannot overflow
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~earlier, float("-inf")).exp()
     system = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # A, strictly lower
-    read = (c.exp().repeat(1, 1, 2)[..., None] * torch.cat([k, q], dim=2)) @ state  # exp(c) k S0, exp(c) q S0
+    # exp(c) S0 k and exp(c) S0 q of every token, as rows
+    read = (c.exp().repeat(1, 1, 2)[..., None] * torch.cat([k, q], dim=2)) @ state.transpose(-1, -2)
     rhs = beta[..., None] * (v - read[:, :, :length])
     u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     within = (q @ k.transpose(-1, -2)) * decay.masked_fill(torch.eye(length, dtype=torch.bool, device=q.device), 1.0)
     out = torch.baddbmm(read[:, :, length:].flatten(0, 1), within.flatten(0, 1), u.flatten(0, 1)).view_as(u)
     to_end = (c[..., -1:] - c).exp()  # decay from each token to the block's end
     flat = state.view(-1, *state.shape[-2:])
-    flat.mul_(c[..., -1].exp().reshape(-1, 1, 1)).baddbmm_((k * to_end[..., None]).transpose(-1, -2).flatten(0, 1),
-                                                          u.flatten(0, 1))
+    flat.mul_(c[..., -1].exp().reshape(-1, 1, 1)).baddbmm_(u.transpose(-1, -2).flatten(0, 1),
+                                                          (k * to_end[..., None]).flatten(0, 1))
     return out

@@ -81,6 +81,7 @@ class GatedDeltaNetLayer:
         self.index = index  # among the linear layers: the state cache's row
         self.in_proj = linears.linear(torch.cat(split_in_projections(w, prefix, lc)))
         self.conv_weight = w[f"{prefix}.conv1d.weight"].squeeze(1).float()  # [C, K]
+        self.conv_taps = self.conv_weight.T.contiguous()  # [K, C]: a decode token's taps, each a contiguous row
         self.neg_a = -w[f"{prefix}.A_log"].float().exp()
         self.dt_bias = w[f"{prefix}.dt_bias"].float()
         self.norm = GatedNorm(w[f"{prefix}.norm.weight"], cfg.rms_norm_eps)
@@ -114,10 +115,10 @@ class GatedDeltaNetLayer:
         decodes, rows = step.decodes, step.decode_rows
         conv, state = step.cache.conv[self.index], step.cache.recurrent[self.index]
         tails, states = decodes.read(conv), decodes.read(state)
-        mixed = conv_step_(qkv[rows].float(), tails, self.conv_weight)
+        mixed = conv_step_(qkv[rows].float(), tails, self.conv_taps)
         q, k, v = self._heads(mixed[:, None])
         out = recurrent_gated_delta_rule_(q, k, v, g[rows][:, None], beta[rows][:, None], states,
-                                          step.cache.decay_and_add)
+                                          step.cache.delta_rule_step)
         decodes.write(conv, tails)
         decodes.write(state, states)
         return out[:, 0]
@@ -157,7 +158,7 @@ class GatedDeltaNetLayer:
         """A drafted sequence's last token and draft ([T, C]) as a chunk, leaving with the rollback
         (kv/draft_states.py) the conv inputs and how to recompute the state after any of its first tokens."""
         conv, state = step.cache.conv[self.index], step.cache.recurrent[self.index]
-        conv_input = torch.cat([conv[slot], qkv.float().T], dim=-1)
+        conv_input = torch.cat([conv[slot].T, qkv.float().T], dim=-1)
         mixed, tail = causal_conv(qkv.float().T[None], conv[slot][None], self.conv_weight)
         conv[slot] = tail[0]
         q, k, v = self._heads(mixed.transpose(1, 2))
@@ -172,7 +173,7 @@ class GatedDeltaNetLayer:
         return out[0]
 
     def weight_parts(self) -> list:
-        return [self.in_proj, self.out_proj, self.conv_weight, self.neg_a, self.dt_bias, self.norm]
+        return [self.in_proj, self.out_proj, self.conv_weight, self.conv_taps, self.neg_a, self.dt_bias, self.norm]
 
 
 class GatedAttentionLayer:

@@ -7,6 +7,7 @@ waiting after preemptions and aborts."""
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.kv import resume
 from kvserve.kv.block_hash import hash_full_blocks
+from kvserve.kv.state_cache import StateShape
 from kvserve.kv.tiers.record import STATE
 from tests.engine.test_disk_tier import behind_writer
 from tests.model.test_qwen3_next import (GREEDY, assert_matches, assert_nothing_held, make_hybrid_model,
@@ -126,6 +127,21 @@ def test_another_model_never_finds_the_records(tmp_path):
     turn2 = llm.generate({"prompt_token_ids": second}, GREEDY)[0]
     assert turn2.num_cached_tokens == 0 and llm.stats()["disk_cache_reads"] == 0
     assert turn2.outputs[0].token_ids == reference(other, second)[1]
+
+
+def test_records_of_another_state_layout_are_never_read(tmp_path, monkeypatch):
+    """A checkpoint's bytes mean what the slots' layout says (kv/state_cache.py, StateShape): records written under
+    another layout (an earlier version's, same sizes) belong to another fingerprint."""
+    path = make_hybrid_model(tmp_path / "model", "qwen3_5")
+    second, _ = first_turn(path, tmp_path / "disk")
+    monkeypatch.setattr(StateShape, "describe", lambda self: "conv tail [conv_dim, kernel - 1]; recurrent state "
+                        "[value heads, key dim, value dim]; float32")
+    llm = engine(path, tmp_path / "disk")
+    assert llm.engine.disk_cache.store.num_states_at_start == 0
+    turn2 = llm.generate({"prompt_token_ids": second}, GREEDY)[0]
+    assert turn2.num_disk_cached_tokens == 0 and llm.stats()["disk_cache_reads"] == 0
+    monkeypatch.undo()  # the records' own layout: read again
+    assert engine(path, tmp_path / "disk").engine.disk_cache.store.num_states_at_start == 2
 
 
 def test_a_checkpoint_whose_blocks_the_pool_evicted_goes_first_and_is_never_used(tmp_path):

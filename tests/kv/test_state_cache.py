@@ -8,7 +8,7 @@ import torch
 
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.kv.resume import DECODE, PROMPT_END
-from kvserve.kv.state_cache import (SlotBatch, StateCache, StateCheckpoints, StateShape, StateSlots, decay_and_add_,
+from kvserve.kv.state_cache import (SlotBatch, StateCache, StateCheckpoints, StateShape, StateSlots, delta_rule_step_,
                                     prompt_rounds)
 from kvserve.planner.capacity import plan_kv_cache
 from kvserve.planner.model_spec import ModelSpec
@@ -46,8 +46,8 @@ def test_fork_queues_a_copy_and_refuses_without_a_free_slot():
 def test_cache_copies_every_layer_of_a_slot():
     cache = StateCache(SHAPE, num_slots=3)
     assert cache.nbytes == 3 * SHAPE.slot_bytes
-    cache.conv[:, 0] = torch.randn(3, 96, 3)
-    cache.recurrent[:, 0] = torch.randn(3, 4, 16, 8)
+    cache.conv[:, 0] = torch.randn(3, 3, 96)  # [layer, slot, kernel - 1, conv_dim]
+    cache.recurrent[:, 0] = torch.randn(3, 4, 8, 16)  # [layer, slot, value heads, value dim, key dim]
     cache.copy([(0, 2)])
     assert torch.equal(cache.conv[:, 2], cache.conv[:, 0]) and torch.equal(cache.recurrent[:, 2], cache.recurrent[:, 0])
     assert not cache.conv[:, 1].any()
@@ -222,20 +222,29 @@ def test_prompt_chunks_are_cut_at_their_checkpoints_into_rounds_of_at_most_a_bat
     assert [r.checkpoints for r in rounds] == [[(1, 8)], [(3, 9)], []]  # saved after the piece before them
 
 
-def test_the_compiled_decode_update_equals_the_eager_one_for_any_batch():
+def test_the_compiled_decode_step_equals_the_eager_one_for_any_batch():
     cache = StateCache(SHAPE, num_slots=6, compile_update=True)
     cache.warm_up()  # two graphs: the pool's view and a copy, each for any number of states
     assert cache.update_kind() == "compiled" and len(cache.compiled_update.graphs.graphs) == 2
     gen = torch.Generator().manual_seed(0)
     cache.recurrent.copy_(torch.randn(cache.recurrent.shape, generator=gen))
+    dk, dv = SHAPE.key_head_dim, SHAPE.value_head_dim
     with torch.inference_mode():
         for states in (cache.recurrent[1, 2:5], cache.recurrent[2].index_select(0, torch.tensor([0, 3, 5]))):
-            flat = states.view(-1, SHAPE.key_head_dim, SHAPE.value_head_dim)
+            flat = states.view(-1, dv, dk)
             n = flat.shape[0]  # 12 states: neither warm-up batch
-            decay, keys, values = (torch.rand(n, 1, 1, generator=gen), torch.randn(n, 1, SHAPE.key_head_dim,
-                                   generator=gen), torch.randn(n, 1, SHAPE.value_head_dim, generator=gen))
+            q, k = torch.randn(n, dk, generator=gen), torch.randn(n, dk, generator=gen)
+            v, decay, beta = torch.randn(n, dv, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen)
+            before = flat.clone()
             expected = flat.clone()
-            decay_and_add_(expected, decay, keys, values)
-            assert cache.compiled_update((flat, decay, keys, values)) is not None  # a graph took it
+            expected_reads = delta_rule_step_(expected, q, k, v, decay, beta)
+            reads = cache.compiled_update((flat, q, k, v, decay, beta))
+            assert reads is not None  # a graph took it
+            assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(reads, expected_reads))
             assert torch.allclose(flat, expected, rtol=1e-6, atol=1e-6)
+            # the rule itself: S q and S k of the states before the token, then S = decay S + u k^T
+            assert torch.allclose(expected_reads[0], (before @ q[:, :, None])[..., 0], atol=1e-5)
+            assert torch.allclose(expected_reads[1], (before @ k[:, :, None])[..., 0], atol=1e-5)
+            u = beta[:, None] * (v - decay[:, None] * expected_reads[1])
+            assert torch.allclose(expected, decay[:, None, None] * before + u[:, :, None] * k[:, None, :], atol=1e-5)
     assert not StateCache(SHAPE, num_slots=2).compiled_update  # eager unless asked

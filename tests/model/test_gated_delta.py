@@ -19,7 +19,7 @@ def inputs(tokens: int, seed: int = 0):
     v = torch.randn(B, tokens, H, DV, generator=gen)
     g = -torch.rand(B, tokens, H, generator=gen) * 2  # decays in log space, <= 0
     beta = torch.rand(B, tokens, H, generator=gen)
-    state = torch.randn(B, H, DK, DV, generator=gen) * 0.5
+    state = torch.randn(B, H, DV, DK, generator=gen) * 0.5  # as the state cache holds it: transformers' transposed
     return q, k, v, g, beta, state
 
 
@@ -32,10 +32,11 @@ def test_chunked_and_recurrent_agree_with_transformers(tokens, zero_state):
     qn, kn = qk_norm_and_scale(q, k)
     chunked, chunked_state = chunked_gated_delta_rule(qn, kn, v, g, beta, state)
     recurrent, recurrent_state = recurrent_gated_delta_rule(qn, kn, v, g, beta, state)
-    theirs, theirs_state = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+    theirs, theirs_state = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state.transpose(-1, -2),
                                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
-    theirs_rec, _ = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+    theirs_rec, _ = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state.transpose(-1, -2),
                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+    theirs_state = theirs_state.transpose(-1, -2)
     assert (chunked - recurrent).abs().max() <= 1e-4
     assert (chunked_state - recurrent_state).abs().max() <= 1e-4
     assert (chunked - theirs).abs().max() <= 1e-4
@@ -58,13 +59,13 @@ def test_causal_conv_continues_from_its_tail():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 12, 20, generator=gen)
     weight = torch.randn(12, 4, generator=gen)
-    zeros = torch.zeros(2, 12, 3)
+    zeros = torch.zeros(2, 3, 12)  # tails [B, K - 1, C]
     whole, whole_tail = causal_conv(x, zeros, weight)
     first, tail = causal_conv(x[..., :7], zeros, weight)
     second, end_tail = causal_conv(x[..., 7:8], tail, weight)  # one decode token
     third, end_tail = causal_conv(x[..., 8:], end_tail, weight)
     assert torch.allclose(torch.cat([first, second, third], dim=-1), whole, atol=1e-6)
-    assert torch.equal(end_tail, whole_tail) and torch.equal(whole_tail, x[..., -3:])
+    assert torch.equal(end_tail, whole_tail) and torch.equal(whole_tail, x[..., -3:].transpose(1, 2))
     theirs = hf.causal_conv1d_fn(x, weight, None, activation="silu")
     assert torch.allclose(whole, theirs, atol=1e-6)
 
@@ -115,13 +116,13 @@ def test_padded_conv_and_the_one_token_step_continue_like_the_plain_conv():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 12, 9, generator=gen)
     weight = torch.randn(12, 4, generator=gen)
-    tails = torch.randn(2, 12, 3, generator=gen)
+    tails = torch.randn(2, 3, 12, generator=gen)
     padded, padded_tails = causal_conv(x, tails, weight, lengths=torch.tensor([9, 5]))
     for i, n in enumerate([9, 5]):
         alone, alone_tail = causal_conv(x[i : i + 1, :, :n], tails[i : i + 1], weight)
         assert torch.allclose(padded[i : i + 1, :, :n], alone, atol=1e-6)
         assert torch.equal(padded_tails[i : i + 1], alone_tail)
     step_tails = tails.clone()
-    step = conv_step_(x[..., 0], step_tails, weight)
+    step = conv_step_(x[..., 0], step_tails, weight.T.contiguous())
     whole, whole_tail = causal_conv(x[..., :1], tails, weight)
     assert torch.allclose(step, whole[..., 0], atol=1e-6) and torch.equal(step_tails, whole_tail)

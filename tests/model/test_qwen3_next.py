@@ -151,8 +151,8 @@ def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path, monkey
     update = llm.engine.runner.state_cache.compiled_update
     assert (update is not None) == compiled
     eager_updates = []  # decode updates that ran eagerly
-    eager = state_cache.decay_and_add_
-    monkeypatch.setattr(state_cache, "decay_and_add_", lambda *args: eager_updates.append(1) or eager(*args))
+    eager = state_cache.delta_rule_step_
+    monkeypatch.setattr(state_cache, "delta_rule_step_", lambda *args: eager_updates.append(1) or eager(*args))
     sampled = recording(llm)
     runs = []  # per decode step: whether its slots were one run (read and written in place)
     state_step = llm.engine.runner._state_step

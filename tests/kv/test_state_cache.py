@@ -234,7 +234,8 @@ def test_the_compiled_decode_step_equals_the_eager_one_for_any_batch():
             flat = states.view(-1, dv, dk)
             n = flat.shape[0]  # 12 states: neither warm-up batch
             q, k = torch.randn(n, dk, generator=gen), torch.randn(n, dk, generator=gen)
-            v, decay, beta = torch.randn(n, dv, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen)
+            v, decay = torch.randn(n, dv, generator=gen), torch.rand(n, generator=gen)
+            beta = torch.rand(n, generator=gen)
             before = flat.clone()
             expected = flat.clone()
             expected_reads = delta_rule_step_(expected, q, k, v, decay, beta)

@@ -1,17 +1,19 @@
 """Speculative decoding on hybrid models (Gated DeltaNet layers beside full attention): the linear layers' state
 rolls back to the last accepted token (kv/draft_states.py), so greedy output with speculation (ngram and suffix)
 is the output without it, for the Qwen3-Next and Qwen3.5 layouts, with n = 2, under preemption and without
-prefix caching; checkpoints saved in verification steps hold the state at their block boundary, and the next turn
+prefix caching, and each token's top logprobs (both samples of n = 2) are transformers' within 1e-4; checkpoints saved in verification steps hold the state at their block boundary, and the next turn
 resumes from them; aborts mid-speculation leave no block or state slot held.
 
 The tiny models here have a 32-token vocabulary and small weights: their greedy text falls into loops that vary
 now and then, so prompt lookup drafts both tokens the model goes on to produce and tokens it does not."""
 import pytest
 import torch
+import transformers
 
 from kvserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvserve.kv.block_hash import hash_full_blocks
 from kvserve.kv.draft_states import DraftStates
+from tests.model.test_qwen3_next import TOLERANCE as LOGIT_TOLERANCE
 from tests.model.test_qwen3_next import assert_nothing_held, make_hybrid_model
 
 VOCAB = 32
@@ -85,6 +87,40 @@ def test_preemption_mid_speculation(looping_model):
     assert spec.engine.cache_plan.num_blocks == 16
     assert token_ids(got) == token_ids(expected)
     assert spec.stats()["num_preemptions"] > 0
+    assert_drafts_accepted_and_rejected(spec)
+    assert_nothing_held(spec.engine)
+
+
+def transformers_logprobs(path, prompt: list[int], num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """transformers' greedy continuation of `prompt` (float32) and the log-probabilities each of its tokens was
+    picked from, [num_tokens, vocab]."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+        logits = hf(torch.tensor([tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits, dim=-1), tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("speculation", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_speculated_and_forked_tokens_have_transformers_logprobs(looping_model, speculation):
+    """Every token of both samples (n = 2) of a speculating engine, accepted draft or not, against transformers
+    run token by token: the same greedy tokens, and each step's top logprobs (the sampled token's and the four
+    others most likely) within the logits' tolerance."""
+    spec = LLM(str(looping_model), **OPTIONS, speculative_config=speculation)
+    params = SamplingParams(n=2, max_tokens=30, temperature=0, ignore_eos=True, logprobs=4)
+    requests = prompts(2)
+    for request, output in zip(requests, spec.generate(requests, params)):
+        expected, tokens = transformers_logprobs(looping_model, request["prompt_token_ids"], params.max_tokens)
+        assert len(output.outputs) == 2
+        for sample in output.outputs:
+            assert sample.token_ids == tokens
+            assert len(sample.logprobs) == len(tokens)
+            for step, top in enumerate(sample.logprobs):
+                assert len(top) >= 4
+                for token, logprob in top.items():
+                    assert abs(logprob - float(expected[step, token])) <= LOGIT_TOLERANCE, (step, token)
     assert_drafts_accepted_and_rejected(spec)
     assert_nothing_held(spec.engine)
 

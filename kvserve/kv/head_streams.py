@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.formats.int8 import INT8_MAX
+from kvserve.kv.formats.per_token import SCALE_DTYPE, absmax_scale
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.readers import AttentionReader
 from kvserve.kv.scorers import QueryStats
@@ -52,21 +54,18 @@ class QueryRecord:
 
 
 class HeadStreamKVCache(PagedKVCache):
-    """K/V of `num_blocks` head blocks, each `block_size` tokens of one (layer, KV head), in float storage."""
+    """K/V of `num_blocks` head blocks, each `block_size` tokens of one (layer, KV head), in float storage
+    (Int8HeadStreamKVCache: int8 with a scale per token)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  storage_dtype: torch.dtype | None = None, num_query_heads: int | None = None):
         super().__init__(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.storage_dtype = storage_dtype or dtype
-        self.format_name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                            torch.float16: "float16"}[self.storage_dtype]
         self.exact = self.storage_dtype == dtype
         self.null_block = num_blocks  # one block past the pool's, never written: padded table entries read it
         slots = (num_blocks + 1) * block_size
-        # zeros: masked slots are still multiplied by 0 in attention, which an uninitialised NaN would spread
-        self.k = torch.zeros(slots, head_dim, dtype=self.storage_dtype, device=device)
-        self.v = torch.zeros(slots, head_dim, dtype=self.storage_dtype, device=device)
+        self._allocate(slots)
         self.positions = torch.zeros(slots, dtype=torch.int32, device=device)
         self.num_layers_total = len(layout.group_of)
         self.num_query_heads = num_query_heads or num_kv_heads
@@ -76,6 +75,29 @@ class HeadStreamKVCache(PagedKVCache):
         self._record: QueryRecord | None = None
         self._step_totals = self._step_squares = None
 
+    @property
+    def format_name(self) -> str:
+        return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.storage_dtype]
+
+    def _allocate(self, slots: int) -> None:
+        # zeros: masked slots are still multiplied by 0 in attention, which an uninitialised NaN would spread
+        self.k = torch.zeros(slots, self.head_dim, dtype=self.storage_dtype, device=self.device)
+        self.v = torch.zeros(slots, self.head_dim, dtype=self.storage_dtype, device=self.device)
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        """Everything held per slot but its position, each [slots, ...]."""
+        return [self.k, self.v]
+
+    def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K and V ([n, D], compute dtype) into flat slots [n]."""
+        self.k.index_copy_(0, slots, k.to(self.storage_dtype))
+        self.v.index_copy_(0, slots, v.to(self.storage_dtype))
+
+    def _load(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of head block tables [..., B]: [..., B, block_size, D] each, as stored."""
+        return (self.k.view(-1, self.block_size, self.head_dim)[tables],
+                self.v.view(-1, self.block_size, self.head_dim)[tables])
+
     def describe(self) -> str:
         """The format and the unit of its pool; each slot's position (int32) is held beside the blocks."""
         return (f"{self.format_name}, blocks of {self.block_size} tokens of one layer's one KV head "
@@ -83,7 +105,7 @@ class HeadStreamKVCache(PagedKVCache):
 
     def _block_tensors(self) -> list[torch.Tensor]:
         pool_slots = self.num_blocks * self.block_size  # the null block is no block of the pool
-        return [self.k[:pool_slots].view(1, pool_slots, -1), self.v[:pool_slots].view(1, pool_slots, -1)]
+        return [t[:pool_slots].reshape(1, pool_slots, -1) for t in self._slot_tensors()]
 
     # ---- a step ------------------------------------------------------------------------------------------------
     def begin_head_step(self, slots: torch.Tensor, positions: torch.Tensor, fresh_blocks: list[int],
@@ -92,9 +114,8 @@ class HeadStreamKVCache(PagedKVCache):
         (their old contents are never read, not even masked)."""
         if fresh_blocks:
             rows = self._block_rows(torch.tensor(fresh_blocks, device=self.device))
-            self.k[rows] = 0
-            self.v[rows] = 0
-            self.positions[rows] = 0
+            for tensor in (*self._slot_tensors(), self.positions):
+                tensor[rows] = 0
         self._slots = slots
         if slots.numel():
             self.positions[slots.reshape(-1)] = positions[None, :, None].expand_as(slots).reshape(-1).int()
@@ -125,9 +146,7 @@ class HeadStreamKVCache(PagedKVCache):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step's new K/V of `layer` ([T, heads, D]) into each head's stream."""
-        slots = self._slots[layer].reshape(-1)
-        self.k.index_copy_(0, slots, k.reshape(-1, self.head_dim).to(self.storage_dtype))
-        self.v.index_copy_(0, slots, v.reshape(-1, self.head_dim).to(self.storage_dtype))
+        self._store(self._slots[layer].reshape(-1), k.reshape(-1, self.head_dim), v.reshape(-1, self.head_dim))
 
     def record_queries(self, layer: int, q: torch.Tensor) -> None:
         """Add layer `layer`'s queries ([T, Hq, D], after RoPE) to the step's sums, RoPE taken off."""
@@ -142,18 +161,48 @@ class HeadStreamKVCache(PagedKVCache):
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)).reshape(-1)
 
     def gather_streams(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V [..., B * block_size, D] and positions [..., B * block_size] of head block tables [..., B]."""
-        blocks_k = self.k.view(-1, self.block_size, self.head_dim)[tables]
-        blocks_v = self.v.view(-1, self.block_size, self.head_dim)[tables]
+        """K, V [..., B * block_size, D] (as stored, or dequantized to the compute dtype) and positions
+        [..., B * block_size] of head block tables [..., B]."""
+        blocks_k, blocks_v = self._load(tables)
         positions = self.positions.view(-1, self.block_size)[tables]
         flat = (*tables.shape[:-1], tables.shape[-1] * self.block_size)
         return blocks_k.reshape(*flat, self.head_dim), blocks_v.reshape(*flat, self.head_dim), positions.reshape(flat)
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots `src` to `dst` ([n] flat rows each; all sources read before any destination is written)."""
-        self.k[dst] = self.k[src]
-        self.v[dst] = self.v[src]
-        self.positions[dst] = self.positions[src]
+        for tensor in (*self._slot_tensors(), self.positions):
+            tensor[dst] = tensor[src]
+
+
+class Int8HeadStreamKVCache(HeadStreamKVCache):
+    """Head streams in int8 with one bfloat16 scale per token (each slot is one token of one head: the int8
+    format's per-token-head absmax scales, kv/formats/int8.py), dequantized as they are gathered."""
+
+    format_name = "int8"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "storage_dtype": torch.int8})
+
+    def _allocate(self, slots: int) -> None:
+        super()._allocate(slots)
+        self.k_scale = torch.zeros(slots, dtype=SCALE_DTYPE, device=self.device)
+        self.v_scale = torch.zeros(slots, dtype=SCALE_DTYPE, device=self.device)
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.k_scale, self.v_scale]
+
+    def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            scale = absmax_scale(x, INT8_MAX)
+            codes.index_copy_(0, slots, (x.float() / scale.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+                              .to(torch.int8))
+            scales.index_copy_(0, slots, scale)
+
+    def _load(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (-1, self.block_size, self.head_dim)
+        return tuple(codes.view(shape)[tables].to(self.dtype).mul_(scales.view(-1, self.block_size)[tables]
+                                                                   .to(self.dtype)[..., None])
+                     for codes, scales in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 
 class HeadStreamReader(AttentionReader):

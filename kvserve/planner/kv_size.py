@@ -198,9 +198,9 @@ fixed_state_bytes = state_slot_bytes  # what `kvserve plan` reports per request 
 
 
 # eviction policies whose pool is blocks of one layer's one KV head (the engine's kv/head_streams.py), and the KV
-# dtypes those blocks store (floats: no quantized format has a head-stream read)
+# dtypes those blocks store (floats, and int8 with a scale per token and head as the int8 format keeps)
 HEAD_STREAM_POLICIES = ("adakv", "adakv-knorm", "adakv-keydiff", "perhead", "perhead-mix", "perhead-span")
-HEAD_STREAM_DTYPES = ("fp32", "bf16", "fp16")
+HEAD_STREAM_DTYPES = ("fp32", "bf16", "fp16", "int8")
 
 
 def check_eviction_dtype(policy: str, kv_dtype_name: str) -> None:
@@ -208,7 +208,8 @@ def check_eviction_dtype(policy: str, kv_dtype_name: str) -> None:
     store."""
     if policy in HEAD_STREAM_POLICIES and kv_dtype_name not in HEAD_STREAM_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_dtype_name} is not supported with kv_eviction={policy!r} (per-head "
-                         "streams store float K/V): use kv_cache_dtype auto, float32, bfloat16 or float16")
+                         "streams store float or int8 K/V): use kv_cache_dtype auto, float32, bfloat16, float16 or "
+                         "int8")
 
 
 def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,

@@ -54,6 +54,42 @@ def test_bfloat16_storage_with_room_for_everything_equals_the_bfloat16_full_cach
     torch.testing.assert_close(scored(heads, tokens), scored(full, tokens), atol=1e-4, rtol=1e-4)
 
 
+def test_int8_storage_with_room_for_everything_equals_the_int8_full_cache(model_dir):
+    """Each slot one token of one head with its own scale: the int8 format's per-token-head quantization, so with
+    nothing evicted the logits are the int8 full cache's; its pool holds what the planner counts (1 byte an element,
+    2 a scale)."""
+    tokens = prompt(60, seed=4)
+    full = make(model_dir, kv_cache_dtype="int8")
+    heads = make(model_dir, kv_cache_dtype="int8", **{**ADAKV, "kv_budget_tokens": 200})
+    cache = heads.engine.cache
+    assert cache.describe().startswith("int8, blocks of 16 tokens of one layer's one KV head")
+    assert cache.k.dtype == torch.int8 and cache.nbytes == heads.engine.cache_plan.kv_cache_bytes
+    torch.testing.assert_close(scored(heads, tokens), scored(full, tokens), atol=1e-4, rtol=1e-4)
+    float_heads = scored(make(model_dir, **{**ADAKV, "kv_budget_tokens": 200}), tokens)
+    assert float((scored(heads, tokens) - float_heads).abs().max()) > 0  # stored as int8, not as floats
+
+
+def test_int8_streams_compress_and_never_read_a_freed_block(model_dir, monkeypatch):
+    tokens = prompt(200, seed=1)
+    options = {**ADAKV, "kv_eviction": "perhead-mix", "kv_cache_dtype": "int8"}
+    clean = scored(make(model_dir, **options), tokens)
+    llm = make(model_dir, kv_cache_memory=8 * make(model_dir, **options).engine.cache_plan.block_bytes, **options)
+    storage = llm.engine.cache
+    release = HeadStreamManager._release
+
+    def poisoned_release(self, block_ids):  # a NaN scale dequantizes every element of its slot to NaN
+        rows = storage._block_rows(block_ids)
+        storage.k_scale[rows], storage.v_scale[rows] = float("nan"), float("nan")
+        release(self, block_ids)
+
+    monkeypatch.setattr(HeadStreamManager, "_release", poisoned_release)
+    poisoned = scored(llm, tokens)
+    stats = llm.stats()
+    assert stats["num_evicted_blocks"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    assert bool(poisoned.isfinite().all())
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("name", HEAD_STREAM_POLICIES)
 def test_every_per_head_policy_compresses_with_its_scorer_and_gives_every_block_back(model_dir, name):
     llm = make(model_dir, **{**ADAKV, "kv_eviction": name})
@@ -120,7 +156,8 @@ def test_nothing_leaks_under_preemption_aborts_and_n_above_one(model_dir):
     assert engine.cache.query_stats == {}  # every sequence's query statistics went with it
 
 
-@pytest.mark.parametrize("option, value", [("kv_cache_dtype", "int8"), ("compile_decode", True)])
+@pytest.mark.parametrize("option, value", [("kv_cache_dtype", "int4"), ("kv_cache_dtype", "nuq4"),
+                                           ("kv_cache_dtype", "fp8"), ("compile_decode", True)])
 def test_what_head_streams_do_not_run_with_is_refused_by_name(model_dir, option, value):
     with pytest.raises(ValueError, match=option):
         make(model_dir, **ADAKV, **{option: value})

@@ -52,20 +52,21 @@ def delta_rule_step_(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                      beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token of the gated delta rule (model/gated_delta.py) over N recurrent states in the state cache's
     layout, in place: states [N, Dv, Dk] float32 and contiguous, q and k [N, Dk], v [N, Dv], decay (exp(g)) and
-    beta [N]. Returns (S q, S k) of the states before the token, [N, Dv] each; the states become
-    decay S + u k^T with u = beta (v - decay S k). Two passes: a batched matmul reads the states (as [q k]^T S^T,
-    which the BLAS runs faster than S [q k]), then the decay and the rank-one update."""
+    beta [N]. Returns S q of the states before the token and u = beta (v - decay S k), [N, Dv] each; the states
+    become decay S + u k^T. Two passes: a batched matmul reads the states (as [q k]^T S^T, which the BLAS runs
+    faster than S [q k]), then the decay and the rank-one update."""
     read_q, read_k = torch.bmm(torch.stack([q, k], dim=1), states.transpose(1, 2)).unbind(1)
-    u = beta[:, None] * (v - decay[:, None] * read_k)
+    u = (v - decay[:, None] * read_k).mul_(beta[:, None])
     states.mul_(decay[:, None, None]).baddbmm_(u[:, :, None], k[:, None, :])
-    return read_q, read_k
+    return read_q, u
 
 
 def delta_rule_step_in_one_pass(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 decay: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule_step_ as broadcast products and sums, which torch.compile makes one loop that reads each state row
     once and writes it once: a row's reads are sums over its keys, and its update needs only them (the layout's
-    point). u is not returned: a buffer between the sums and the update would split the loop in two."""
+    point). Returns S q and S k: u as an output would be a buffer between the sums and the update, splitting the
+    loop in two (StateCache.delta_rule_step makes u from S k)."""
     read_k = (states * k[:, None, :]).sum(-1)
     read_q = (states * q[:, None, :]).sum(-1)
     u = beta[:, None] * (v - decay[:, None] * read_k)
@@ -97,7 +98,8 @@ class StateCache:
         if self.compiled_update is not None:
             reads = self.compiled_update(args)
             if reads is not None:
-                return reads
+                read_q, read_k = reads
+                return read_q, (v - decay[:, None] * read_k).mul_(beta[:, None])
         return delta_rule_step_(*args)
 
     def warm_up(self) -> None:

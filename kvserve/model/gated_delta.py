@@ -68,8 +68,8 @@ def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 ) -> torch.Tensor:
     """recurrent_gated_delta_rule updating `state` (float32, contiguous: e.g. a view of the state cache's slots) in
     place; returns o. A decode token's cost is reading and writing the states (many MiB per sequence): `step`
-    (kv/state_cache.py) reads S k and S q and updates them, and o = S_t q = exp(g) S q + (k.q) u follows from the
-    reads."""
+    (kv/state_cache.py) reads S q and S k, updates them and returns S q and u, and o = S_t q = exp(g) S q + (k.q) u
+    follows."""
     batch, heads, dv, dk = state.shape
     flat = state.view(batch * heads, dv, dk)
     outs = []
@@ -77,8 +77,7 @@ def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         decay, rate = g[:, t].float().exp().reshape(-1), beta[:, t].float().reshape(-1)
         q_t, k_t = (x[:, t].float().reshape(-1, dk).contiguous() for x in (q, k))
         v_t = v[:, t].float().reshape(-1, dv).contiguous()
-        read_q, read_k = step(flat, q_t, k_t, v_t, decay, rate)
-        u = (v_t - decay[:, None] * read_k).mul_(rate[:, None])
+        read_q, u = step(flat, q_t, k_t, v_t, decay, rate)
         k_dot_q = (k_t * q_t).sum(-1, keepdim=True)
         outs.append((decay[:, None] * read_q).addcmul_(k_dot_q, u).view(batch, heads, dv))
     return torch.stack(outs, dim=1)

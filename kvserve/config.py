@@ -359,10 +359,10 @@ class EngineConfig:
         if self.batch_invariant and self.kv_eviction != "none":
             raise ValueError(f"batch_invariant=True does not cover kv_eviction={self.kv_eviction!r}: its scored "
                              "attention and dropped blocks depend on the step; use kv_eviction='none'")
-        if self.speculative_config is not None and self.kv_eviction != "none":
-            raise ValueError(f"speculative_config does not combine with kv_eviction={self.kv_eviction!r}: rejected "
-                             "tokens would have been scored and their blocks' evictions decided; use "
-                             "kv_eviction='none'")
+        if self.speculative_config is not None and self.kv_eviction == "h2o":
+            raise ValueError("speculative_config does not combine with kv_eviction='h2o': its scores add up the "
+                             "attention every computed token paid, rejected draft tokens' too; use StreamingLLM "
+                             "('streaming'), a per-head policy or kv_eviction='none'")
         self.eviction.check_budget(self.block_size)
         if self.kv_disk_cache is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_cache keeps prefix-cache blocks: it needs enable_prefix_caching=True")

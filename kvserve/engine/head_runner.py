@@ -31,18 +31,23 @@ class HeadStreamRunner(ModelRunner):
         return step
 
     def build_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, list[_Chunk]]:
-        tokens, positions, chunks, slots, sequence_of = [], [], [], [], []
+        tokens, positions, chunks, slots, sequence_of, drafted = [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
             start = seq.num_computed_tokens
             slots.append(self.heads.reserve(seq.request_id, n))  # [L, H, n]
             chunks.append(_Chunk(len(tokens), n, start + n, [], []))
-            tokens.extend(seq.token_ids[start : start + n])
+            draft = out.drafts.get(seq.request_id, [])  # verified after the sequence's last token
+            tokens.extend((seq.token_ids + draft if draft else seq.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
             sequence_of += [i] * n
+            drafted += [False] * (n - len(draft)) + [True] * len(draft)
         step_positions = self._tensor(positions)
         cos, sin = self.model.rotary.lookup(step_positions)
-        record = QueryRecord([s.request_id for s in out.seqs], self._tensor(sequence_of),
-                             (step_positions >= self.kv.eviction.sink_tokens).float(), cos.float(), sin.float())
+        # the statistics count every token but the sinks and draft tokens (which may be rejected, and an accepted
+        # one is not computed again: its query is not counted)
+        counted = (step_positions >= self.kv.eviction.sink_tokens) & ~self._tensor(drafted).bool()
+        record = QueryRecord([s.request_id for s in out.seqs], self._tensor(sequence_of), counted.float(),
+                             cos.float(), sin.float())
         self.cache.begin_head_step(torch.cat(slots, dim=2).permute(0, 2, 1).to(self.device), step_positions,
                                    self.heads.take_fresh_blocks(), record)
         decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1]

@@ -186,9 +186,11 @@ class LLMEngine:
         for seq, prompt_logits in step.prompt_logits:
             self._guarded(self.requests[_request_id(seq)], touched, seq.record_prompt_logprobs,
                           torch.log_softmax(prompt_logits, dim=-1))
-        if self.eviction.evicts or self.layout.windows != (None,):
+        drops = self.eviction.evicts or self.layout.windows != (None,)
+        if drops:  # a drafted sequence's after its draft is verified, below: rejected tokens are never scored
             for seq in self.scheduler.running:
-                self.kv.drop_unneeded(seq, self.scores)
+                if seq.request_id not in out.drafts:
+                    self.kv.drop_unneeded(seq, self.scores)
         logits, seqs = self._fork_for_n(logits, seqs, touched)
         samples = _sample_rows(logits, seqs, self.generator)
         now = time.time()
@@ -202,6 +204,8 @@ class LLMEngine:
             touched[request.request_id] = request
             if request.error is None:
                 self._verify(request, seq, rows, out.drafts[seq.request_id], now)
+            if drops and any(s is seq for s in self.scheduler.running):
+                self.kv.drop_unneeded(seq, self.scores)
         return [self._output(request, now) for request in touched.values()]
 
     def _verify(self, request: Request, seq: Sequence, logits: torch.Tensor, draft: list[int], now: float) -> None:

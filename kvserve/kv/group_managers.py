@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_pool import Block, BlockPool
-from kvserve.kv.block_table import BlockCopy, BlockTable, CachedSequence
+from kvserve.kv.block_table import BlockCopy, BlockTable, CachedSequence, blocks_needed
 from kvserve.kv.eviction import AttentionScores, EvictionPolicy, StreamingPolicy
 from kvserve.kv.head_manager import HeadStreamManager
 
@@ -97,12 +97,13 @@ class GroupManager(ABC):
         table.extend(self.pool.allocate(growth.num_new), growth.first_new)
         return copies
 
-    def trim(self, request_id: str, keep_blocks: int) -> None:
-        """Give back the blocks from block number `keep_blocks` on."""
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (speculative decoding: blocks only rejected draft
+        tokens were written to)."""
         table = self.tables.get(request_id)
         if table is None:
             return
-        cut = bisect.bisect_left(table.logical, keep_blocks)
+        cut = bisect.bisect_left(table.logical, blocks_needed(num_tokens, self.block_size))
         if cut < len(table.blocks):
             self.pool.free(reversed(table.drop(list(range(cut, len(table.blocks))))))
 

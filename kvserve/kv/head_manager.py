@@ -120,8 +120,24 @@ class HeadStreamManager:
             self._place(streams, growth.per_stream, ids)
         return []
 
-    def trim(self, request_id: str, keep_blocks: int) -> None:
-        raise NotImplementedError("kv_eviction='adakv' does not take speculative drafts (refused at start)")
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Drop the tokens at positions from `num_tokens` on (speculative decoding: rejected draft tokens) from every
+        stream, and free the head blocks past what is left. They are the streams' last entries: a verification step
+        appends the same tokens to every stream, and its sequence is compressed only after it (the engine's order)."""
+        streams = self.streams.get(request_id)
+        if streams is None or not int(streams.lengths.min()):
+            return
+        last = int(streams.lengths[0, 0]) - 1  # every stream ends at the same position
+        slot = int(streams.tables[0, 0, last // self.block_size]) * self.block_size + last % self.block_size
+        rejected = int(self.storage.positions[slot]) + 1 - num_tokens
+        if rejected <= 0:
+            return
+        streams.lengths = streams.lengths - rejected
+        new_blocks = -(-streams.lengths // self.block_size)
+        self._release(streams.held_blocks(new_blocks))
+        past = torch.arange(streams.tables.shape[2])[None, None, :] >= new_blocks[..., None]
+        streams.tables = streams.tables.masked_fill(past, self.null_block)
+        streams.num_blocks = new_blocks
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child gets new head blocks holding a copy of each of the parent's streams."""

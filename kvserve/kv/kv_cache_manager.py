@@ -178,9 +178,8 @@ class KVCacheManager:
     def trim(self, seq: CachedSequence) -> None:
         """Give back the blocks past the sequence's computed tokens (speculative decoding: the blocks that only
         rejected draft tokens were written to). Slots of rejected tokens in a kept block are simply written again."""
-        keep = blocks_needed(seq.num_computed_tokens, self.block_size)
         for group in self.groups:
-            group.trim(seq.request_id, keep)
+            group.trim(seq.request_id, seq.num_computed_tokens)
         self._resume.trimmed(seq)
 
     def cache_full_blocks(self, seq: CachedSequence) -> None:

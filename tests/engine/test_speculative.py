@@ -383,9 +383,61 @@ def test_bad_configurations_are_refused_by_name(config, message):
     assert message in str(error.value)
 
 
-def test_eviction_policies_are_refused():
-    with pytest.raises(ValueError, match="does not combine with kv_eviction='streaming'"):
-        EngineConfig(speculative_config=NGRAM, kv_eviction="streaming")
+def test_h2o_is_refused():
+    with pytest.raises(ValueError, match="does not combine with kv_eviction='h2o': its scores add up the attention"):
+        EngineConfig(speculative_config=NGRAM, kv_eviction="h2o")
+
+
+STREAMING = dict(kv_eviction="streaming", kv_sink_tokens=4, kv_recent_tokens=32)
+
+
+def test_streaming_llm_gives_the_same_greedy_output_with_speculation(llama):
+    """StreamingLLM keeps what positions say (the sinks and a window), so verifying a draft keeps what decoding
+    token by token keeps: the same tokens, as the window slides past blocks."""
+    prompts = [prompt(37, seed) for seed in range(3)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    expected, got, spec = run_both(llama, prompts, params, **STREAMING)
+    assert tokens(got) == tokens(expected)
+    stats = spec.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["num_window_blocks_freed"] > 0 or stats["num_evicted_blocks"] > 0
+    assert_nothing_held(spec)
+
+
+PER_HEAD = dict(kv_eviction="perhead-mix", kv_sink_tokens=4, kv_recent_tokens=8, kv_budget_tokens=48)
+
+
+def stream_lengths(llm: LLM) -> dict[str, tuple[int, int]]:
+    """Each running sequence's (tokens computed, the longest stream's length)."""
+    manager = llm.engine.kv.groups[0]
+    return {s.request_id: (s.num_computed_tokens, int(manager.streams[s.request_id].lengths.max()))
+            for s in llm.engine.scheduler.running}
+
+
+def test_per_head_streams_drop_rejected_drafts(llama):
+    """A verified draft's rejected tokens leave every (layer, head) stream, their head blocks go back; with room for
+    every token the output is the output without speculation, and compressed it runs to the end, holding nothing."""
+    prompts = [prompt(37, seed) for seed in range(3)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    roomy = {**PER_HEAD, "kv_budget_tokens": 200}
+    expected, got, spec = run_both(llama, prompts, params, **roomy)
+    assert tokens(got) == tokens(expected)
+    stats = spec.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["num_evicted_blocks"] == 0
+    assert_nothing_held(spec)
+    # compressed: every stream holds at most the sequence's computed tokens after each step (no rejected token)
+    expected, _, spec = run_both(llama, prompts[:1], params, **PER_HEAD)
+    engine, seen = spec.engine, []
+    engine.add_request("c", prompts[0], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen += [(n, longest) for n, longest in stream_lengths(spec).values()]
+    assert all(longest <= n for n, longest in seen)
+    stats = spec.stats()
+    assert stats["num_evicted_blocks"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"] and engine.cache.query_stats == {}
 
 
 def test_the_cli_flag_takes_json(llama):

@@ -104,7 +104,7 @@ def test_copy_on_write_trim_fork_and_free_are_every_groups():
     [copy] = full.grow("c", growth)
     assert copy.src == shared and full.table("c").blocks[1].block_id == copy.dst != shared
     full.grow("c", full.plan_growth("c", 0, 21, 4))
-    full.trim("c", 2)
+    full.trim("c", BS + 5)  # the first BS + 5 tokens stay: their two blocks
     assert full.table("c").logical == [0, 1]
     full.free("p")
     full.free("c")

@@ -121,7 +121,8 @@ class H2OPolicy(EvictionPolicy):
 
 @dataclass(frozen=True)
 class HeadBudgetPolicy(EvictionPolicy):
-    """Per-(layer, KV head) compression (`adakv`: expected attention, AdaKV's budgets; `adakv-knorm`: key norms;
+    """Per-(layer, KV head) compression (`adakv`: expected attention, AdaKV's budgets; `adakv-layers`: the same
+    budgets pooled over every layer's heads at once, so a layer may keep more than another; `adakv-knorm`: key norms;
     `perhead`: expected attention, every head the same count; `perhead-mix`: the same counts, half of each kept by
     expected attention and half by KeyDiff, kv/scorers.py's UnionScorer; `perhead-span`: the same, KeyDiff's scores
     pooled over SPAN_TOKENS neighbours first, kv/scorers.py's SpanScorer): each head keeps its own tokens in its own
@@ -131,6 +132,7 @@ class HeadBudgetPolicy(EvictionPolicy):
     name: str = "adakv"
     scorer: str = "expected"
     adaptive: bool = True  # AdaKV's pooled budgets; False: every head of a layer keeps the same count
+    across_layers: bool = False  # the budgets pooled over every (layer, head) of a sequence, not layer by layer
 
     @property
     def per_head(self) -> bool:
@@ -138,17 +140,20 @@ class HeadBudgetPolicy(EvictionPolicy):
 
 
 SPAN_TOKENS = 9  # `perhead-span`'s window: KeyDiff's scores max-pooled over 9 tokens (docs/quality.md)
-HEAD_POLICIES = {"adakv": ("expected", True), "adakv-knorm": ("knorm", True), "adakv-keydiff": ("keydiff", True),
-                 "perhead": ("expected", False), "perhead-mix": ("expected+keydiff", False),
-                 "perhead-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False)}
+# name: (scorer, AdaKV's pooled budgets, pooled across layers too)
+HEAD_POLICIES = {"adakv": ("expected", True, False), "adakv-layers": ("expected", True, True),
+                 "adakv-knorm": ("knorm", True, False), "adakv-keydiff": ("keydiff", True, False),
+                 "perhead": ("expected", False, False), "perhead-mix": ("expected+keydiff", False, False),
+                 "perhead-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False, False)}
 
 
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:
     """The policy for EngineConfig's kv_eviction options (already validated there)."""
     if name in HEAD_POLICIES:
-        scorer, adaptive = HEAD_POLICIES[name]
+        scorer, adaptive, across_layers = HEAD_POLICIES[name]
         return HeadBudgetPolicy(name=name, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                budget_tokens=budget_tokens, scorer=scorer, adaptive=adaptive)
+                                budget_tokens=budget_tokens, scorer=scorer, adaptive=adaptive,
+                                across_layers=across_layers)
     if name == "streaming":
         return StreamingPolicy(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
     if name == "h2o":

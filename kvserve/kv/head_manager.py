@@ -173,8 +173,12 @@ class HeadStreamManager:
     # ---- compression -------------------------------------------------------------------------------------------
     def drop_unneeded(self, seq: CachedSequence, scores=None) -> None:
         streams = self.streams.get(seq.request_id)
-        budget = self.policy.budget_tokens
-        if streams is None or streams.lengths.float().mean(dim=1).max() <= budget + self.block_size:
+        if streams is None:
+            return
+        # a layer's heads hold the budget on average, or (pooled across layers) every head of the sequence does
+        lengths = streams.lengths.float()
+        held = lengths.mean() if self.policy.across_layers else lengths.mean(dim=1).max()
+        if held <= self.policy.budget_tokens + self.block_size:
             return
         keep = self._choose(streams, seq.request_id, seq.num_computed_tokens)  # [L, H, K] bool
         self._compact(streams, keep)
@@ -198,12 +202,18 @@ class HeadStreamManager:
 
     def _budgets(self, scores: torch.Tensor, valid: torch.Tensor, num_protected: torch.Tensor) -> torch.Tensor:
         """Tokens each stream keeps [L, H]: AdaKV's split of each layer's budget_tokens × heads (floors of
-        FLOOR_SHARE of the budget), or the budget for every head (`perhead`); never fewer than its protected ones."""
+        FLOOR_SHARE of the budget), or of the sequence's budget_tokens × layers × heads (`across_layers`), or the
+        budget for every head (`perhead`); never fewer than its protected ones."""
         budget, stored = self.policy.budget_tokens, valid.sum(-1)
         if not self.policy.adaptive:
             return torch.minimum(torch.maximum(num_protected, torch.full_like(stored, budget)), stored)
         floors = torch.minimum(torch.maximum(num_protected, torch.full_like(stored, int(FLOOR_SHARE * budget))),
                                stored)
+        if self.policy.across_layers:  # one pool: every (layer, head) of the sequence competes for the total
+            L, H, K = scores.shape
+            total = torch.minimum(torch.tensor([budget * L * H]), stored.sum().view(1))
+            return head_budgets(scores.reshape(1, L * H, K), valid.reshape(1, L * H, K), floors.reshape(1, -1),
+                                torch.maximum(total, floors.sum().view(1))).view(L, H)
         totals = torch.minimum(torch.full_like(stored[:, 0], budget * self.num_heads), stored.sum(-1))
         return head_budgets(scores, valid, floors, torch.maximum(totals, floors.sum(-1)))
 

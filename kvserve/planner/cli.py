@@ -88,9 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     evict = parser.add_argument_group("KV eviction (bounds what one request holds at any length)")
     evict.add_argument("--kv-eviction", default="none", choices=("none", "streaming", "h2o", *HEAD_STREAM_POLICIES),
                        help="streaming: StreamingLLM sinks + recent window; h2o: heavy hitters within a budget; "
-                       "adakv (adakv-keydiff, adakv-knorm, perhead, perhead-mix, perhead-span): each (layer, KV "
-                       "head) keeps its own tokens, budget tokens per head on average, in blocks of one layer's one KV "
-                       "head")
+                       "adakv (adakv-layers, adakv-keydiff, adakv-knorm, perhead, perhead-mix, perhead-span): each "
+                       "(layer, KV head) keeps its own tokens, budget tokens per head on average, in blocks of one "
+                       "layer's one KV head")
     evict.add_argument("--kv-sink-tokens", type=int, default=4, metavar="N", help="sinks kept (%(default)s)")
     evict.add_argument("--kv-recent-tokens", type=int, default=1024, metavar="N",
                        help="recent window kept (%(default)s)")

@@ -199,7 +199,8 @@ fixed_state_bytes = state_slot_bytes  # what `kvserve plan` reports per request 
 
 # eviction policies whose pool is blocks of one layer's one KV head (the engine's kv/head_streams.py), and the KV
 # dtypes those blocks store (floats, and int8 with a scale per token and head as the int8 format keeps)
-HEAD_STREAM_POLICIES = ("adakv", "adakv-knorm", "adakv-keydiff", "perhead", "perhead-mix", "perhead-span")
+HEAD_STREAM_POLICIES = ("adakv", "adakv-layers", "adakv-knorm", "adakv-keydiff", "perhead", "perhead-mix",
+                        "perhead-span")
 HEAD_STREAM_DTYPES = ("fp32", "bf16", "fp16", "int8")
 
 

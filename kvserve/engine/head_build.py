@@ -16,8 +16,8 @@ HEAD_STREAM_FORMATS = (*FLOAT_FORMATS, "int8")
 
 
 def check_head_settings(config: EngineConfig) -> None:
-    """What per-head streams do not run with yet, by name (speculation and batch invariance are refused for every
-    eviction policy by EngineConfig)."""
+    """What per-head streams do not run with yet, by name (batch invariance is refused for every eviction policy by
+    EngineConfig)."""
     refused = {
         # only the float formats and int8 own a head-stream store and read
         "kv_cache_dtype": config.kv_cache_format not in HEAD_STREAM_FORMATS,

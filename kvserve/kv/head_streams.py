@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.kv.formats.int8 import INT8_MAX
-from kvserve.kv.formats.per_token import SCALE_DTYPE, absmax_scale
+from kvserve.kv.formats.int8 import dequantize_int8, quantize_int8
+from kvserve.kv.formats.per_token import SCALE_DTYPE
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.readers import AttentionReader
 from kvserve.kv.scorers import QueryStats
@@ -193,15 +193,13 @@ class Int8HeadStreamKVCache(HeadStreamKVCache):
 
     def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            scale = absmax_scale(x, INT8_MAX)
-            codes.index_copy_(0, slots, (x.float() / scale.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
-                              .to(torch.int8))
+            q, scale = quantize_int8(x)
+            codes.index_copy_(0, slots, q)
             scales.index_copy_(0, slots, scale)
 
     def _load(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (-1, self.block_size, self.head_dim)
-        return tuple(codes.view(shape)[tables].to(self.dtype).mul_(scales.view(-1, self.block_size)[tables]
-                                                                   .to(self.dtype)[..., None])
+        return tuple(dequantize_int8(codes.view(shape)[tables], scales.view(-1, self.block_size)[tables], self.dtype)
                      for codes, scales in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 

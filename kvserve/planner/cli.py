@@ -190,7 +190,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     max_model_len = resolve_max_model_len(spec, args.max_model_len)
     if min(args.kv_sink_tokens, args.kv_recent_tokens, args.kv_budget_tokens) < 0:
         raise ValueError("--kv-sink-tokens, --kv-recent-tokens and --kv-budget-tokens must not be negative")
-    check_eviction_dtype(args.kv_eviction, kv_dtype.name)
+    check_eviction_dtype(args.kv_eviction, kv_dtype)
     max_blocks = eviction_max_blocks(args.kv_eviction, args.kv_sink_tokens, args.kv_recent_tokens,
                                      args.kv_budget_tokens, args.block_size)
     state = _state(spec, args)

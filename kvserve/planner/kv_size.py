@@ -204,13 +204,19 @@ HEAD_STREAM_POLICIES = ("adakv", "adakv-layers", "adakv-knorm", "adakv-keydiff",
 HEAD_STREAM_DTYPES = ("fp32", "bf16", "fp16", "int8")
 
 
-def check_eviction_dtype(policy: str, kv_dtype_name: str) -> None:
-    """Refuse, as the engine does, a KV dtype (KV_DTYPES' name) that a per-head eviction policy's streams cannot
-    store."""
-    if policy in HEAD_STREAM_POLICIES and kv_dtype_name not in HEAD_STREAM_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_dtype_name} is not supported with kv_eviction={policy!r} (per-head "
+def check_eviction_dtype(policy: str, kv_dtype: KVDtype) -> None:
+    """Refuse, as the engine does, a KV dtype that a per-head eviction policy's streams cannot store; and int8 with
+    per-tensor scales, which they do not keep (a scale per token and head: planning without them would count fewer
+    bytes than the engine holds)."""
+    if policy not in HEAD_STREAM_POLICIES:
+        return
+    if kv_dtype.name not in HEAD_STREAM_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_dtype.name} is not supported with kv_eviction={policy!r} (per-head "
                          "streams store float or int8 K/V): use kv_cache_dtype auto, float32, bfloat16, float16 or "
                          "int8")
+    if kv_dtype.scale_scope == PER_TENSOR:
+        raise ValueError(f"--kv-scales {PER_TENSOR_SCALES} is not supported with kv_eviction={policy!r} (per-head "
+                         f"streams keep a scale per token and head): use --kv-scales {PER_TOKEN_HEAD_SCALES}")
 
 
 def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,

@@ -39,6 +39,16 @@ def test_the_plan_refuses_what_the_engine_refuses(capsys, kv_cache_dtype, refuse
     assert not refused or f"kv_cache_dtype {KV_DTYPES[kv_cache_dtype].name} " in err
 
 
+def test_int8_streams_are_planned_with_the_scales_the_engine_keeps(capsys):
+    # per-head streams keep a scale per token and head: int8 plans 1 byte an element and 2 a scale, and per-tensor
+    # scales (which would count fewer bytes than the engine holds) are refused
+    argv = ["plan", "smollm2-135m", "--kv-eviction", "perhead-mix", "--kv-cache-dtype", "int8", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 2)
+    assert main([*argv, "--kv-scales", "per-tensor"]) == 2
+    assert "--kv-scales per-tensor is not supported with kv_eviction='perhead-mix'" in capsys.readouterr().err
+
+
 def test_the_plan_shows_tokens_per_gib_under_the_setting_without_a_gpu(capsys):
     # the engine's start-up line says the context a GiB serves under the setting; the plan says it too, for any
     # memory, and the same number as with a GPU's budget

@@ -10,6 +10,18 @@ from kvserve.kv.formats.per_token import PerTokenQuantizedKVCache, absmax_scale
 INT8_MAX = 127
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectors [..., dim] -> int8 codes and their bfloat16 scales [...] (absmax / 127); per-head streams store the
+    same (kv/head_streams.py)."""
+    scale = absmax_scale(x, INT8_MAX)
+    q = (x.float() / scale.float()[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return data.to(dtype).mul_(scale.to(dtype)[..., None])  # in place: one float pass fewer
+
+
 class Int8KVCache(PerTokenQuantizedKVCache):
     format_name = "int8"
     storage_dtype = torch.int8
@@ -26,12 +38,10 @@ class Int8KVCache(PerTokenQuantizedKVCache):
             warm_up_decode(self, self.fused_decode, num_query_heads, extra_keys=0)
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = absmax_scale(x, INT8_MAX)
-        q = (x.float() / scale.float()[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX)
-        return q.to(torch.int8), scale
+        return quantize_int8(x)
 
     def dequantize(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return data.to(self.dtype).mul_(scale.to(self.dtype)[..., None])  # in place: one float pass fewer
+        return dequantize_int8(data, scale, self.dtype)
 
     def _decode_attention(self, row: int, queries: torch.Tensor, block_tables: torch.Tensor,
                           own_blocks: torch.Tensor | None, new_k: torch.Tensor, new_v: torch.Tensor,

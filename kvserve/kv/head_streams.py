@@ -1,10 +1,11 @@
 """Per-(layer, KV head) page streams: the storage and attention read of `--kv-eviction adakv`.
 
-The pool's unit is a block of `block_size` tokens of ONE layer's ONE KV head (a head block): K and V as plain floats
-([head blocks × block_size, head_dim] each) and each slot's token position (int32), which is what the mask compares
-(keys keep the RoPE of their original position, so nothing is rotated again when tokens move). A sequence holds one
-stream per (layer, head), each its own list of head blocks (head_manager.py), so heads keep different tokens and
-different counts and a head's dropped tokens free whole head blocks.
+The pool's unit is a block of `block_size` tokens of ONE layer's ONE KV head (a head block): K and V as floats
+([head blocks × block_size, head_dim] each; or int8 with a bfloat16 scale per slot, Int8HeadStreamKVCache) and each
+slot's token position (int32), which is what the mask compares (keys keep the RoPE of their original position, so
+nothing is rotated again when tokens move). A sequence holds one stream per (layer, head), each its own list of head
+blocks (head_manager.py), so heads keep different tokens and different counts and a head's dropped tokens free whole
+head blocks.
 
 A step is described once by the runner (engine/head_runner.py): the slots every new token goes to in every stream
 ([layers, tokens, heads]) and, per attention call, the calls' block tables as one tensor [layers, S, heads, B] with

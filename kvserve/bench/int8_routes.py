@@ -17,7 +17,8 @@ import torch
 
 from kvserve.compile.inductor import freezing, quiet_autotuning
 from kvserve.compile.steps import GEMM_OPTIONS
-from kvserve.model.int8_kernels import KERNELS, FloatKernel, Int8Kernel, OneDNNKernel, best_time
+from kvserve.model.int8_kernels import KERNELS, FloatKernel, Int8Kernel, OneDNNKernel
+from kvserve.model.probe_shapes import best_time
 
 # SmolLM2-135M's linears as [out, in]: q/k/v fused, o, gate/up fused, down; 30 layers; the tied head
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

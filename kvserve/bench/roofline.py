@@ -19,6 +19,7 @@ import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.model import float_kernels
+from kvserve.model.probe_shapes import FIXED, WeightShapes
 
 StepShapes = Counter  # (tokens through the layers, rows through the head) -> number of such steps
 
@@ -52,10 +53,10 @@ def decode_steps(steps: StepShapes) -> StepShapes:
     return Counter({shape: count for shape, count in steps.items() if shape[0] == shape[1]})
 
 
-def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> float:
-    """Seconds float32 matmuls take to replay `steps`, each layer with weights of its own, multiplied by the float32
-    route this process's engines use (replay_matmul)."""
-    return replayed_seconds(step_seconds(shapes, steps, reps), steps)
+def matmul_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2, matmul=None) -> float:
+    """Seconds float32 matmuls take to replay `steps`, each layer with weights of its own, multiplied by `matmul`
+    (by default replay_matmul's)."""
+    return replayed_seconds(step_seconds(shapes, steps, reps, matmul), steps)
 
 
 def replayed_seconds(per_step: dict[tuple[int, int], float], steps: StepShapes) -> float:
@@ -63,11 +64,12 @@ def replayed_seconds(per_step: dict[tuple[int, int], float], steps: StepShapes) 
     return sum(count * per_step[shape] for shape, count in steps.items())
 
 
-def step_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2) -> dict[tuple[int, int], float]:
+def step_seconds(shapes: MatmulShapes, steps: StepShapes, reps: int = 2,
+                 matmul=None) -> dict[tuple[int, int], float]:
     """Seconds one step of each of `steps`' shapes takes in float32 matmuls (matmul_seconds, shape by shape): a
     workload's replay and any subset of its steps (its decode steps) from one timing."""
     gen = torch.Generator().manual_seed(0)
-    matmul = replay_matmul()
+    matmul = matmul or replay_matmul()
 
     def weight(n: int, k: int) -> tuple[torch.Tensor | None, object]:
         w = torch.empty(n, k).uniform_(-1, 1, generator=gen)
@@ -113,9 +115,10 @@ def read_bandwidth(nbytes: int = 2**30, reps: int = 10) -> float:
     return nbytes / _best_time(data.sum, reps)
 
 
-def replay_matmul():
-    """The route that multiplies float32 weights in this process (model/float_kernels.py: the probe's choice)."""
-    return float_kernels.choose_matmul(torch.float32)
+def replay_matmul(weights: WeightShapes = FIXED):
+    """The route that multiplies float32 weights of a model of `weights`' shapes in this process
+    (model/float_kernels.py: the probe's choice)."""
+    return float_kernels.choose_matmul(torch.float32, weights)
 
 
 def _best_time(fn, reps: int) -> float:

@@ -4,9 +4,10 @@ packed for it once at load, chosen by a start-up probe.
 `F.linear` is MKL's GEMM on x86, which at the few rows of a decode step keeps to one core on the AMD EPYCs and reads
 the weights at about half the memory bandwidth that two cores reach; oneDNN's linear (`torch.ops.mkldnn`, PyTorch's
 own kernels, what Inductor's freezing packs float weights for) over its packed copy used both, at every batch size
-measured (docs/benchmarks.md, "oneDNN's float linear"). Which is faster depends on the CPU, so a short probe times
-both on a few weights per dtype; oneDNN is used only where it wins at one token and at 64. The choice is remembered
-for later starts on the same machine (route_cache.py), and the start-up log says which route runs and why. The two
+measured (docs/benchmarks.md, "oneDNN's float linear"). Which is faster depends on the CPU and the shapes, so a short
+probe times both on the model's shapes per dtype (probe_shapes.py); oneDNN is used only where it wins at one token and
+at 64. The choice is remembered for later starts on the same machine and model shapes (route_cache.py), and the
+start-up log says which route runs and why. The two
 add their sums in another order (a few float32 ulps apart); --batch-invariant keeps the BLAS call, whose fixed tiles
 its bitwise guarantee was measured with."""
 from __future__ import annotations
@@ -19,12 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import route_cache
-from kvserve.model.int8_kernels import best_time
+from kvserve.model.probe_shapes import FIXED, WeightShapes, token_time
 
 logger = logging.getLogger("kvserve")
 
-PROBE_SHAPE = (2048, 1024)  # [N, K]: an MLP-sized weight
-PROBE_WEIGHTS = 4  # distinct weights, called in turn: 32 MB in float32, more than a 2-core slice's cache holds
 PROBE_ROWS = (1, 64)  # tokens per call: one decode step, and a batched step
 
 
@@ -119,45 +118,48 @@ class MatmulChoice:
 
 
 @functools.cache
-def choose_matmul(dtype: torch.dtype) -> FloatMatmul:
-    """The fastest route for float weights of `dtype` on this CPU (remembered, or probed once per process and
-    dtype)."""
-    choice = remembered_or_probed(dtype)
+def choose_matmul(dtype: torch.dtype, shapes: WeightShapes = FIXED) -> FloatMatmul:
+    """The fastest route for float weights of `dtype` and a model's `shapes` on this CPU (remembered, or probed once
+    per process, dtype and shapes)."""
+    choice = remembered_or_probed(dtype, shapes=shapes)
     logger.info(choice.describe())
     return choice.matmul
 
 
-def remembered_or_probed(dtype: torch.dtype, matmuls=MATMULS) -> MatmulChoice:
-    """The choice the route file remembers for this machine and dtype (route_cache.py), if its route is still
+def remembered_or_probed(dtype: torch.dtype, matmuls=MATMULS, shapes: WeightShapes = FIXED) -> MatmulChoice:
+    """The choice the route file remembers for this machine, dtype and shapes (route_cache.py), if its route is still
     available; else probe_matmuls', written to the file for the next start."""
     routes = {matmul.name: matmul for matmul in (BLAS, *matmuls)}
-    entry = str(dtype).removeprefix("torch.")
-    shapes = {"shape": PROBE_SHAPE, "weights": PROBE_WEIGHTS, "rows": PROBE_ROWS, "routes": sorted(routes)}
-    key = route_cache.probe_key(entry, shapes)
+    entry = route_cache.entry_name(str(dtype).removeprefix("torch."), shapes)
+    probe = {"shapes": shapes.key(), "rows": PROBE_ROWS, "routes": sorted(routes)}
+    key = route_cache.probe_key(entry, probe)
     found = route_cache.recall(entry, key, set(routes))
     if found is not None:
         matmul = routes[found.route]
         if matmul.available(dtype):
             return MatmulChoice(matmul, dtype, found.speedup_by_rows, found.probed_at)
         logger.warning(f"remembered {entry} matmul route {matmul.name} is not available here; probing again")
-    choice = probe_matmuls(dtype, matmuls)
+    choice = probe_matmuls(dtype, matmuls, shapes)
     route_cache.remember(entry, key, choice.matmul.name, choice.speedup_by_rows)
     return choice
 
 
-def probe_matmuls(dtype: torch.dtype, matmuls=MATMULS) -> MatmulChoice:
-    """Time F.linear and each route on PROBE_WEIGHTS weights of PROBE_SHAPE at PROBE_ROWS tokens; a route wins only
-    if it beats F.linear at every size, the best mean speedup of those."""
+def probe_matmuls(dtype: torch.dtype, matmuls=MATMULS, shapes: WeightShapes = FIXED) -> MatmulChoice:
+    """Time F.linear and each route on weights of the model's `shapes` (probe_shapes.py) at PROBE_ROWS tokens; a route
+    wins only if it beats F.linear at every size, the best mean speedup of those."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(*PROBE_SHAPE, generator=gen).to(dtype) for _ in range(PROBE_WEIGHTS)]
+    timed = shapes.timed(torch.empty((), dtype=dtype).element_size())
+    weights = [[torch.randn(s.rows, s.cols, generator=gen).to(dtype) for _ in range(s.copies)] for s in timed]
+    blas: dict[int, float] = {}
     best: MatmulChoice | None = None
     for matmul in (m for m in matmuls if m.available(dtype)):
-        packed = [matmul.pack(w) for w in weights]
+        packed = [[matmul.pack(w) for w in copies] for copies in weights]
         speedups = {}
         for rows in PROBE_ROWS:
-            x = torch.randn(rows, PROBE_SHAPE[1], generator=gen).to(dtype)
-            blas = best_time(lambda: [F.linear(x, w) for w in weights])
-            speedups[rows] = blas / best_time(lambda: [matmul.linear(x, None, p, None) for p in packed])
+            x = [torch.randn(rows, s.cols, generator=gen).to(dtype) for s in timed]
+            if rows not in blas:
+                blas[rows] = token_time(timed, weights, x, F.linear)
+            speedups[rows] = blas[rows] / token_time(timed, packed, x, lambda x, p: matmul.linear(x, None, p, None))
             if speedups[rows] <= 1.0:  # cannot win: not timed at more tokens
                 break
         mean = sum(speedups.values()) / len(speedups)

@@ -2,15 +2,15 @@
 
 Every route returns the same thing, the integer sums sum_k qx[m, k] qw[n, k] as float32, so the choice changes
 speed and never results. Which one is fast depends on the CPU (AMX, AVX-512 VNNI or AVX2 only: see
-docs/benchmarks.md), so a short probe times each on one matrix against a float32 matmul and the fastest wins; when
-none beats float32 the codes are multiplied as float32 (same numbers, float32's speed). The choice is remembered
-for later starts on the same machine (route_cache.py), and the start-up log says which route runs and why."""
+docs/benchmarks.md) and on the shapes, so a short probe times each on the model's shapes (probe_shapes.py) against a
+float32 matmul and the fastest wins; when none beats float32 the codes are multiplied as float32 (same numbers,
+float32's speed). The choice is remembered for later starts on the same machine and model shapes (route_cache.py),
+and the start-up log says which route runs and why."""
 from __future__ import annotations
 
 import functools
 import itertools
 import logging
-import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.model import route_cache
+from kvserve.model.probe_shapes import FIXED, WeightShapes, token_time
 
 logger = logging.getLogger("kvserve")
 
-PROBE_SHAPE = (2048, 1024)  # [N, K]: an MLP-sized weight, 2 MB in int8
 PROBE_ROWS = (1, 64)  # tokens per call: one decode step, and a batched step
 
 
@@ -237,47 +237,51 @@ class KernelChoice:
 
 
 @functools.cache
-def choose_kernel() -> Int8Kernel:
-    """The fastest available route on this CPU (remembered, or probed once per process); the fallback if none beats
-    float32."""
-    choice = remembered_or_probed()
+def choose_kernel(shapes: WeightShapes = FIXED) -> Int8Kernel:
+    """The fastest available route on this CPU for a model's `shapes` (remembered, or probed once per process and
+    shapes); the fallback if none beats float32."""
+    choice = remembered_or_probed(shapes=shapes)
     logger.info(choice.describe())
     return choice.kernel
 
 
-def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
-    """The choice the route file remembers for this machine (route_cache.py), if its kernel still passes
+def remembered_or_probed(kernels: tuple[Int8Kernel, ...] = KERNELS, shapes: WeightShapes = FIXED) -> KernelChoice:
+    """The choice the route file remembers for this machine and shapes (route_cache.py), if its kernel still passes
     available(); else probe_kernels', written to the file for the next start."""
     fallback = FloatKernel()
     routes = {kernel.name: kernel for kernel in (*kernels, fallback)}
-    shapes = {"shape": PROBE_SHAPE, "rows": PROBE_ROWS, "kernels": sorted(routes)}
-    key = route_cache.probe_key("int8", shapes)
-    found = route_cache.recall("int8", key, set(routes))
+    entry = route_cache.entry_name("int8", shapes)
+    probe = {"shapes": shapes.key(), "rows": PROBE_ROWS, "kernels": sorted(routes)}
+    key = route_cache.probe_key(entry, probe)
+    found = route_cache.recall(entry, key, set(routes))
     if found is not None:
         kernel = routes[found.route]
         if kernel.available():
             return KernelChoice(kernel, found.speedup_by_rows, found.probed_at)
         logger.warning(f"remembered int8 matmul route {kernel.name} failed its check here; probing again")
-    choice = probe_kernels(kernels)
-    route_cache.remember("int8", key, choice.kernel.name, choice.speedup_by_rows)
+    choice = probe_kernels(kernels, shapes)
+    route_cache.remember(entry, key, choice.kernel.name, choice.speedup_by_rows)
     return choice
 
 
-def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
-    """Time each kernel and float32 on PROBE_SHAPE at PROBE_ROWS tokens; the winner has the best mean speedup."""
-    n, k = PROBE_SHAPE
+def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS, shapes: WeightShapes = FIXED) -> KernelChoice:
+    """Time each kernel and float32 on weights of the model's `shapes` (probe_shapes.py, as many as fill the probe's
+    bytes in float32, the larger of the two copies) at PROBE_ROWS tokens; the winner has the best mean speedup."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    float_weight = weight.float()
+    timed = shapes.timed(torch.empty((), dtype=torch.float32).element_size())
+    weights = [[torch.randint(-127, 128, (s.rows, s.cols), dtype=torch.int8, generator=gen) for _ in range(s.copies)]
+               for s in timed]
+    inputs = {m: [torch.randint(-127, 128, (m, s.cols), dtype=torch.int8, generator=gen) for s in timed]
+              for m in PROBE_ROWS}
+    float_times: dict[int, float] = {}
     best: KernelChoice | None = None
     for kernel in (kn for kn in kernels if kn.available()):
-        packed = kernel.pack(weight)
+        packed = [[kernel.pack(w) for w in copies] for copies in weights]
         speedups = {}
         for m in PROBE_ROWS:
-            x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
-            x_float = x.float()
-            float_s = best_time(lambda: torch.nn.functional.linear(x_float, float_weight))
-            speedups[m] = float_s / best_time(lambda: kernel.matmul(x, packed))
+            if m not in float_times:
+                float_times[m] = _float_time(timed, weights, inputs[m])
+            speedups[m] = float_times[m] / token_time(timed, packed, inputs[m], kernel.matmul)
             # a winner beats float32 at every size probed: this one cannot win, and is not timed at more tokens
             # (oneDNN's quantized linear on the AVX-512 AMD EPYC, far slower than float32 at 64 tokens, was most of
             # an int8 start: docs/benchmarks.md, "Start-up side by side")
@@ -289,15 +293,11 @@ def probe_kernels(kernels: tuple[Int8Kernel, ...] = KERNELS) -> KernelChoice:
     return best or KernelChoice(FloatKernel())
 
 
+def _float_time(timed, weights: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> float:
+    """The codes multiplied as float32 (the fallback's speed), one shape's float copies held at a time."""
+    return sum(token_time([shape], [[w.float() for w in copies]], [x.float()], torch.nn.functional.linear)
+               for shape, copies, x in zip(timed, weights, inputs))
+
+
 def _mean(choice: KernelChoice) -> float:
     return sum(choice.speedup_by_rows.values()) / len(choice.speedup_by_rows)
-
-
-def best_time(fn, reps: int = 5) -> float:
-    fn()  # the first call may pack or allocate
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)

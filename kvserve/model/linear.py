@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kvserve.model.float_kernels import BLAS, FloatMatmul, choose_matmul
 from kvserve.model.int8_kernels import EXACT_FLOAT_COLUMNS, FloatKernel, Int8Kernel, choose_kernel
+from kvserve.model.probe_shapes import FIXED, WeightShapes
 from kvserve.rotation import KroneckerRotation, kronecker_rotation
 
 INT8_MAX = 127
@@ -207,10 +208,12 @@ class Linears:
     (choose_matmul); for_policy gives the BLAS call under batch_invariant and off the CPU. With the policy's
     dense_in_graph, float weights that a packed route multiplies keep their dense form too (`dense_copy_nbytes`)."""
 
-    def __init__(self, policy: WeightsPolicy, kernel: Int8Kernel | None = None, matmul: FloatMatmul | None = None):
+    def __init__(self, policy: WeightsPolicy, kernel: Int8Kernel | None = None, matmul: FloatMatmul | None = None,
+                 shapes: WeightShapes = FIXED):
         self.policy = policy
-        self.kernel = (kernel or choose_kernel()) if policy.quantization == "int8" else None
-        self.matmul = matmul or (BLAS if self.kernel is not None else choose_matmul(policy.dtype))
+        self.shapes = shapes  # what the routes were probed on
+        self.kernel = (kernel or choose_kernel(shapes)) if policy.quantization == "int8" else None
+        self.matmul = matmul or (BLAS if self.kernel is not None else choose_matmul(policy.dtype, shapes))
         # dense copies only of what a one-row loop reads: float weights of GRAPH_MATRIX_VECTOR_DTYPES (float16's stay
         # oneDNN's alone)
         self.dense_in_graph = (policy.dense_in_graph and self.kernel is None and
@@ -222,13 +225,13 @@ class Linears:
         self.dense_copy_nbytes = 0
 
     @classmethod
-    def for_policy(cls, policy: WeightsPolicy) -> Linears:
-        """The routes `policy` allows: oneDNN's linears and the int8 kernels' probe are CPU routes, and the BLAS
-        call is the batch-invariant one."""
+    def for_policy(cls, policy: WeightsPolicy, shapes: WeightShapes = FIXED) -> Linears:
+        """The routes `policy` allows, probed on the model's `shapes`: oneDNN's linears and the int8 kernels' probe
+        are CPU routes, and the BLAS call is the batch-invariant one."""
         cpu = torch.device(policy.device).type == "cpu"
         int8_off_cpu = policy.quantization == "int8" and not cpu
         kernel = FloatKernel("the int8 kernels are probed on a CPU only") if int8_off_cpu else None
-        return cls(policy, kernel, matmul=BLAS if policy.batch_invariant or not cpu else None)
+        return cls(policy, kernel, matmul=BLAS if policy.batch_invariant or not cpu else None, shapes=shapes)
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         if self.kernel is None:
@@ -270,7 +273,7 @@ def load_linears(weights: dict[str, torch.Tensor], tied: bool,
     """A decoder's weights in the policy's dtype on its device (the tables taken out), its Linears, output head and
     embedding."""
     w = {name: _own(t.to(dtype=policy.dtype, device=policy.device)) for name, t in weights.items()}
-    linears = Linears.for_policy(policy)
+    linears = Linears.for_policy(policy, WeightShapes.of_weights(w, tied))
     lm_head, embed = linears.head_and_embedding(w.pop("model.embed_tokens.weight"),
                                                 None if tied else w.pop("lm_head.weight"))
     return w, linears, lm_head, embed

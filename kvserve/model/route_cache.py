@@ -2,12 +2,13 @@
 that a later start on the same machine reads the choice instead of timing the routes again.
 
 The file is JSON (never pickle), beside the saved compiled graphs (Inductor's cache directory, `kvserve-graphs`),
-one entry per probe ("int8", "float32", ...). An entry holds the key it was probed under: the CPU (model name, family
-and model, its vector-ISA flags and PyTorch's CPU capability), PyTorch's version and build, the threads a matmul
-runs on, the digest of the kernel modules' source and the probe's shapes: everything that changes which route wins
-or what a route computes. A start whose key differs probes again and writes the entry over, with a warning that
-names what changed; so does one that finds the file truncated, of the wrong types, naming a route it does not know,
-or not private (owned by another user, or writable by others: then it is not trusted, and not written over)."""
+one entry per probe and model shapes ("int8 <digest of the shapes>", "float32 ...": probe_shapes.py). An entry holds
+the key it was probed under: the CPU (model name, family and model, its vector-ISA flags and PyTorch's CPU
+capability), PyTorch's version and build, the threads a matmul runs on, the digest of the kernel modules' source, the
+model's matrix shapes and the probe's sizes: everything that changes which route wins or what a route computes. A
+start whose key differs probes again and writes the entry over, with a warning that names what changed; so does one
+that finds the file truncated, of the wrong types, naming a route it does not know, or not private (owned by another
+user, or writable by others: then it is not trusted, and not written over)."""
 from __future__ import annotations
 
 import getpass
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.model.probe_shapes import WeightShapes
 from kvserve.private_files import not_private, write_private
 
 logger = logging.getLogger("kvserve")
@@ -35,7 +37,8 @@ SCHEMA = 1
 ENTRY_FIELDS = {"key", "route", "speedup_by_rows", "probed_at"}
 # the CPU flags that name vector instruction sets a route may use (AVX-512 VNNI, AMX, ...)
 ISA_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse")
-SOURCES = ("float_kernels.py", "int8_kernels.py", "route_cache.py")  # beside this file: what a route computes
+# beside this file: what a route computes and how the probes time it
+SOURCES = ("float_kernels.py", "int8_kernels.py", "probe_shapes.py", "route_cache.py")
 
 
 @dataclass(frozen=True)
@@ -65,11 +68,17 @@ def cache_root() -> Path:
     return Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
-def probe_key(entry: str, shapes: dict) -> dict:
-    """Everything the probe named `entry` depends on, as the file holds it (JSON: tuples as lists)."""
+def entry_name(probe: str, shapes: WeightShapes) -> str:
+    """The probe's entry for a model of these shapes: each model structure probed keeps an entry of its own."""
+    return f"{probe} {hashlib.sha256(json.dumps(shapes.key()).encode()).hexdigest()[:16]}"
+
+
+def probe_key(entry: str, probe: dict) -> dict:
+    """Everything the probe named `entry` depends on, as the file holds it (JSON: tuples as lists): `probe` names
+    what it timed (the model's shapes, the rows, the routes)."""
     key = {"entry": entry, "cpu": cpu_identity(), "torch": torch.__version__,
            "torch_build": str(torch.version.git_version), "threads": torch.get_num_threads(),
-           "sources": sources_digest(), "shapes": shapes}
+           "sources": sources_digest(), "probe": probe}
     return json.loads(json.dumps(key))
 
 

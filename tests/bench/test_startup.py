@@ -54,7 +54,7 @@ def test_a_start_that_fails_is_named_with_its_error(tmp_path):
 # `kvserve ARGS` with the float matmul pinned: its start-up probe times two routes, and on a loaded machine two
 # starts of the tiny model may pick different ones, each a graph of its own (named apart: kvserve/saved_graphs.py)
 PINNED_KVSERVE = ("import sys; from kvserve.model import float_kernels, linear; "
-                  "linear.choose_matmul = lambda dtype: float_kernels.BLAS; "
+                  "linear.choose_matmul = lambda dtype, shapes=None: float_kernels.BLAS; "
                   "from kvserve.cli import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -60,7 +60,7 @@ def test_bench_step_with_compile_gemms_times_one_sequence(tmp_path, capsys, monk
     """--compile-gemms runs one sequence's whole graph as two rows, which writes two rows' slots: each replay begins
     the step's own slots again, so the eager replay after it writes one row (it failed with index_copy_'s size
     error). Serving runs its frozen whole graph for alike batches too, and the line says so."""
-    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: BLAS)  # weights --compile-gemms freezes
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype, shapes=None: BLAS)  # weights --compile-gemms freezes
     status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "2", "--contexts",
                    "alike", "--repeat", "2", "--kv-cache-memory", "4MiB", "--compile-gemms"])
     assert status == 0

@@ -178,8 +178,8 @@ def test_speculation_rows_say_how_much_was_accepted(monkeypatch, capsys):
 @pytest.mark.slow
 def test_decode_time_per_token_is_split_into_matmuls_and_the_rest(capsys, monkeypatch):
     # F.linear's weights, which the split replays (oneDNN's packed ones are not split: the test above)
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)
-    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: float_kernels.BLAS)
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype, shapes=None: float_kernels.BLAS)
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype, shapes=None: float_kernels.BLAS)
     argv = [*TINY_RUN, "llama.cpp", "--output-len", "4"]
     argv.remove("single")
 

@@ -21,7 +21,7 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
                           vocab_size=64)
     blas, int8 = float_kernels.BLAS, int8_kernels.IntMMKernel()
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: blas)  # what the split replays
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype, shapes=None: blas)  # what the split replays
 
     def printed(rows: int, float_matmul=blas, extra: tuple = ()) -> str:
         rows_routes = [("row a", Routes(float_matmul, None, False, False)),
@@ -49,7 +49,7 @@ def test_a_compiled_single_stream_is_not_split_by_blas_matmuls(monkeypatch):
     # oneDNN's float linear: the replay multiplies as the engine did, so those rows are split; a row that kept
     # F.linear (--batch-invariant) is not
     route = float_kernels.OneDNNMatmul()
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: route)
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype, shapes=None: route)
     onednn = printed(1, route, extra=[("row e", Routes(blas, None, False, False)),
                                       ("row f", Routes(route, None, True, True)),
                                       ("row g", Routes(route, None, True, False))])
@@ -67,10 +67,11 @@ def test_the_second_ceiling_takes_prompt_steps_as_they_ran_and_is_left_out_where
     verified drafts gets the first only: its verification steps are timed with its decode steps but are none."""
     cfg = SimpleNamespace(num_heads=2, head_dim=8, num_kv_heads=1, hidden_size=16, intermediate_size=32, num_layers=2,
                           vocab_size=64)
-    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype: float_kernels.BLAS)
+    monkeypatch.setattr(float_kernels, "choose_matmul", lambda dtype, shapes=None: float_kernels.BLAS)
     monkeypatch.setattr("kvserve.bench.roofline.read_bandwidth", lambda: 1e9)
     monkeypatch.setattr("kvserve.bench.roofline.step_seconds",  # a prompt step's matmuls 1 s, a decode step's 0.25 s
-                        lambda shapes, steps, reps=2: {shape: 1.0 if shape[0] > shape[1] else 0.25 for shape in steps})
+                        lambda shapes, steps, reps=2, matmul=None: {shape: 1.0 if shape[0] > shape[1] else 0.25
+                                                                    for shape in steps})
     steps = Counter({(64, 4): 2, (4, 4): 8})  # 2 s of the prompt steps' matmuls, 2 s of the decode steps'
     runs = [RunResult(name, 40, 10.0, decode_tokens=32, decode_seconds=5.0, steps=steps,
                                  decode_kv_bytes=10**9, drafts=drafts)  # a K/V read of 1 s at 1 GB/s

@@ -51,7 +51,7 @@ ALIKE = [list(range(3, 40)), list(range(5, 44)), list(range(7, 41)), list(range(
 @contextlib.contextmanager
 def float_matmul(matmul):
     """Engines built inside multiply float weights by `matmul`, whatever this CPU's probe would pick."""
-    with mock.patch.object(linear, "choose_matmul", lambda dtype: matmul):
+    with mock.patch.object(linear, "choose_matmul", lambda dtype, shapes=None: matmul):
         yield
 
 
@@ -311,7 +311,7 @@ def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     (model/linear.py, one_row_sums): the same integers."""
     if not kernel.available():
         pytest.skip(f"{kernel.name} is not available or not exact on this CPU")
-    monkeypatch.setattr(linear, "choose_kernel", lambda: kernel)
+    monkeypatch.setattr(linear, "choose_kernel", lambda shapes=None: kernel)
     path = make_tiny_model(tmp_path, tie_word_embeddings=True)  # tied: the graph's lookups rotate rows back
     eager = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True)
     compiled = LLM(str(path), **COMMON, **COMPILED, quantization="int8")
@@ -423,7 +423,7 @@ def test_compiled_gemms_freeze_the_weights_and_match_eager(tmp_path, caplog, mon
     two identical ones. Decode steps give eager's tokens and logprobs within the tolerance, alone and batched, and the
     weights the eager steps use are the model's own, unchanged. (Weights that F.linear multiplies: oneDNN's packed
     ones are not frozen, test_compile_gemms_is_not_applied_over_onednn_float_weights.)"""
-    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: BLAS)
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype, shapes=None: BLAS)
     path = make_tiny_model(tmp_path, kind=kind)
     eager = LLM(str(path), **COMMON, enforce_eager=True)
     packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
@@ -463,7 +463,7 @@ def test_compile_gemms_is_not_applied_over_an_int8_kernel(tmp_path, caplog, monk
     torch._int_mm multiplies stay its calls, so --compile-gemms would only add its costs (measured slower on the
     AVX-512 EPYC); the start-up line says it is not applied. The int8 codes multiplied as float32 (FloatKernel, where
     no int8 kernel is faster) are float weights to it."""
-    monkeypatch.setattr(linear, "choose_kernel", lambda: kernel)  # whatever this CPU's probe would pick
+    monkeypatch.setattr(linear, "choose_kernel", lambda shapes=None: kernel)  # whatever this CPU's probe would pick
     path = make_tiny_model(tmp_path)
     model = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True).engine.model
     assert (compiled_step.gemms_unused(model) is None) == applied
@@ -479,7 +479,7 @@ def test_compile_gemms_is_not_applied_over_onednn_float_weights(tmp_path, caplog
     """Float weights that oneDNN's linear multiplies over its packed copies (model/float_kernels.py) are an op of
     kvserve's own in the graph, which Inductor's GEMM template does not replace: --compile-gemms is not applied, and
     the start-up line says so."""
-    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: OneDNNMatmul())
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype, shapes=None: OneDNNMatmul())
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(str(make_tiny_model(tmp_path)), **COMMON, **COMPILED, compile_gemms=True)
     assert llm.engine.runner.compiled is not None and not llm.engine.runner.compiled.gemms
@@ -493,7 +493,7 @@ def test_compiled_gemms_lower_onednn_int8_weights_to_inductors_gemm(tmp_path, ca
     frozen into it, and Inductor lowers each call (it counts them: a graph whose weights stayed inputs lowers none,
     and fails compiling). Integer sums are exact in any order, so tokens and logprobs are eager's within the int8
     tolerance of the rest of the graph (its rotations and norms), alone and batched."""
-    monkeypatch.setattr(linear, "choose_kernel", int8_kernels.OneDNNKernel)
+    monkeypatch.setattr(linear, "choose_kernel", lambda shapes: int8_kernels.OneDNNKernel())
     path = make_tiny_model(tmp_path)
     eager = LLM(str(path), **COMMON, quantization="int8", enforce_eager=True)
     lowered = torch._dynamo.utils.counters["inductor"]["qlinear_unary_lower_count"]
@@ -560,7 +560,7 @@ from kvserve.planner.layout import KVLayout
 from kvserve.sampling_params import SamplingParams
 from kvserve.model import float_kernels, linear
 # the float matmul pinned (its probe could pick another route in a start on a loaded machine: another graph)
-linear.choose_matmul = lambda dtype: float_kernels.BLAS
+linear.choose_matmul = lambda dtype, shapes=None: float_kernels.BLAS
 llm = LLM(sys.argv[1], kv_cache_memory="2MiB", max_model_len=512, compile_decode=True, **json.loads(sys.argv[2]))
 compiled = llm.engine.runner.compiled
 assert compiled is not None
@@ -638,7 +638,7 @@ def test_every_engine_in_a_process_compiles_its_own_graphs(tmp_path, monkeypatch
     """Engines of different sizes in one process each compile their own three graphs (the two decode graphs and the
     float output head's), and each runs its decode steps in them. (With torch.compile's own dispatch, Dynamo kept at
     most 8 graphs per code object: the fifth and later engines ran eagerly, unsaid, when all shared one.)"""
-    monkeypatch.setattr(linear, "choose_matmul", lambda dtype: BLAS)  # F.linear's head: a graph of its own
+    monkeypatch.setattr(linear, "choose_matmul", lambda dtype, shapes=None: BLAS)  # F.linear's head: a graph of its own
     path = make_tiny_model(tmp_path)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(6):

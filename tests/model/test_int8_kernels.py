@@ -7,6 +7,7 @@ import torch
 from kvserve.engine.llm import LLM
 from kvserve.model import int8_kernels, linear
 from kvserve.model.int8_kernels import FloatKernel, Int8Kernel, KernelChoice, probe_kernels
+from kvserve.model.probe_shapes import WeightShapes
 from kvserve.sampling_params import SamplingParams
 from tests.compile.test_steps import COMMON, INT8_LOGPROB_TOLERANCE, PROMPTS, compare
 from tests.conftest import make_tiny_model
@@ -35,7 +36,7 @@ class Slow(Int8Kernel):
 
 def test_unavailable_and_slow_kernels_fall_back_to_float32_with_a_reason():
     assert not Broken().available()
-    choice = probe_kernels((Broken(), Slow()))
+    choice = probe_kernels((Broken(), Slow()), WeightShapes(((256, 128, 1),)))
     assert isinstance(choice.kernel, FloatKernel)
     assert "fallback: no int8 kernel beat float32" in choice.describe()
 
@@ -97,10 +98,11 @@ def test_a_kernel_slower_than_float32_at_one_token_is_not_timed_at_more_tokens()
             calls.append(x.shape[0])
             return super().matmul(x, packed)
 
-    choice = probe_kernels((Counted(),))
+    choice = probe_kernels((Counted(),), WeightShapes(((64, 32, 2),)))
     assert isinstance(choice.kernel, FloatKernel)
-    # available()'s check (2 rows), then at 1 token the untimed first call and five timed ones; none at 64
-    assert calls == [2] + [1] * 6
+    # available()'s check (2 rows), then at 1 token the untimed first call and five timed ones, each over both
+    # weights of the shape; none at 64
+    assert calls == [2] + [1] * 12
 
 
 FBGEMM = int8_kernels.FbgemmKernel()
@@ -145,7 +147,7 @@ def test_fbgemm_weights_live_as_long_as_their_handle():
 def test_a_saved_graph_multiplies_by_the_fbgemm_weights_of_the_engine_that_loads_it(tmp_path, monkeypatch):
     """A graph holds FBGEMM handles as its inputs, not their numbers: another model of the same sizes loads the
     saved graph and runs its own weights, after the engine that saved it and its packed weights are gone."""
-    monkeypatch.setattr(linear, "choose_kernel", lambda: FBGEMM)
+    monkeypatch.setattr(linear, "choose_kernel", lambda shapes=None: FBGEMM)
     first = LLM(str(make_tiny_model(tmp_path / "a")), **COMMON, quantization="int8", compile_decode=True)
     assert first.engine.runner.compiled.graphs_compiled > 0
     del first

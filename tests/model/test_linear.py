@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.model.int8_kernels import KERNELS, FloatKernel, IntMMKernel
-from kvserve.model import float_kernels, int8_kernels, linear
+from kvserve.model import float_kernels, int8_kernels, linear, probe_shapes
 from kvserve.model.float_kernels import BLAS, OneDNNMatmul
+from kvserve.model.probe_shapes import WeightShapes
 from kvserve.model.linear import (Embedding, Int8Linear, Linear, Linears, WeightsPolicy, quantize_rows,
                                   weights_nbytes)
 
@@ -122,15 +123,15 @@ def test_the_float_matmul_probe_picks_a_route_only_where_it_wins_at_every_size(m
     """A route wins only if it beats F.linear at one token and at 64 (it is not timed at 64 once it lost at one);
     otherwise the BLAS call stays and the line says nothing beat it. The timings are fakes, in the probe's order
     (F.linear, then the route, at each size): which route wins is the probe's rule, not this CPU's."""
-    monkeypatch.setattr(float_kernels, "PROBE_SHAPE", (8, 4))
+    shapes = WeightShapes(((8, 4, 1),))
     route = OneDNNMatmul()
     monkeypatch.setattr(route, "available", lambda dtype: True)
     monkeypatch.setattr(route, "pack", lambda weight: weight)
     for route_times, wins, timed in (([0.5, 0.5], True, 4), ([0.5, 2.0], False, 4), ([2.0, 0.5], False, 2)):
         times = iter([1.0, route_times[0], 1.0, route_times[1]])
         calls = []
-        monkeypatch.setattr(float_kernels, "best_time", lambda fn, reps=5: calls.append(fn) or next(times))
-        choice = float_kernels.probe_matmuls(torch.float32, (route,))
+        monkeypatch.setattr(probe_shapes, "best_time", lambda fn, reps=5: calls.append(fn) or next(times))
+        choice = float_kernels.probe_matmuls(torch.float32, (route,), shapes)
         assert (choice.matmul is route) == wins and len(calls) == timed, route_times
         kept = "float32 matmuls: F.linear, PyTorch's BLAS call (MKL on x86) (nothing else beat it here; probed now)"
         assert ("probed now: 2.0x F.linear at 1 token, 2.0x F.linear at 64 tokens" in choice.describe()) if wins \
@@ -189,8 +190,8 @@ def test_the_tensors_a_layer_holds_are_no_views(tmp_path, quantization):
     from tests.conftest import make_tiny_model
 
     path = make_tiny_model(tmp_path, attention_bias=True)
-    with mock.patch.object(linear, "choose_kernel", IntMMKernel), mock.patch.object(linear, "choose_matmul",
-                                                                                    lambda dtype: BLAS):
+    with mock.patch.object(linear, "choose_kernel", lambda shapes: IntMMKernel()), \
+            mock.patch.object(linear, "choose_matmul", lambda dtype, shapes: BLAS):
         model = LLM(str(path), kv_cache_memory="2MiB", max_model_len=256, quantization=quantization,
                     enforce_eager=True).engine.model
     tensors = []

@@ -14,6 +14,7 @@ from kvserve import saved_graphs
 from kvserve.model import float_kernels, int8_kernels, route_cache
 from kvserve.model.int8_kernels import FloatKernel, Int8Kernel, KernelChoice
 from kvserve.model.linear import Int8Linear, Linear
+from kvserve.model.probe_shapes import FIXED
 
 
 class Exact(Int8Kernel):
@@ -44,7 +45,7 @@ def int8_probes(monkeypatch):
     """The int8 probe, counted: it picks the first kernel, 2x float32 at one token."""
     calls = []
 
-    def probe(kernels):
+    def probe(kernels, shapes):
         calls.append(kernels)
         return KernelChoice(kernels[0], {1: 2.0, 64: 1.5})
 
@@ -59,21 +60,22 @@ def test_a_remembered_int8_route_is_used_without_probing(route_file, int8_probes
     again = int8_kernels.remembered_or_probed(kernels)
     assert len(int8_probes) == 1 and again.kernel is kernels[0] and again.speedup_by_rows == {1: 2.0, 64: 1.5}
     assert f"remembered from the probe of {again.probed_at}: 2.0x float32" in again.describe()
-    assert json.loads(route_file.read_text())["entries"]["int8"]["route"] == "other exact"  # JSON, not pickle
+    entries = json.loads(route_file.read_text())["entries"]  # JSON, not pickle
+    assert entries[route_cache.entry_name("int8", FIXED)]["route"] == "other exact"
     assert route_file.stat().st_mode & 0o777 == 0o600
 
 
 def test_a_remembered_fallback_names_its_reason(route_file, monkeypatch):
-    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels: KernelChoice(FloatKernel()))
+    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels, shapes: KernelChoice(FloatKernel()))
     int8_kernels.remembered_or_probed((Exact(),))
-    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels: pytest.fail("probed again"))
+    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels, shapes: pytest.fail("probed again"))
     choice = int8_kernels.remembered_or_probed((Exact(),))
     assert isinstance(choice.kernel, FloatKernel) and "no int8 kernel beat float32 here" in choice.describe()
 
 
 def test_a_remembered_float_route_is_used_without_probing(route_file, monkeypatch):
     calls = []
-    monkeypatch.setattr(float_kernels, "probe_matmuls", lambda dtype, matmuls: calls.append(dtype) or
+    monkeypatch.setattr(float_kernels, "probe_matmuls", lambda dtype, matmuls, shapes: calls.append(dtype) or
                         float_kernels.MatmulChoice(float_kernels.BLAS, dtype))
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         choice = float_kernels.remembered_or_probed(dtype)
@@ -87,8 +89,8 @@ def test_a_remembered_float_route_is_used_without_probing(route_file, monkeypatc
      "cpu"),
     (lambda mp: mp.setattr(torch, "__version__", "0.0.1"), "torch"),
     (lambda mp: mp.setattr(route_cache, "sources_digest", lambda: "edited"), "sources"),
-    (lambda mp: mp.setattr(int8_kernels, "PROBE_SHAPE", (64, 32)), "shapes"),
-], ids=["cpu-flag", "torch-version", "source", "probe-shape"])
+    (lambda mp: mp.setattr(int8_kernels, "PROBE_ROWS", (1, 32)), "probe"),
+], ids=["cpu-flag", "torch-version", "source", "probe-rows"])
 def test_a_change_of_what_the_choice_depends_on_probes_again(route_file, int8_probes, monkeypatch, caplog, change,
                                                              field):
     kernels = (Exact(),)
@@ -104,7 +106,7 @@ def test_a_change_of_what_the_choice_depends_on_probes_again(route_file, int8_pr
 
 def rewrite_entry(path, **fields):
     record = json.loads(path.read_text())
-    record["entries"]["int8"].update(fields)
+    record["entries"][route_cache.entry_name("int8", FIXED)].update(fields)
     path.write_text(json.dumps(record))
 
 

@@ -177,17 +177,19 @@ def print_roofline(console, runs: list[RunResult], model_config) -> None:
     with prompt tokens at their replayed matmuls too (prefill's attention left out), or as long as they took."""
     from kvserve.bench.roofline import (MatmulShapes, decode_steps, read_bandwidth, replay_matmul, replayed_seconds,
                                         share_ceiling, step_seconds, workload_flops)
+    from kvserve.model.probe_shapes import FIXED
 
     shapes = MatmulShapes.of(model_config)
     reference = runs[0]
-    per_step = step_seconds(shapes, reference.steps)
+    replayed = replay_matmul(next((r.routes.shapes for r in runs if r.routes is not None), FIXED))
+    per_step = step_seconds(shapes, reference.steps, matmul=replayed)
     flops = workload_flops(shapes, reference.steps)
     roof = flops / replayed_seconds(per_step, reference.steps)
     decodes = decode_steps(reference.steps)  # their own rate: fewer tokens a step than a prompt's
     decode_roof = workload_flops(shapes, decodes) / replayed_seconds(per_step, decodes) if decodes else roof
     bandwidth = read_bandwidth()
     console.print(f"roofline: this workload's matmuls (linears and output head; attention not counted) are "
-                  f"{flops / 1e9:,.0f} GFLOP; float32 matmuls of the same shapes ({replay_matmul().name}, as the "
+                  f"{flops / 1e9:,.0f} GFLOP; float32 matmuls of the same shapes ({replayed.name}, as the "
                   f"engine multiplies float32 here), replayed step by step now, run at {roof / 1e9:,.1f} GFLOP/s. "
                   f"Ceiling: the share the matmuls can be of a run whose decode-only steps take their matmuls and "
                   f"read their K/V once (each sequence's context a step) at this CPU's read bandwidth, "
@@ -226,8 +228,8 @@ def print_decode_split(console, runs: list[RunResult | str], model_config) -> No
     tokens = sum(rows * count for (_, rows), count in steps.items())
     if not tokens:
         return
-    matmul_ms = matmul_seconds(MatmulShapes.of(model_config), steps) / tokens * 1e3
-    replayed = replay_matmul()
+    replayed = replay_matmul(ran[0].routes.shapes)
+    matmul_ms = matmul_seconds(MatmulShapes.of(model_config), steps, matmul=replayed) / tokens * 1e3
     bandwidth = read_bandwidth()
     shapes = MatmulShapes.of(model_config)
     weights_ms = 4 * shapes.flops(1, 1) / 2 * sum(steps.values()) / tokens / bandwidth * 1e3  # float32, once a step

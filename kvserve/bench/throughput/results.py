@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvserve.model.probe_shapes import FIXED, WeightShapes
+
 
 @dataclass(frozen=True)
 class Routes:
@@ -16,12 +18,13 @@ class Routes:
     gemms: bool  # ... with --compile-gemms applied (Inductor's GEMM template)
     one_row_loops: bool = False  # ... whose one-row steps multiply float weights or int8 codes in loops of its
     # own (Linears)
+    shapes: WeightShapes = FIXED  # the model's matrices, which the routes were probed on (model/probe_shapes.py)
 
     @classmethod
     def of(cls, engine) -> Routes:
         linears, compiled = engine.model.linears, engine.runner.compiled
         return cls(linears.matmul, linears.kernel, compiled is not None, compiled is not None and compiled.gemms,
-                   compiled is not None and linears.one_row_loops)
+                   compiled is not None and linears.one_row_loops, linears.shapes)
 
 
 @dataclass(frozen=True)

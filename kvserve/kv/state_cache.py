@@ -193,6 +193,7 @@ class PromptRound:
     fresh: torch.Tensor  # [B, 1, 1] bool: the piece starts its sequence (from zero states)
     real: torch.Tensor  # [B, L] bool: rows that are not padding
     checkpoints: list[tuple[int, int]]  # (slot, checkpoint slot): saved after the round
+    all_fresh: bool = False  # every piece starts its sequence: no state to read
 
 
 def prompt_rounds(chunks: list[tuple[slice, int, bool, list[tuple[int, int]]]], max_batch: int,
@@ -222,7 +223,7 @@ def _round(pieces: list[tuple[int, int, int, bool, int | None]], device: str | t
                        (ends - starts).view(-1).to(device),
                        torch.tensor([p[3] for p in computed], dtype=torch.bool, device=device).view(-1, 1, 1),
                        (starts + steps < ends).to(device),
-                       [(p[0], p[4]) for p in pieces if p[4] is not None])
+                       [(p[0], p[4]) for p in pieces if p[4] is not None], all(p[3] for p in computed))
 
 
 @dataclass

@@ -84,7 +84,7 @@ def recurrent_gated_delta_rule_(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS,
+                             beta: torch.Tensor, state: torch.Tensor | None, chunk_tokens: int = CHUNK_TOKENS,
                              lengths: torch.Tensor | None = None, in_place: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule a block of `chunk_tokens` at a time (the last block may be shorter); same shapes as
@@ -92,10 +92,12 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     in one call, each padded to T; a padded token decays and updates nothing (g and beta taken as 0 there) and its
     output means nothing; a block is computed only for the sequences that reach into it (0 for the others).
     `in_place`: `state` (float32 and contiguous, the caller's own copy) becomes the final state, saving a pass over
-    it per block; otherwise the caller's state is kept."""
+    it per block; otherwise the caller's state is kept. `state` None: every sequence starts from zeros (prompts
+    that start their sequences), whose first block then neither reads a state nor decays one."""
     q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
     g, beta = (x.float().transpose(1, 2) for x in (g, beta))
-    state = state.float() if in_place else state.float().clone(memory_format=torch.contiguous_format)
+    if state is not None:
+        state = state.float() if in_place else state.float().clone(memory_format=torch.contiguous_format)
     if lengths is not None:
         real = (torch.arange(q.shape[2], device=q.device) < lengths[:, None])[:, None, :]  # [B, 1, T]
         g, beta = g * real, beta * real
@@ -103,38 +105,43 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for start in range(0, q.shape[2], chunk_tokens):
         block = slice(start, start + chunk_tokens)
         parts = (q[:, :, block], k[:, :, block], v[:, :, block], g[:, :, block], beta[:, :, block])
-        if lengths is None or bool((lengths > start).all()):
-            outs.append(_chunk_(*parts, state))
+        if state is None:  # every sequence reaches into the first block, and a padded one's state stays zeros
+            out, state = _chunk_(*parts, None)
+            outs.append(out)
+        elif lengths is None or bool((lengths > start).all()):
+            outs.append(_chunk_(*parts, state)[0])
         else:  # the sequences that end before this block keep their state
             active = (lengths > start).nonzero().squeeze(1)
             out, ongoing = parts[2].new_zeros(parts[2].shape), state[active]
-            out[active] = _chunk_(*(x[active] for x in parts), ongoing)
+            out[active] = _chunk_(*(x[active] for x in parts), ongoing)[0]
             state[active] = ongoing
             outs.append(out)
     return torch.cat(outs, dim=2).transpose(1, 2), state
 
 
 def _chunk_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor) -> torch.Tensor:
-    """One block of L tokens from `state`, which it leaves at the block's end (in place); returns the outputs. With
-    c the cumulative decay inside the block, decay(t, s) = exp(c_t - c_s) and the new values u of every token solve
-    (I + A) u = beta (v - exp(c) S0 k), A[t, s] = beta_t decay(t, s) k_t.k_s for s < t: one unit lower-triangular
-    solve instead of L sequential updates. The state ([B, H, Dv, Dk]) is read by one matmul for keys and queries
-    together."""
+            state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of L tokens from `state`, which it leaves at the block's end (in place); returns the outputs and the
+    state. With c the cumulative decay inside the block, decay(t, s) = exp(c_t - c_s) and the new values u of every
+    token solve (I + A) u = beta (v - exp(c) S0 k), A[t, s] = beta_t decay(t, s) k_t.k_s for s < t: one unit
+    lower-triangular solve instead of L sequential updates. The state ([B, H, Dv, Dk]) is read by one matmul for keys
+    and queries together. `state` None: S0 = 0, nothing to read, and the state at the block's end is made new."""
     length = q.shape[2]
     c = g.cumsum(-1)  # [B, H, L]
     earlier = torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-1)
     # decay between positions, masked before exp so that the upper triangle cannot overflow
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~earlier, float("-inf")).exp()
     system = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # A, strictly lower
+    within = (q @ k.transpose(-1, -2)) * decay.masked_fill(torch.eye(length, dtype=torch.bool, device=q.device), 1.0)
+    ends = k * (c[..., -1:] - c).exp()[..., None]  # each key decayed from its token to the block's end
+    if state is None:
+        u = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+        return within @ u, u.transpose(-1, -2) @ ends
     # exp(c) S0 k and exp(c) S0 q of every token, as rows
     read = (c.exp().repeat(1, 1, 2)[..., None] * torch.cat([k, q], dim=2)) @ state.transpose(-1, -2)
     rhs = beta[..., None] * (v - read[:, :, :length])
     u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    within = (q @ k.transpose(-1, -2)) * decay.masked_fill(torch.eye(length, dtype=torch.bool, device=q.device), 1.0)
     out = torch.baddbmm(read[:, :, length:].flatten(0, 1), within.flatten(0, 1), u.flatten(0, 1)).view_as(u)
-    to_end = (c[..., -1:] - c).exp()  # decay from each token to the block's end
     flat = state.view(-1, *state.shape[-2:])
-    flat.mul_(c[..., -1].exp().reshape(-1, 1, 1)).baddbmm_(u.transpose(-1, -2).flatten(0, 1),
-                                                          (k * to_end[..., None]).flatten(0, 1))
-    return out
+    flat.mul_(c[..., -1].exp().reshape(-1, 1, 1)).baddbmm_(u.transpose(-1, -2).flatten(0, 1), ends.flatten(0, 1))
+    return out, state

@@ -126,17 +126,18 @@ class GatedDeltaNetLayer:
     def _prompts(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StateStep,
                  prompts: PromptRound) -> torch.Tensor:
         """A round of prompt pieces, one per sequence padded to the longest, in one chunked call from their slots'
-        states (zeros for a piece that starts its sequence). Returns [B, L, Hv, Dv] float32."""
+        states (zeros for a piece that starts its sequence: none read when every piece does). Returns
+        [B, L, Hv, Dv] float32."""
         conv, state = step.cache.conv[self.index], step.cache.recurrent[self.index]
         fresh = prompts.fresh
         tails = torch.where(fresh, 0.0, prompts.slots.read(conv))
-        states = torch.where(fresh[..., None], 0.0, prompts.slots.read(state))
+        states = None if prompts.all_fresh else torch.where(fresh[..., None], 0.0, prompts.slots.read(state))
         mixed, tails = causal_conv(qkv[prompts.rows].float().transpose(1, 2), tails, self.conv_weight,
                                    prompts.lengths)
         q, k, v = self._heads(mixed.transpose(1, 2))
         rows = prompts.rows
         out, states = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows], states, lengths=prompts.lengths,
-                                               in_place=True)  # `states` is this call's own (torch.where's)
+                                               in_place=True)  # `states` is this call's own (torch.where's) or new
         prompts.slots.write(conv, tails)
         prompts.slots.write(state, states)
         return out

@@ -217,6 +217,7 @@ def test_prompt_chunks_are_cut_at_their_checkpoints_into_rounds_of_at_most_a_bat
     assert [r.slots.slots.tolist() for r in rounds] == [[0, 1], [3], [1, 3]]  # slot order; a run of 2, then 1
     assert [r.lengths.tolist() for r in rounds] == [[5, 16], [16], [16, 4]]
     assert [r.fresh.view(-1).tolist() for r in rounds] == [[False, True], [True], [False, False]]
+    assert [r.all_fresh for r in rounds] == [False, True, False]  # the one round whose layers read no state
     assert rounds[0].rows[0].tolist() == [20, 21, 22, 23, 24] + [24] * 11  # padding repeats the last real row
     assert rounds[0].real.sum(1).tolist() == [5, 16]
     assert [r.checkpoints for r in rounds] == [[(1, 8)], [(3, 9)], []]  # saved after the piece before them

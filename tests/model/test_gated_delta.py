@@ -87,6 +87,19 @@ def test_sequences_of_different_lengths_in_one_call_agree_with_each_alone(length
         assert not together[i, -(-n // 64) * 64 :].any()  # blocks past a sequence's end are not computed
 
 
+@pytest.mark.parametrize("lengths", [None, [130, 5], [64, 1]])
+def test_prompts_that_start_their_sequences_read_no_state_and_equal_a_zero_one(lengths):
+    """A round whose pieces all start their sequences passes no state: the first block reads none and makes the
+    state new; outputs and final states are a zero state's."""
+    q, k, v, g, beta, state = inputs(130, seed=6)
+    q, k = qk_norm_and_scale(q, k)
+    lengths = None if lengths is None else torch.tensor(lengths)
+    zeros = chunked_gated_delta_rule(q, k, v, g, beta, torch.zeros_like(state), lengths=lengths)
+    none = chunked_gated_delta_rule(q, k, v, g, beta, None, lengths=lengths)
+    assert (none[0] - zeros[0]).abs().max() <= 1e-6 and (none[1] - zeros[1]).abs().max() <= 1e-6
+    assert none[1].any()
+
+
 def test_the_in_place_recurrent_rule_updates_the_state_it_is_given():
     q, k, v, g, beta, state = inputs(3, seed=3)
     q, k = qk_norm_and_scale(q, k)

@@ -11,6 +11,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine import startup
 from kvserve.engine.builder import build_engine, cache_facts
+from kvserve.engine.denormals import flush_denormals
 from kvserve.engine.grammar_masks import MaskWorker
 from kvserve.engine.prompts import PromptType, parse_prompt
 from kvserve.engine.python_stack import with_stack_headroom
@@ -56,6 +57,7 @@ class LLMEngine:
         self.num_constrained_requests = self.num_grammar_cache_hits = self.num_invalid_constrained_outputs = 0
         self._grammars_lock = threading.Lock()
         self._mask_worker: MaskWorker | None = None  # started at the first step that samples a constrained sequence
+        self._on_cpu = torch.device(config.device).type == "cpu"
 
     def capacity_line(self) -> str:
         """The start-up line: the pool the planner sized, its storage format and layer groups (as they are now)."""
@@ -155,6 +157,8 @@ class LLMEngine:
         return with_stack_headroom(self._step)  # the same frame-stack room at every step (engine/python_stack.py)
 
     def _step(self) -> list[RequestOutput]:
+        if self._on_cpu:
+            flush_denormals()  # once per thread that runs steps (a server's engine thread, its OpenMP team)
         out = self.scheduler.schedule()
         if not out.seqs:
             self.kv.wait_for_loads(DISK_LOAD_WAIT_S)  # only prefixes loading from disk: wait, not spin

@@ -11,7 +11,11 @@ inputs, fixed seed; medians of --repeat runs, the candidates taking turns).
   sequence batched and alone, and what running a prompt token by token (the one cut-independent form) costs
   against the chunked form.
 - Prompt batching: a step's prompt chunks through the chunked form in calls of 1, 2, 4 and all of them (the
-  engine's calls hold at most kv/state_cache.py's PROMPT_BATCH_STATE_BYTES of state)."""
+  engine's calls hold at most kv/state_cache.py's PROMPT_BATCH_STATE_BYTES of state).
+- Denormals: fresh prompts two to a call (as the engine batches them) with each head's decay per token drawn as a
+  random-weight model's are (A up to 16, g = -A softplus(...) down to about -11), whose cumulative decays make
+  numbers below float32's smallest normal; timed as they are, then with them flushed to zero on every thread
+  (engine/denormals.py; last, since the mode stays)."""
 from __future__ import annotations
 
 import argparse
@@ -119,6 +123,25 @@ def prompt_batching(shape: tuple[int, int, int, int], sequences: int, tokens: in
         print(f"  {n:>3} per call: {ms[n]:.1f} ms ({ms[n] / ms[1]:.2f}x one per call)")
 
 
+def denormals(shape: tuple[int, int, int, int], sequences: int, tokens: int, repeat: int) -> None:
+    from kvserve.engine.denormals import flush_denormals
+
+    _, heads, dk, dv = shape
+    q, k, v, _, beta, _ = inputs(sequences, tokens, heads, dk, dv, seed=3)
+    strong = -torch.rand(heads, generator=torch.Generator().manual_seed(4)) * 11  # each head's decay per token
+    g = strong.expand(sequences, tokens, heads)
+
+    def prompts() -> None:
+        for i in range(0, sequences, 2):
+            chunked_gated_delta_rule(*(t[i : i + 2] for t in (q, k, v, g, beta)), None)
+
+    kept = medians_ms({"kept": prompts}, max(1, repeat // 4))["kept"]
+    line = flush_denormals()
+    flushed = medians_ms({"flushed": prompts}, max(1, repeat // 4))["flushed"]
+    print(f"denormals, {sequences} fresh prompts of {tokens} tokens two to a call, strong decays, one layer:")
+    print(f"  as they are {kept:.1f} ms; flushed to zero {flushed:.1f} ms ({kept / flushed:.2f}x; {line})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvserve.bench.delta_rule", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-next-80b-a3b", help="planner preset (default %(default)s)")
@@ -137,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     verification(shape, args.draft, args.repeat)
     invariance(shape, args.prompt, args.repeat)
     prompt_batching(shape, args.prompts, args.prompt_tokens, args.repeat)
+    denormals(shape, args.prompts, args.prompt_tokens, args.repeat)
     return 0
 
 

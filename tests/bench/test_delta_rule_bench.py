@@ -12,7 +12,8 @@ def test_it_prints_every_measurement(capsys):
     for line in ("chunked form (the engine)", "its rollback, 3 tokens again", "token by token, every state made",
                  "36 linear layers: the state before the step 72.0 MiB; every token's state 360.0 MiB",
                  "whole vs cut at 23", "recurrent decode of 8 sequences vs each alone", "chunked form",
-                 "4 prompts of 5 tokens", "  2 per call", "  4 per call"):
+                 "4 prompts of 5 tokens", "  2 per call", "  4 per call", "4 fresh prompts of 5 tokens two to a call",
+                 "flushed to zero"):
         assert line in out
 
 

@@ -115,10 +115,10 @@ def read_bandwidth(nbytes: int = 2**30, reps: int = 10) -> float:
     return nbytes / _best_time(data.sum, reps)
 
 
-def replay_matmul(weights: WeightShapes = FIXED):
-    """The route that multiplies float32 weights of a model of `weights`' shapes in this process
-    (model/float_kernels.py: the probe's choice)."""
-    return float_kernels.choose_matmul(torch.float32, weights)
+def replay_matmul(weights: WeightShapes | None = None):
+    """The route that multiplies float32 weights of a model of `weights`' shapes (None: the probe's fixed ones) in
+    this process (model/float_kernels.py: the probe's choice)."""
+    return float_kernels.choose_matmul(torch.float32, weights or FIXED)
 
 
 def _best_time(fn, reps: int) -> float:

@@ -19,10 +19,9 @@ from kvserve.batch_invariant import TILE_ROWS, RowTiles
 from kvserve.compile.steps import (WHOLE_GRAPH_KV_BYTES, CompiledSteps, attention_outside, gemms_unused,
                                    unsupported)
 from kvserve.config import EngineConfig
-from kvserve.engine import startup
+from kvserve.engine import denormals, startup
 from kvserve.engine.head_build import attach_head_streams, build_head_cache, check_head_settings
 from kvserve.engine.head_runner import HeadStreamRunner
-from kvserve.engine.denormals import flush_denormals
 from kvserve.engine.heap import keep_freed_heap
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
@@ -92,7 +91,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     sequence_factory = SequenceFactory(eos_token_ids, validator.tokenizer)
     if torch.device(config.device).type == "cpu":
         logger.info(keep_freed_heap())  # each step's temporaries live on the C heap
-        logger.info(flush_denormals())  # and again in each thread that runs steps (LLMEngine._step)
+        logger.info(denormals.describe())  # flushed while each step runs (LLMEngine._step)
     eager_decode_reason = eager_steps_reason(config, setup)
     model = load_model(config, setup, eager_decode_reason)
     check_model_windows(setup)

@@ -1,61 +1,117 @@
-"""Denormal floats flushed to zero on every thread that computes an engine's steps.
+"""Denormal floats flushed to zero while an engine's steps run, on the thread that runs them and its OpenMP team.
 
 A Gated DeltaNet layer decays its recurrent state by exp(g) every token, and its chunked prompt rule multiplies by
 exp of cumulative decays: strongly decaying heads make numbers below float32's smallest normal (1.2e-38). x86 CPUs
 compute on such denormal numbers through microcode assists, many times slower than on normal ones: the chunked rule
 over fresh prompts with a random-weight model's decays ran 3x slower with them kept on the Intel Xeon
-(`python -m kvserve.bench.delta_rule`, docs/benchmarks.md).
-Flushing them to zero (the CPU's FTZ and DAZ modes, `torch.set_flush_denormal`) changes no result above 1.2e-38.
+(`python -m kvserve.bench.delta_rule`, docs/benchmarks.md). Flushing them to zero (the CPU's FTZ and DAZ modes,
+`torch.set_flush_denormal`) changes no result above 1.2e-38.
 
-The mode belongs to each thread, and PyTorch sets it on the calling thread only; the matmuls, the compiled kernels
-and the BLAS run on the OpenMP threads of the thread that calls them, which a new thread inherits the mode from but
-an existing one does not. So `flush_denormals()` sets it on the calling thread and then on each thread of that
-thread's OpenMP team, by running one parallel region of the OpenMP runtime PyTorch loaded (its GNU entry point, which
-Intel's runtime provides too) whose body sets it. Once per calling thread; where it cannot (not x86, no such runtime,
-a team of fewer threads than PyTorch uses), the start-up line says so and nothing else changes."""
+The mode belongs to each thread's floating-point environment, and PyTorch sets it on the calling thread only; the
+matmuls, the compiled kernels and the BLAS run on the OpenMP team of the thread that calls them, whose threads keep
+the environment they were created with. So `flushed_denormals()` sets the mode on the calling thread, copies that
+thread's environment to every thread of its team by one parallel region of the OpenMP runtime PyTorch loaded (its
+GNU entry point, which Intel's runtime provides too, with libm's `fesetenv` as the region's body), and when the
+block ends puts the environment the calling thread had before back on all of them: outside the engine's steps the
+process computes as it did (Python's floats, NumPy, the user's own tensors). Where there is no such runtime or libm
+(not Linux with glibc), only the calling thread is flushed; where the CPU has no such mode, nothing changes; the
+start-up line says which (`describe()`)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import ctypes.util
+import functools
 import re
 import threading
 
 import torch
 
+ENV_BYTES = 64  # glibc's fenv_t is 32 bytes on x86-64 (the x87 state and MXCSR): room to spare
 BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # a parallel region's body: void fn(void *data)
-_done: dict[int, str] = {}  # calling thread's id -> what was done there
-_lock = threading.Lock()
+TINY = 5e-324  # the smallest denormal double: times 1.0 it stays itself, or is 0 where denormals are flushed
 
 
-def flush_denormals() -> str:
-    """Flush denormals on this thread and its OpenMP team (once per thread); returns what was done, for the
-    start-up line."""
-    ident = threading.get_ident()
-    with _lock:
-        if ident not in _done:
-            _done[ident] = _flush_here_and_in_team()
-        return _done[ident]
-
-
-def _flush_here_and_in_team() -> str:
+@contextlib.contextmanager
+def flushed_denormals():
+    """Denormals flushed to zero on this thread and its OpenMP team while the block runs; their floating-point
+    environment as this thread had it afterwards."""
+    runtime = _runtime()
+    if runtime is None:  # no libm to save the environment with: the mode alone, on this thread
+        on = torch.set_flush_denormal(True)
+        try:
+            yield
+        finally:
+            if on:
+                torch.set_flush_denormal(False)
+        return
+    fegetenv, parallel, fesetenv = runtime
+    saved, flushed = ctypes.create_string_buffer(ENV_BYTES), ctypes.create_string_buffer(ENV_BYTES)
+    fegetenv(saved)
     if not torch.set_flush_denormal(True):
-        return "denormal floats computed as they are (this CPU has no flush-to-zero mode PyTorch sets)"
+        yield
+        return
     threads = torch.get_num_threads()
-    if threads == 1:
-        return "denormal floats flushed to zero (one compute thread)"
-    parallel = _omp_parallel()
-    if parallel is None:
-        return "denormal floats flushed to zero on the calling thread only (no OpenMP runtime found to reach the rest)"
-    flushed: set[int] = set()
+    fegetenv(flushed)
+    if parallel is not None:
+        parallel(fesetenv, flushed, threads, 0)
+    try:
+        yield
+    finally:
+        if parallel is not None:
+            parallel(fesetenv, saved, threads, 0)
+        else:
+            fesetenv(saved)
+
+
+def describe() -> str:
+    """What flushed_denormals() does on this thread and CPU, for the start-up line: each thread of the team is
+    asked, inside the block, whether it flushes."""
+    threads = torch.get_num_threads()
+    runtime = _runtime()
+    parallel = runtime[1] if runtime is not None else None
+    flushing: set[int] = set()
 
     @BODY
-    def body(_data):  # runs on every thread of the team, each taking the GIL in turn
-        if torch.set_flush_denormal(True):
-            flushed.add(threading.get_native_id())
+    def ask(_data):  # runs on every thread of the team, each taking the GIL in turn
+        if _flushes():
+            flushing.add(threading.get_native_id())
 
-    parallel(body, None, threads, 0)
-    if len(flushed) < threads:
-        return f"denormal floats flushed to zero on {len(flushed)} of {threads} compute threads"
-    return f"denormal floats flushed to zero on all {threads} compute threads"
+    with flushed_denormals():
+        if not _flushes():
+            return "denormal floats computed as they are (this CPU has no flush-to-zero mode PyTorch sets)"
+        if threads == 1 or parallel is None:
+            reach = "one compute thread" if threads == 1 else "the calling thread only (no OpenMP runtime found)"
+            return f"denormal floats flushed to zero while steps run, on {reach}"
+        parallel(ctypes.cast(ask, ctypes.c_void_p), None, threads, 0)
+    return f"denormal floats flushed to zero while steps run, on {len(flushing)} of {threads} compute threads"
+
+
+def _flushes() -> bool:
+    """Whether this thread flushes denormals now (Python's floats are computed in the same unit)."""
+    tiny = TINY
+    return tiny * 1.0 == 0.0
+
+
+@functools.cache
+def _runtime():
+    """(fegetenv, GOMP_parallel or None, fesetenv as a region's body) from libm and the OpenMP runtime this
+    process loaded; None without libm."""
+    name = ctypes.util.find_library("m")
+    try:
+        libm = ctypes.CDLL(name) if name else None
+        fegetenv, fesetenv = (libm.fegetenv, libm.fesetenv) if libm is not None else (None, None)
+    except (OSError, AttributeError):
+        return None
+    if fegetenv is None:
+        return None
+    fegetenv.argtypes = fesetenv.argtypes = [ctypes.c_void_p]
+    body = ctypes.cast(fesetenv, ctypes.c_void_p).value  # int fesetenv(const fenv_t *), called as void fn(void *)
+    parallel = _omp_parallel()
+    if parallel is not None:
+        parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        parallel.restype = None
+    return fegetenv, parallel, body if parallel is not None else fesetenv
 
 
 def _omp_parallel():
@@ -67,10 +123,7 @@ def _omp_parallel():
         return None
     for path in sorted(paths):
         try:
-            function = ctypes.CDLL(path).GOMP_parallel
+            return ctypes.CDLL(path).GOMP_parallel
         except (OSError, AttributeError):
             continue
-        function.argtypes = [BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-        function.restype = None
-        return function
     return None

@@ -11,7 +11,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine import startup
 from kvserve.engine.builder import build_engine, cache_facts
-from kvserve.engine.denormals import flush_denormals
+from kvserve.engine.denormals import flushed_denormals
 from kvserve.engine.grammar_masks import MaskWorker
 from kvserve.engine.prompts import PromptType, parse_prompt
 from kvserve.engine.python_stack import with_stack_headroom
@@ -157,8 +157,11 @@ class LLMEngine:
         return with_stack_headroom(self._step)  # the same frame-stack room at every step (engine/python_stack.py)
 
     def _step(self) -> list[RequestOutput]:
-        if self._on_cpu:
-            flush_denormals()  # once per thread that runs steps (a server's engine thread, its OpenMP team)
+        # denormals flushed on the thread that runs the step and its OpenMP team, as they were after it
+        with flushed_denormals() if self._on_cpu else contextlib.nullcontext():
+            return self._scheduled_step()
+
+    def _scheduled_step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.seqs:
             self.kv.wait_for_loads(DISK_LOAD_WAIT_S)  # only prefixes loading from disk: wait, not spin

@@ -74,10 +74,12 @@ def test_start_up_names_the_weights_format_and_their_memory(model_dir, caplog):
         "MB float32 (of which 0.1 MB is oneDNN linear's packed copy of the tied embedding table" in lines[0]
     assert " MB int8 (per-output-channel scales" in lines[1]
     # int8 codes are a quarter of float32; the scales, norms and any kernel-packed copy add the rest. Where no
-    # int8 kernel beats float32 (an AVX2-only CPU), the fallback multiplies float32 copies of the codes.
+    # int8 kernel beats float32 (an AVX2-only CPU; a tiny model's shapes, which the probe times), the fallback
+    # multiplies float32 copies of the codes, beside the tied table's codes that lookups read (a tiny model's
+    # table is much of its weights)
     ratio = int8_llm.engine.model.weights_nbytes / float_llm.engine.model.weights_nbytes
     if isinstance(int8_llm.engine.model.linears.kernel, FloatKernel):
-        assert 0.9 < ratio < 1.1
+        assert 0.9 < ratio < 1.25
     else:
         assert 0.25 < ratio < 0.6
 

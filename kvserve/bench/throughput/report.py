@@ -177,11 +177,10 @@ def print_roofline(console, runs: list[RunResult], model_config) -> None:
     with prompt tokens at their replayed matmuls too (prefill's attention left out), or as long as they took."""
     from kvserve.bench.roofline import (MatmulShapes, decode_steps, read_bandwidth, replay_matmul, replayed_seconds,
                                         share_ceiling, step_seconds, workload_flops)
-    from kvserve.model.probe_shapes import FIXED
 
     shapes = MatmulShapes.of(model_config)
     reference = runs[0]
-    replayed = replay_matmul(next((r.routes.shapes for r in runs if r.routes is not None), FIXED))
+    replayed = replay_matmul(next((r.routes.shapes for r in runs if r.routes is not None), None))
     per_step = step_seconds(shapes, reference.steps, matmul=replayed)
     flops = workload_flops(shapes, reference.steps)
     roof = flops / replayed_seconds(per_step, reference.steps)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvserve.model.probe_shapes import FIXED, WeightShapes
+if TYPE_CHECKING:  # the CLI imports this module, which must not import torch
+    from kvserve.model.probe_shapes import WeightShapes
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,7 @@ class Routes:
     gemms: bool  # ... with --compile-gemms applied (Inductor's GEMM template)
     one_row_loops: bool = False  # ... whose one-row steps multiply float weights or int8 codes in loops of its
     # own (Linears)
-    shapes: WeightShapes = FIXED  # the model's matrices, which the routes were probed on (model/probe_shapes.py)
+    shapes: WeightShapes | None = None  # the model's matrices, which the routes were probed on (probe_shapes.py)
 
     @classmethod
     def of(cls, engine) -> Routes:

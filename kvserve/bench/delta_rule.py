@@ -14,8 +14,8 @@ inputs, fixed seed; medians of --repeat runs, the candidates taking turns).
   engine's calls hold at most kv/state_cache.py's PROMPT_BATCH_STATE_BYTES of state).
 - Denormals: fresh prompts two to a call (as the engine batches them) with each head's decay per token drawn as a
   random-weight model's are (A up to 16, g = -A softplus(...) down to about -11), whose cumulative decays make
-  numbers below float32's smallest normal; timed as they are, then with them flushed to zero on every thread
-  (engine/denormals.py; last, since the mode stays)."""
+  numbers below float32's smallest normal; timed as they are and flushed to zero on every thread as an engine's
+  step flushes them (engine/denormals.py), in turn."""
 from __future__ import annotations
 
 import argparse
@@ -124,7 +124,7 @@ def prompt_batching(shape: tuple[int, int, int, int], sequences: int, tokens: in
 
 
 def denormals(shape: tuple[int, int, int, int], sequences: int, tokens: int, repeat: int) -> None:
-    from kvserve.engine.denormals import flush_denormals
+    from kvserve.engine.denormals import describe, flushed_denormals
 
     _, heads, dk, dv = shape
     q, k, v, _, beta, _ = inputs(sequences, tokens, heads, dk, dv, seed=3)
@@ -135,11 +135,14 @@ def denormals(shape: tuple[int, int, int, int], sequences: int, tokens: int, rep
         for i in range(0, sequences, 2):
             chunked_gated_delta_rule(*(t[i : i + 2] for t in (q, k, v, g, beta)), None)
 
-    kept = medians_ms({"kept": prompts}, max(1, repeat // 4))["kept"]
-    line = flush_denormals()
-    flushed = medians_ms({"flushed": prompts}, max(1, repeat // 4))["flushed"]
+    def flushed() -> None:
+        with flushed_denormals():  # as an engine's step runs
+            prompts()
+
+    ms = medians_ms({"kept": prompts, "flushed": flushed}, max(1, repeat // 4))
     print(f"denormals, {sequences} fresh prompts of {tokens} tokens two to a call, strong decays, one layer:")
-    print(f"  as they are {kept:.1f} ms; flushed to zero {flushed:.1f} ms ({kept / flushed:.2f}x; {line})")
+    print(f"  as they are {ms['kept']:.1f} ms; flushed to zero {ms['flushed']:.1f} ms "
+          f"({ms['kept'] / ms['flushed']:.2f}x; {describe()})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 A Gated DeltaNet layer decays its recurrent state by exp(g) every token, and its chunked prompt rule multiplies by
 exp of cumulative decays: strongly decaying heads make numbers below float32's smallest normal (1.2e-38). x86 CPUs
 compute on such denormal numbers through microcode assists, many times slower than on normal ones: the chunked rule
-over fresh prompts with a random-weight model's decays ran 3x slower with them kept on the Intel Xeon
+over fresh prompts with a random-weight model's decays ran 3.26x slower with them kept on the Intel Xeon
 (`python -m kvserve.bench.delta_rule`, docs/benchmarks.md). Flushing them to zero (the CPU's FTZ and DAZ modes,
 `torch.set_flush_denormal`) changes no result above 1.2e-38.
 

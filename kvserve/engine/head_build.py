@@ -1,25 +1,27 @@
 """Building an engine for per-(layer, KV head) streams (`--kv-eviction adakv`, `adakv-knorm`, `perhead`): what the
-setting refuses by name, its storage (kv/head_streams.py: float, or int8 with a scale per token) sized from the
+setting refuses by name, its storage (kv/head_streams.py: float, int8 with a scale per token, or int4 of rotated
+vectors with a scale and zero point per token) sized from the
 planner's pool, and the manager's scorer."""
 from __future__ import annotations
 
 from kvserve.config import EngineConfig
 from kvserve.kv.formats import FLOAT_FORMATS
-from kvserve.kv.head_streams import HeadStreamKVCache, Int8HeadStreamKVCache
+from kvserve.kv.head_streams import HeadStreamKVCache, Int4HeadStreamKVCache, Int8HeadStreamKVCache
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.kv.scorers import make_scorer
 from kvserve.model.config import ModelConfig
 from kvserve.planner.capacity import KVCachePlan
 from kvserve.planner.layout import KVLayout
 
-HEAD_STREAM_FORMATS = (*FLOAT_FORMATS, "int8")
+QUANTIZED_STREAMS = {"int8": Int8HeadStreamKVCache, "int4": Int4HeadStreamKVCache}
+HEAD_STREAM_FORMATS = (*FLOAT_FORMATS, *QUANTIZED_STREAMS)
 
 
 def check_head_settings(config: EngineConfig) -> None:
     """What per-head streams do not run with yet, by name (batch invariance is refused for every eviction policy by
     EngineConfig)."""
     refused = {
-        # only the float formats and int8 own a head-stream store and read
+        # only the float formats, int8 and int4 own a head-stream store and read
         "kv_cache_dtype": config.kv_cache_format not in HEAD_STREAM_FORMATS,
         "compile_decode": config.compile.asked,  # no compiled step reads head streams (by default: eager)
         "kv_disk_cache": config.kv_disk_cache is not None,  # nothing enters the prefix index to save
@@ -27,9 +29,9 @@ def check_head_settings(config: EngineConfig) -> None:
     names = [name for name, on in refused.items() if on]
     if names:
         raise ValueError(f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with "
-                         f"kv_eviction={config.kv_eviction!r} (per-head streams store float or int8 K/V and are "
-                         "read eagerly): use kv_cache_dtype auto, float32, bfloat16, float16 or int8 and turn the "
-                         "others off")
+                         f"kv_eviction={config.kv_eviction!r} (per-head streams store float, int8 or int4 K/V and "
+                         "are read eagerly): use kv_cache_dtype auto, float32, bfloat16, float16, int8 or int4 and "
+                         "turn the others off")
 
 
 def head_blocks(plan: KVCachePlan, layout: KVLayout, model_config: ModelConfig) -> int:
@@ -41,8 +43,8 @@ def build_head_cache(config: EngineConfig, plan: KVCachePlan, layout: KVLayout,
                      model_config: ModelConfig) -> HeadStreamKVCache:
     args = (layout, head_blocks(plan, layout, model_config), plan.block_size, model_config.num_kv_heads,
             model_config.head_dim, config.torch_dtype, config.device)
-    if config.kv_cache_format == "int8":
-        return Int8HeadStreamKVCache(*args, num_query_heads=model_config.num_heads)
+    if config.kv_cache_format in QUANTIZED_STREAMS:
+        return QUANTIZED_STREAMS[config.kv_cache_format](*args, num_query_heads=model_config.num_heads)
     return HeadStreamKVCache(*args, storage_dtype=FLOAT_FORMATS[config.kv_cache_format],
                              num_query_heads=model_config.num_heads)
 

@@ -1,7 +1,8 @@
 """Per-(layer, KV head) page streams: the storage and attention read of `--kv-eviction adakv`.
 
 The pool's unit is a block of `block_size` tokens of ONE layer's ONE KV head (a head block): K and V as floats
-([head blocks × block_size, head_dim] each; or int8 with a bfloat16 scale per slot, Int8HeadStreamKVCache) and each
+([head blocks × block_size, head_dim] each; or int8 with a bfloat16 scale per slot, Int8HeadStreamKVCache; or int4
+codes of Hadamard-rotated vectors with a float16 scale and zero point per slot, Int4HeadStreamKVCache) and each
 slot's token position (int32), which is what the mask compares (keys keep the RoPE of their original position, so
 nothing is rotated again when tokens move). A sequence holds one stream per (layer, head), each its own list of head
 blocks (head_manager.py), so heads keep different tokens and different counts and a head's dropped tokens free whole
@@ -19,13 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.formats.int4 import SCALE_DTYPE as INT4_SCALE_DTYPE
+from kvserve.kv.formats.int4 import quantize as quantize_int4
 from kvserve.kv.formats.int8 import dequantize_int8, quantize_int8
 from kvserve.kv.formats.per_token import SCALE_DTYPE
 from kvserve.kv.kv_cache import PagedKVCache
 from kvserve.kv.readers import AttentionReader
 from kvserve.kv.scorers import QueryStats
 from kvserve.planner.layout import KVLayout
-from kvserve.rotation import apply_rotary
+from kvserve.rotation import apply_rotary, hadamard
 
 FAR_POSITION = 2**30  # a padded query's position: it sees every stored key, so no row is fully masked
 
@@ -204,6 +207,59 @@ class Int8HeadStreamKVCache(HeadStreamKVCache):
                      for codes, scales in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 
+class Int4HeadStreamKVCache(HeadStreamKVCache):
+    """Head streams in 4 bits: each slot's K and V vectors rotated by a Hadamard matrix (as fp8 and the nuq formats
+    rotate theirs, so that a few large channels spread over all), then asymmetric int4 codes with a float16 scale
+    and zero point per slot (the int4 format's per-token quantization, kv/formats/int4.py: per channel over a block,
+    as that format keeps keys, would not survive a slot moving alone when a stream is compacted), two codes a byte:
+    the vector's two halves. Attention reads them in the rotated basis, the queries rotated and the outputs rotated
+    back (Int4HeadStreamReader); gather_streams, which the scorers read, rotates them back."""
+
+    format_name = "int4"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "storage_dtype": torch.uint8})
+        self.basis = hadamard(self.head_dim).to(device=self.device)  # float32, orthonormal
+        self.reader = Int4HeadStreamReader(self)
+
+    def _allocate(self, slots: int) -> None:
+        self.k = torch.zeros(slots, self.head_dim // 2, dtype=torch.uint8, device=self.device)
+        self.v = torch.zeros(slots, self.head_dim // 2, dtype=torch.uint8, device=self.device)
+        self.k_scale, self.k_zero, self.v_scale, self.v_zero = (
+            torch.zeros(slots, dtype=INT4_SCALE_DTYPE, device=self.device) for _ in range(4))
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.k_scale, self.k_zero, self.v_scale, self.v_zero]
+
+    def _store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        half = self.head_dim // 2
+        for codes, scales, zeros, x in ((self.k, self.k_scale, self.k_zero, k), (self.v, self.v_scale, self.v_zero, v)):
+            q, scale, zero = quantize_int4(x.float() @ self.basis, dim=-1)
+            codes.index_copy_(0, slots, q[:, :half] | (q[:, half:] << 4))
+            scales.index_copy_(0, slots, scale.view(-1))
+            zeros.index_copy_(0, slots, zero.view(-1))
+
+    def _load(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of head block tables [..., B] in the rotated basis, dequantized to the compute dtype."""
+        bs = self.block_size
+        loaded = []
+        for codes, scales, zeros in ((self.k, self.k_scale, self.k_zero), (self.v, self.v_scale, self.v_zero)):
+            packed = codes.view(-1, bs, self.head_dim // 2)[tables]
+            x = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+            x = x * scales.view(-1, bs)[tables][..., None].float() + zeros.view(-1, bs)[tables][..., None].float()
+            loaded.append(x.to(self.dtype))
+        return loaded[0], loaded[1]
+
+    def gather_rotated(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gather_streams' K and V in the rotated basis, as stored (what attention reads)."""
+        return super().gather_streams(tables)
+
+    def gather_streams(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        keys, values, positions = self.gather_rotated(tables)
+        back = self.basis.T
+        return (keys.float() @ back).to(self.dtype), (values.float() @ back).to(self.dtype), positions
+
+
 class HeadStreamReader(AttentionReader):
     """A layer's attention over head streams: per call, one gather of every head's blocks, a mask per head from its
     length and the key positions, one SDPA call with each KV head's query heads as its rows."""
@@ -224,7 +280,7 @@ class HeadStreamReader(AttentionReader):
 
     def attend_call(self, q: torch.Tensor, layer: int, call: HeadCall, scale: float) -> torch.Tensor:
         """[S, Q, Hq, D] outputs of one call."""
-        keys, values, key_positions = self.cache.gather_streams(call.block_tables[layer])  # [S, H, K, D]
+        keys, values, key_positions = self.streams(call.block_tables[layer])  # [S, H, K, D]
         S, H, K, D = keys.shape
         Q = call.query_index.shape[1]
         heads = q.shape[1]
@@ -233,6 +289,32 @@ class HeadStreamReader(AttentionReader):
         seen = key_positions[:, :, None, :] <= call.query_positions[:, None, :, None]  # [S, H, Q, K]
         mask = (stored[:, :, None, :] & seen)[:, :, None].expand(S, H, per_kv, Q, K).reshape(S, H, per_kv * Q, K)
         queries = q[call.query_index].view(S, Q, H, per_kv, D).permute(0, 2, 3, 1, 4).reshape(S, H, per_kv * Q, D)
-        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                             scale=scale)
-        return out.view(S, H, per_kv, Q, D).permute(0, 3, 1, 2, 4).reshape(S, Q, heads, D)
+        out = F.scaled_dot_product_attention(self.in_stored_basis(queries), keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=mask, scale=scale)
+        return self.out_of_stored_basis(out).view(S, H, per_kv, Q, D).permute(0, 3, 1, 2, 4).reshape(S, Q, heads, D)
+
+    def streams(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V and positions of head block tables, in the basis attention reads them in."""
+        return self.cache.gather_streams(tables)
+
+    def in_stored_basis(self, queries: torch.Tensor) -> torch.Tensor:
+        return queries
+
+    def out_of_stored_basis(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+
+class Int4HeadStreamReader(HeadStreamReader):
+    """Attention over int4 streams in their rotated basis: q.k is (q H).(k H) and the output sum of p (v H) is the
+    sum of p v times H, so the queries are rotated and the outputs rotated back instead of every stored token."""
+
+    cache: Int4HeadStreamKVCache
+
+    def streams(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.cache.gather_rotated(tables)
+
+    def in_stored_basis(self, queries: torch.Tensor) -> torch.Tensor:
+        return (queries.float() @ self.cache.basis).to(queries.dtype)
+
+    def out_of_stored_basis(self, out: torch.Tensor) -> torch.Tensor:
+        return (out.float() @ self.cache.basis.T).to(out.dtype)

@@ -11,6 +11,7 @@ from kvserve.planner.kv_size import (
     HEAD_STREAM_POLICIES,
     PER_TOKEN_HEAD_SCALES,
     KVDtype,
+    eviction_kv_dtype,
     fixed_state_bytes,
     kv_bytes_per_token,
     kv_layout,
@@ -250,7 +251,7 @@ def plan_kv_cache(
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     max_model_len = resolve_max_model_len(spec, max_model_len)
-    kv_dtype = resolve_kv_dtype(kv_cache_dtype, spec, kv_scales)
+    kv_dtype = eviction_kv_dtype(eviction, resolve_kv_dtype(kv_cache_dtype, spec, kv_scales))
     per_token = kv_bytes_per_token(spec, kv_dtype, block_size)
     if per_token == 0:
         raise ValueError(f"{spec.name} has no attention layer that keeps a KV cache")

@@ -26,7 +26,7 @@ from kvserve.planner.kv_size import (
     KV_DTYPES,
     KV_SCALES_CHOICES,
     PER_TOKEN_HEAD_SCALES,
-    check_eviction_dtype,
+    eviction_kv_dtype,
     eviction_max_blocks,
     resolve_kv_dtype,
     takes_kv_scales,
@@ -186,11 +186,10 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     if args.block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     spec = load_model_spec(args.model)
-    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, spec, args.kv_scales)
+    kv_dtype = eviction_kv_dtype(args.kv_eviction, resolve_kv_dtype(args.kv_cache_dtype, spec, args.kv_scales))
     max_model_len = resolve_max_model_len(spec, args.max_model_len)
     if min(args.kv_sink_tokens, args.kv_recent_tokens, args.kv_budget_tokens) < 0:
         raise ValueError("--kv-sink-tokens, --kv-recent-tokens and --kv-budget-tokens must not be negative")
-    check_eviction_dtype(args.kv_eviction, kv_dtype)
     max_blocks = eviction_max_blocks(args.kv_eviction, args.kv_sink_tokens, args.kv_recent_tokens,
                                      args.kv_budget_tokens, args.block_size)
     state = _state(spec, args)

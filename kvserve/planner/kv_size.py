@@ -198,25 +198,30 @@ fixed_state_bytes = state_slot_bytes  # what `kvserve plan` reports per request 
 
 
 # eviction policies whose pool is blocks of one layer's one KV head (the engine's kv/head_streams.py), and the KV
-# dtypes those blocks store (floats, and int8 with a scale per token and head as the int8 format keeps)
+# dtypes those blocks store (floats; int8 with a scale per token and head as the int8 format keeps; int4 with a
+# scale and zero point per token and head: a slot moves alone when a stream is compacted, so no statistics per
+# channel over a block as the int4 format keeps for its keys)
 HEAD_STREAM_POLICIES = ("adakv", "adakv-layers", "adakv-knorm", "adakv-keydiff", "perhead", "perhead-mix",
                         "perhead-span")
-HEAD_STREAM_DTYPES = ("fp32", "bf16", "fp16", "int8")
+HEAD_STREAM_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+INT4_PER_TOKEN = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2)
 
 
-def check_eviction_dtype(policy: str, kv_dtype: KVDtype) -> None:
-    """Refuse, as the engine does, a KV dtype that a per-head eviction policy's streams cannot store; and int8 with
-    per-tensor scales, which they do not keep (a scale per token and head: planning without them would count fewer
-    bytes than the engine holds)."""
+def eviction_kv_dtype(policy: str, kv_dtype: KVDtype) -> KVDtype:
+    """How a KV eviction policy stores `kv_dtype`: per-head streams keep int4 keys per token (INT4_PER_TOKEN), every
+    other dtype as it is. Refuses, as the engine does, a dtype the streams cannot store, and int8 with per-tensor
+    scales, which they do not keep (a scale per token and head: planning without them would count fewer bytes than
+    the engine holds)."""
     if policy not in HEAD_STREAM_POLICIES:
-        return
+        return kv_dtype
     if kv_dtype.name not in HEAD_STREAM_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_dtype.name} is not supported with kv_eviction={policy!r} (per-head "
-                         "streams store float or int8 K/V): use kv_cache_dtype auto, float32, bfloat16, float16 or "
-                         "int8")
+                         "streams store float, int8 or int4 K/V): use kv_cache_dtype auto, float32, bfloat16, "
+                         "float16, int8 or int4")
     if kv_dtype.scale_scope == PER_TENSOR:
         raise ValueError(f"--kv-scales {PER_TENSOR_SCALES} is not supported with kv_eviction={policy!r} (per-head "
                          f"streams keep a scale per token and head): use --kv-scales {PER_TOKEN_HEAD_SCALES}")
+    return INT4_PER_TOKEN if kv_dtype.name == "int4" else kv_dtype
 
 
 def eviction_max_blocks(policy: str, sink_tokens: int, recent_tokens: int, budget_tokens: int,

@@ -7,6 +7,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.kv.eviction import HEAD_POLICIES
 from kvserve.kv.head_manager import HeadStreamManager
+from kvserve.kv.head_streams import HeadStreamReader, Int4HeadStreamKVCache
 from kvserve.planner.kv_size import HEAD_STREAM_POLICIES
 from tests.conftest import make_tiny_model
 
@@ -69,9 +70,43 @@ def test_int8_storage_with_room_for_everything_equals_the_int8_full_cache(model_
     assert float((scored(heads, tokens) - float_heads).abs().max()) > 0  # stored as int8, not as floats
 
 
-def test_int8_streams_compress_and_never_read_a_freed_block(model_dir, monkeypatch):
+def test_int4_streams_hold_the_planned_bytes_and_attend_in_their_rotated_basis(model_dir, monkeypatch):
+    """Rotated vectors as int4 with a scale and zero point per slot: the pool holds what the planner counts (half a
+    byte an element, 4 bytes of statistics a slot); attention in the rotated basis (queries rotated, outputs rotated
+    back) equals attention over the stored vectors rotated back; int4 moves the log-probabilities from the float
+    cache's about as far as the int4 format does."""
+    tokens = prompt(60, seed=4)
+    heads = make(model_dir, kv_cache_dtype="int4", **{**ADAKV, "kv_budget_tokens": 200})
+    cache = heads.engine.cache
+    assert cache.describe().startswith("int4, blocks of 16 tokens of one layer's one KV head")
+    assert cache.k.dtype == torch.uint8 and cache.k.shape[1] == 8  # 16 dims, two codes a byte
+    assert cache.nbytes == heads.engine.cache_plan.kv_cache_bytes
+    rotated = scored(heads, tokens)
+    full = scored(make(model_dir), tokens)
+    int4_format = float((scored(make(model_dir, kv_cache_dtype="int4"), tokens) - full).abs().mean())
+    assert 0 < float((rotated - full).abs().mean()) < 2 * int4_format
+    with monkeypatch.context() as patch:  # the plain reader: every stored token rotated back, then attention
+        patch.setattr(cache, "reader", HeadStreamReader(cache))
+        torch.testing.assert_close(scored(heads, tokens), rotated, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_slots_round_trip_within_half_a_step_of_their_rotated_grid():
+    from kvserve.planner.layout import KVLayout
+
+    cache = Int4HeadStreamKVCache(KVLayout.from_layer_windows([None]), 4, 16, 2, 64)
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(16, 64, generator=gen) * torch.linspace(0.1, 8, 64) for _ in range(2))  # uneven channels
+    cache._store(torch.arange(16), k, v)
+    keys, values, _ = cache.gather_streams(torch.tensor([0]))
+    for x, back, scale in ((k, keys, cache.k_scale), (v, values, cache.v_scale)):
+        steps = scale[:16].float()[:, None]  # per slot, in the rotated basis: within half a step in every element
+        assert bool((((back - x) @ cache.basis).abs() <= steps / 2 + 1e-3 * steps.abs() + 1e-6).all())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_streams_compress_and_never_read_a_freed_block(model_dir, monkeypatch, kv_cache_dtype):
     tokens = prompt(200, seed=1)
-    options = {**ADAKV, "kv_eviction": "perhead-mix", "kv_cache_dtype": "int8"}
+    options = {**ADAKV, "kv_eviction": "perhead-mix", "kv_cache_dtype": kv_cache_dtype}
     clean = scored(make(model_dir, **options), tokens)
     llm = make(model_dir, kv_cache_memory=8 * make(model_dir, **options).engine.cache_plan.block_bytes, **options)
     storage = llm.engine.cache
@@ -156,7 +191,7 @@ def test_nothing_leaks_under_preemption_aborts_and_n_above_one(model_dir):
     assert engine.cache.query_stats == {}  # every sequence's query statistics went with it
 
 
-@pytest.mark.parametrize("option, value", [("kv_cache_dtype", "int4"), ("kv_cache_dtype", "nuq4"),
+@pytest.mark.parametrize("option, value", [("kv_cache_dtype", "nuq3"), ("kv_cache_dtype", "nuq4"),
                                            ("kv_cache_dtype", "fp8"), ("compile_decode", True)])
 def test_what_head_streams_do_not_run_with_is_refused_by_name(model_dir, option, value):
     with pytest.raises(ValueError, match=option):

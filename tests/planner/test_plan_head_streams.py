@@ -26,15 +26,15 @@ def test_summary_counts_head_blocks_and_context_tokens_per_gib():
     assert "head" not in full.summary_line()
 
 
-@pytest.mark.parametrize("kv_cache_dtype, refused", [("int8", False), ("int4", True), ("nuq4", True), ("fp8", True),
+@pytest.mark.parametrize("kv_cache_dtype, refused", [("int8", False), ("int4", False), ("nuq4", True), ("fp8", True),
                                                      ("bfloat16", False), ("float32", False), ("auto", False)])
 def test_the_plan_refuses_what_the_engine_refuses(capsys, kv_cache_dtype, refused):
-    # per-head streams store float or int8 K/V: the engine refuses other quantized formats with them, so the plan does
-    # too
+    # per-head streams store float, int8 or int4 K/V: the engine refuses other quantized formats with them, so the
+    # plan does too
     argv = ["plan", "smollm2-135m", "--kv-eviction", "perhead-span", "--kv-cache-dtype", kv_cache_dtype, "--json"]
     assert main(argv) == (2 if refused else 0)
     err = capsys.readouterr().err
-    refusal = "is not supported with kv_eviction='perhead-span' (per-head streams store float or int8 K/V)"
+    refusal = "is not supported with kv_eviction='perhead-span' (per-head streams store float, int8 or int4 K/V)"
     assert (refusal in err) == refused
     assert not refused or f"kv_cache_dtype {KV_DTYPES[kv_cache_dtype].name} " in err
 
@@ -47,6 +47,19 @@ def test_int8_streams_are_planned_with_the_scales_the_engine_keeps(capsys):
     assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 2)
     assert main([*argv, "--kv-scales", "per-tensor"]) == 2
     assert "--kv-scales per-tensor is not supported with kv_eviction='perhead-mix'" in capsys.readouterr().err
+
+
+def test_int4_streams_are_planned_per_token_as_the_engine_keeps_them(capsys):
+    # a slot moves alone when a stream is compacted, so int4 streams keep keys per token too (not per channel over a
+    # block as the int4 format does): half a byte an element, a 2-byte scale and zero point per token and head
+    argv = ["plan", "smollm2-135m", "--kv-eviction", "perhead-mix", "--kv-cache-dtype", "int4", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 30 * 3 * (32 + 4)
+    spec = load_model_spec("smollm2-135m")
+    streams = plan_kv_cache(spec, GiB, 16, "int4", 8192, "perhead-mix", eviction_max_blocks("perhead-mix", 4, 32,
+                                                                                            1024, 16))
+    assert streams.kv_bytes_per_token == 2 * 30 * 3 * (32 + 4)
+    assert plan_kv_cache(spec, GiB, 16, "int4", 8192).kv_bytes_per_token == 30 * 3 * (32 + 4 + 32 + 64 * 4 // 16)
 
 
 def test_the_plan_shows_tokens_per_gib_under_the_setting_without_a_gpu(capsys):

@@ -45,23 +45,26 @@ def flushed_denormals():
             if on:
                 torch.set_flush_denormal(False)
         return
-    fegetenv, parallel, fesetenv = runtime
+    fegetenv, fesetenv, parallel, body = runtime
+    threads = torch.get_num_threads()
+
+    def set_everywhere(env) -> None:  # this thread's environment, and its team's where the runtime is found
+        if parallel is None:
+            fesetenv(env)
+        else:
+            parallel(body, env, threads, 0)
+
     saved, flushed = ctypes.create_string_buffer(ENV_BYTES), ctypes.create_string_buffer(ENV_BYTES)
     fegetenv(saved)
     if not torch.set_flush_denormal(True):
         yield
         return
-    threads = torch.get_num_threads()
     fegetenv(flushed)
-    if parallel is not None:
-        parallel(fesetenv, flushed, threads, 0)
+    set_everywhere(flushed)
     try:
         yield
     finally:
-        if parallel is not None:
-            parallel(fesetenv, saved, threads, 0)
-        else:
-            fesetenv(saved)
+        set_everywhere(saved)
 
 
 def describe() -> str:
@@ -69,7 +72,7 @@ def describe() -> str:
     asked, inside the block, whether it flushes."""
     threads = torch.get_num_threads()
     runtime = _runtime()
-    parallel = runtime[1] if runtime is not None else None
+    parallel = runtime[2] if runtime is not None else None
     flushing: set[int] = set()
 
     @BODY
@@ -95,23 +98,24 @@ def _flushes() -> bool:
 
 @functools.cache
 def _runtime():
-    """(fegetenv, GOMP_parallel or None, fesetenv as a region's body) from libm and the OpenMP runtime this
-    process loaded; None without libm."""
+    """(fegetenv, fesetenv, GOMP_parallel or None, fesetenv's address as a parallel region's body) from libm and
+    the OpenMP runtime this process loaded; None without libm. fesetenv, int fn(const fenv_t *), is called as the
+    region's void fn(void *)."""
     name = ctypes.util.find_library("m")
     try:
         libm = ctypes.CDLL(name) if name else None
-        fegetenv, fesetenv = (libm.fegetenv, libm.fesetenv) if libm is not None else (None, None)
+        functions = (libm.fegetenv, libm.fesetenv) if libm is not None else None
     except (OSError, AttributeError):
         return None
-    if fegetenv is None:
+    if functions is None:
         return None
-    fegetenv.argtypes = fesetenv.argtypes = [ctypes.c_void_p]
-    body = ctypes.cast(fesetenv, ctypes.c_void_p).value  # int fesetenv(const fenv_t *), called as void fn(void *)
+    for function in functions:
+        function.argtypes = [ctypes.c_void_p]
     parallel = _omp_parallel()
     if parallel is not None:
         parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
         parallel.restype = None
-    return fegetenv, parallel, body if parallel is not None else fesetenv
+    return (*functions, parallel, ctypes.cast(functions[1], ctypes.c_void_p).value)
 
 
 def _omp_parallel():

@@ -217,8 +217,13 @@ class Int4HeadStreamKVCache(HeadStreamKVCache):
 
     format_name = "int4"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{**kwargs, "storage_dtype": torch.uint8})
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 *args, **kwargs):
+        if head_dim % 2:
+            raise ValueError(f"int4 head streams pack two codes a byte: head_dim {head_dim} must be even (use "
+                             "kv_cache_dtype int8)")
+        super().__init__(layout, num_blocks, block_size, num_kv_heads, head_dim, *args,
+                         **{**kwargs, "storage_dtype": torch.uint8})
         self.basis = hadamard(self.head_dim).to(device=self.device)  # float32, orthonormal
         self.reader = Int4HeadStreamReader(self)
 

@@ -103,6 +103,13 @@ def test_int4_slots_round_trip_within_half_a_step_of_their_rotated_grid():
         assert bool((((back - x) @ cache.basis).abs() <= steps / 2 + 1e-3 * steps.abs() + 1e-6).all())
 
 
+def test_int4_streams_of_an_odd_head_dim_are_refused_by_name():
+    from kvserve.planner.layout import KVLayout
+
+    with pytest.raises(ValueError, match="head_dim 63 must be even"):
+        Int4HeadStreamKVCache(KVLayout.from_layer_windows([None]), 4, 16, 2, 63)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_quantized_streams_compress_and_never_read_a_freed_block(model_dir, monkeypatch, kv_cache_dtype):
     tokens = prompt(200, seed=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -121,8 +122,10 @@ class MatmulChoice:
 def choose_matmul(dtype: torch.dtype, shapes: WeightShapes = FIXED) -> FloatMatmul:
     """The fastest route for float weights of `dtype` and a model's `shapes` on this CPU (remembered, or probed once
     per process, dtype and shapes)."""
+    started = time.perf_counter()
     choice = remembered_or_probed(dtype, shapes=shapes)
-    logger.info(choice.describe())
+    took = "" if choice.probed_at else f" (the probe took {time.perf_counter() - started:.1f} s)"
+    logger.info(choice.describe() + took)
     return choice.matmul
 
 

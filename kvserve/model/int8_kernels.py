@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -240,8 +241,10 @@ class KernelChoice:
 def choose_kernel(shapes: WeightShapes = FIXED) -> Int8Kernel:
     """The fastest available route on this CPU for a model's `shapes` (remembered, or probed once per process and
     shapes); the fallback if none beats float32."""
+    started = time.perf_counter()
     choice = remembered_or_probed(shapes=shapes)
-    logger.info(choice.describe())
+    took = "" if choice.probed_at else f" (the probe took {time.perf_counter() - started:.1f} s)"
+    logger.info(choice.describe() + took)
     return choice.kernel
 
 

@@ -1,12 +1,13 @@
 """The matmul probes time the routes on the loaded model's own matrix shapes (kvserve/model/probe_shapes.py), and
 each model structure keeps a remembered choice of its own (route_cache.py)."""
 import json
+import logging
 
 import pytest
 import torch
 
 from kvserve.model import float_kernels, int8_kernels, probe_shapes, route_cache
-from kvserve.model.int8_kernels import KernelChoice
+from kvserve.model.int8_kernels import FloatKernel, KernelChoice
 from kvserve.model.probe_shapes import FIXED, ProbedShape, WeightShapes
 from tests.model.test_route_cache import Exact
 
@@ -97,3 +98,15 @@ def test_a_loaded_model_probed_its_own_shapes(tmp_path):
     # the tiny llama-gqa: 2 layers, hidden 64, intermediate 128, 4 heads of 16 over 2 KV heads, an untied head
     assert counts[128, 64] == 4 and counts[64, 128] == 2 and counts[256, 64] == 1 and counts[64, 64] == 4
     assert model.linears.shapes != FIXED
+
+
+
+def test_a_start_that_probed_says_how_long_the_probe_took(route_file, monkeypatch, caplog):
+    monkeypatch.setattr(int8_kernels, "probe_kernels", lambda kernels, shapes: KernelChoice(FloatKernel()))
+    shapes = WeightShapes(((128, 64, 4),))
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        int8_kernels.choose_kernel.__wrapped__(shapes)  # probed: the line says how long it took
+        int8_kernels.choose_kernel.__wrapped__(shapes)  # remembered: no probe to time
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("int8 matmuls:")]
+    assert len(lines) == 2 and "probed now" in lines[0] and "(the probe took " in lines[0]
+    assert "remembered from the probe of" in lines[1] and "the probe took" not in lines[1]

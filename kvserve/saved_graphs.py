@@ -49,7 +49,7 @@ class GraphSet:
     def __init__(self, function: Callable, options: dict, key: GraphKey, external: dict[str, Any],
                  save: bool = True, shared: bool = False):
         self.function = function  # an engine's own copy: its globals reach that engine's model
-        self.options = options
+        self.options = {**options, "guard_filter_fn": without_registry_guard(options.get("guard_filter_fn"))}
         self.key = key
         self.external = external  # the engine's objects a graph refers to by name (its layers), not saved with it
         # Inductor's caches turned off (TORCHINDUCTOR_FORCE_DISABLE_CACHES, for debugging): torch's AOT precompile
@@ -171,6 +171,31 @@ def guard_check(graph: Any) -> Callable[[tuple], bool]:
     names = [p.name for p in params]
     closure = dict(zip(env.bytecode.co_freevars, (cell.cell_contents for cell in env.closure))) if env.closure else {}
     return lambda args: len(args) == len(names) and manager.check({**closure, **dict(zip(names, args))})
+
+
+# Dynamo guards how many classes torch's pytree knows when a traced function flattens one (flex attention's block
+# mask does): an import that registers more (transformers' model outputs) would turn every such graph away, the
+# saved ones and this process's alike. kvserve's graphs take tensors and numbers, which no class registered later
+# flattens differently, so that guard is dropped.
+PYTREE_REGISTRY = "utils._pytree.SUPPORTED_NODES"
+
+
+def saveable_guards(entries) -> list[bool]:
+    """Which of Dynamo's guards a saved graph checks where its function names no choice (torch's AOT precompile's
+    own): none on a global (kvserve's code, which names the graph: GraphKey) nor of a kind torch cannot save."""
+    from torch._dynamo.guards import CheckFunctionManager  # Dynamo's, imported only when it compiles
+
+    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [not (entry.is_global or entry.guard_type in unsaved) for entry in entries]
+
+
+def without_registry_guard(guard_filter: Callable | None) -> Callable:
+    """torch.compile's guard_filter_fn: `guard_filter`'s choice (saveable_guards where None) less the pytree
+    registry's guard."""
+    def guards(entries) -> list[bool]:
+        kept = (guard_filter or saveable_guards)(entries)
+        return [keep and PYTREE_REGISTRY not in entry.name for keep, entry in zip(kept, entries)]
+    return guards
 
 
 RECOMPILE = "Detected recompile"  # how Dynamo's fail_on_recompile stance refuses a call no traced graph fits

@@ -9,6 +9,8 @@ from unittest import mock
 
 import torch
 
+from kvserve.saved_graphs import saveable_guards
+
 # where the graphs reach what never changes in an engine's life: its model (the forward copy's global) and the layers
 # that the regions hold (CompiledSteps._regions, built once)
 ENGINE_CONSTANTS = ("G['_engine']", "meta.layer_regions")
@@ -21,11 +23,8 @@ def step_guards(entries) -> list[bool]:
     step: each weight's tensor check and sizes, that no two weights alias, that shared scales stay shared. Nor
     those on globals (kvserve's code, which names a saved graph: kvserve/saved_graphs.py) or of kinds torch cannot
     save with a graph (an object's identity)."""
-    from torch._dynamo.guards import CheckFunctionManager  # Dynamo's, imported only when it compiles
-
-    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    return [not (entry.name.startswith(ENGINE_CONSTANTS) or entry.is_global or entry.guard_type in unsaved)
-            for entry in entries]
+    return [saveable and not entry.name.startswith(ENGINE_CONSTANTS)
+            for saveable, entry in zip(saveable_guards(entries), entries)]
 
 
 # torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics) named in the start-up line

@@ -5,6 +5,7 @@ that does not compile are left to the eager read."""
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 
 from kvserve import saved_graphs
@@ -94,6 +95,31 @@ def test_a_later_cache_loads_the_saved_kernel_and_reads_every_batch_without_trac
             assert out is not None
             torch.testing.assert_close(out, eager(cache, 1, queries, tables, mask, 0.3), atol=2e-6, rtol=2e-5)
     assert counters["stats"]["unique_graphs"] == 0 and cache.decode_reads_in_place()
+
+
+class Registered:
+    """A class an import registers with torch's pytree after the warm-up, as transformers registers its outputs."""
+
+
+def test_a_class_registered_with_torchs_pytree_after_warm_up_turns_no_call_away(monkeypatch):
+    """The block mask is a pytree, and Dynamo guards how many classes the pytree knows: without dropping that guard
+    a process that imported transformers after its warm-up read every batch eagerly (bench's second round)."""
+    monkeypatch.setattr(saved_graphs, "PROCESS_GRAPHS", {})
+    cache = filled_cache(40)
+    cache.warm_up(num_query_heads=HEADS * PER_HEAD)
+    g = torch.Generator().manual_seed(4)
+    tables = torch.stack([torch.randperm(40, generator=g)[:5] for _ in range(3)])
+    mask = decode_masks(g, 3, 5, window=False)
+    pytree.register_pytree_node(Registered, lambda r: ((), None), lambda children, context: Registered())
+    try:
+        with torch.inference_mode():
+            queries = torch.randn(3, HEADS, PER_HEAD, DIM, generator=g)
+            cache.begin_step([], [], [torch.zeros(3, dtype=torch.long)])
+            out = cache.decode_attention(0, queries, tables, None, None, None, mask, 0.3)
+    finally:
+        pytree._deregister_pytree_node(Registered)
+    assert out is not None
+    torch.testing.assert_close(out, eager(cache, 0, queries, tables, mask, 0.3), atol=2e-6, rtol=2e-5)
 
 
 def test_a_request_reads_the_same_whatever_its_batch():

@@ -35,9 +35,10 @@ class Int8Kernel:
     # Inductor lowers this kernel's calls over weights frozen into a graph (--compile-gemms) to its own C++ GEMM
     inductor_template = False
     # a compiled graph sums one row's codes in a loop of its own (model/linear.py, one_row_sums) instead of calling
-    # this kernel: an op of kvserve's own in a graph, which at one row costs more than the loop (measured for oneDNN's
-    # on the Intel Xeon: docs/benchmarks.md; FBGEMM's is called the same way)
-    loops_at_one_row = False
+    # this kernel, which at one row costs more than the loop: oneDNN's (an op of kvserve's own in a graph) on the Intel
+    # Xeon, torch._int_mm's on the AMD EPYC of CPU family 25 (docs/benchmarks.md); FBGEMM's is called as oneDNN's is.
+    # The float32 fallback's codes are float weights: no integer loop
+    loops_at_one_row = True
 
     def available(self) -> bool:
         """Present here and exact: full-range codes, whose pairwise sums overflow an int16 (oneDNN on a CPU without
@@ -88,7 +89,6 @@ class OneDNNKernel(Int8Kernel):
     name = "onednn.qlinear"
     library = "oneDNN quantized linear (PyTorch's x86 inductor kernel)"
     inductor_template = True
-    loops_at_one_row = True
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (_frozen(torch.ops.onednn.qlinear_prepack(weight, None)), *_unit_scales(weight.shape[0]))
@@ -142,7 +142,6 @@ class FbgemmKernel(Int8Kernel):
 
     name = "fbgemm linear"
     library = "FBGEMM's u8s8 linear (torch.ops.quantized, x86)"
-    loops_at_one_row = True
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape
@@ -197,6 +196,7 @@ class FloatKernel(Int8Kernel):
     in one fixed order. So a row's result never depends on the rows beside it, as with the integer kernels."""
 
     name = "float32 matmul of the int8 codes"
+    loops_at_one_row = False
 
     def __init__(self, reason: str = "no int8 kernel beat float32 here"):
         self.reason = reason  # why the codes are multiplied as float32 (the start-up line says it)

@@ -307,7 +307,7 @@ def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     tied table's rows) are Inductor's own loops there (kvserve/rotation.py), rounded otherwise than eager's BLAS
     (INT8_LOGPROB_TOLERANCE); the integer sums stay the int8 kernel's, exact on every CPU. (oneDNN's op rides in the
     graph as an op of kvserve's own, which Inductor calls as is: it lowers oneDNN's only over frozen weights.) Over
-    those ops' weights a single stream's graphs, its head's included, sum one row's codes in loops of their own
+    the integer kernels' weights a single stream's graphs, its head's included, sum one row's codes in loops of their own
     (model/linear.py, one_row_sums): the same integers."""
     if not kernel.available():
         pytest.skip(f"{kernel.name} is not available or not exact on this CPU")
@@ -317,7 +317,7 @@ def test_int8_weights_decode_compiled_as_eager(tmp_path, monkeypatch, kernel):
     compiled = LLM(str(path), **COMMON, **COMPILED, quantization="int8")
     assert compiled.engine.runner.compiled is not None, "the decode step did not compile"
     assert compiled.engine.model.linears.kernel is kernel
-    loops = kernel.loops_at_one_row  # oneDNN's and FBGEMM's (model/int8_kernels.py)
+    loops = kernel.loops_at_one_row  # the integer kernels' (model/int8_kernels.py), not the float32 fallback's
     assert compiled_step.head_in_graph(compiled.engine.model) == loops == compiled.engine.model.linears.one_row_loops
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     compare(eager, compiled, PROMPTS[:1], params, tolerance=INT8_LOGPROB_TOLERANCE)

@@ -240,11 +240,7 @@ class CopyingKernel(IntMMKernel):
         return super().pack(weight.clone())
 
 
-class LoopedIntMMKernel(IntMMKernel):
-    loops_at_one_row = True
-
-
-@pytest.mark.parametrize("kernel, copied", [(LoopedIntMMKernel(), 0), (CopyingKernel(), 8 * 16)],
+@pytest.mark.parametrize("kernel, copied", [(IntMMKernel(), 0), (CopyingKernel(), 8 * 16)],
                          ids=["a view of the codes", "a copy of its own"])
 def test_int8_codes_are_kept_as_they_are_for_the_one_row_loops(kernel, copied):
     """With dense_in_graph, the linears of a kernel that a graph's one-row loop replaces (loops_at_one_row) keep their
@@ -263,14 +259,14 @@ def test_int8_codes_are_kept_as_they_are_for_the_one_row_loops(kernel, copied):
 
 
 def test_the_kernels_a_one_row_loop_replaces():
-    """oneDNN's and FBGEMM's calls from a graph are ops of kvserve's own (oneDNN's slower at one row than the loop on
-    the Intel Xeon: docs/benchmarks.md); torch._int_mm is an op the graph calls directly and keeps its calls, and the
-    float32 fallback's codes are float weights (no integer loop)."""
-    assert [k.loops_at_one_row for k in KERNELS] == [False, True, True]
+    """Every integer kernel's call at one row in a graph is replaced by the loop (slower than it: oneDNN's on the Intel
+    Xeon, torch._int_mm's on the AMD EPYC of family 25: docs/benchmarks.md); the float32 fallback's codes are float
+    weights (no integer loop), which keep no codes beside them."""
+    assert [k.loops_at_one_row for k in KERNELS] == [True, True, True]
     assert [type(k).__name__ for k in KERNELS] == ["IntMMKernel", "OneDNNKernel", "FbgemmKernel"]
-    linears = Linears(WeightsPolicy(quantization="int8", dense_in_graph=True), kernel=IntMMKernel())
-    assert not linears.keep_codes and linears.linear(torch.randn(8, 16)).codes is None
     assert not FloatKernel().loops_at_one_row
+    linears = Linears(WeightsPolicy(quantization="int8", dense_in_graph=True), kernel=FloatKernel())
+    assert not linears.keep_codes and linears.linear(torch.randn(8, 16)).codes is None
 
 
 @pytest.mark.parametrize("columns", [576, 1536, 3000], ids=lambda k: f"{k} columns")

@@ -49,12 +49,15 @@ class GraphSet:
     def __init__(self, function: Callable, options: dict, key: GraphKey, external: dict[str, Any],
                  save: bool = True, shared: bool = False):
         self.function = function  # an engine's own copy: its globals reach that engine's model
-        self.options = {**options, "guard_filter_fn": without_registry_guard(options.get("guard_filter_fn"))}
         self.key = key
         self.external = external  # the engine's objects a graph refers to by name (its layers), not saved with it
         # Inductor's caches turned off (TORCHINDUCTOR_FORCE_DISABLE_CACHES, for debugging): torch's AOT precompile
         # refuses to run, so the function is traced at every start as with frozen weights
         self.save = save and not torch._inductor.config.force_disable_caches
+        # the graphs' own choice of guards (a saved graph: torch's where they name none; a traced one: every guard),
+        # less the pytree registry's
+        chosen = options.get("guard_filter_fn") or (saveable_guards if self.save else None)
+        self.options = {**options, "guard_filter_fn": without_registry_guard(chosen)}
         self.shared = shared and not external
         self.graphs: list = []  # AOT-compiled functions (save), or the one torch.compile'd function (not save)
         self._checks: dict[int, Callable[[tuple], bool]] = {}  # each saved graph's guards (guard_check), by its id
@@ -190,10 +193,10 @@ def saveable_guards(entries) -> list[bool]:
 
 
 def without_registry_guard(guard_filter: Callable | None) -> Callable:
-    """torch.compile's guard_filter_fn: `guard_filter`'s choice (saveable_guards where None) less the pytree
-    registry's guard."""
+    """torch.compile's guard_filter_fn: `guard_filter`'s choice (every guard where None) less the pytree registry's
+    guard."""
     def guards(entries) -> list[bool]:
-        kept = (guard_filter or saveable_guards)(entries)
+        kept = guard_filter(entries) if guard_filter is not None else [True] * len(entries)
         return [keep and PYTREE_REGISTRY not in entry.name for keep, entry in zip(kept, entries)]
     return guards
 

@@ -269,11 +269,12 @@ def test_the_kernels_a_one_row_loop_replaces():
     assert not linears.keep_codes and linears.linear(torch.randn(8, 16)).codes is None
 
 
-@pytest.mark.parametrize("columns", [576, 1536, 3000], ids=lambda k: f"{k} columns")
+@pytest.mark.parametrize("columns", [576, 1536, 3000, 2083], ids=lambda k: f"{k} columns")
 def test_one_rows_int8_sums_are_the_integer_sums_in_a_graph_and_out(columns):
     """one_row_sums, eagerly and as Inductor's loop: bitwise the integer sums that every int8 kernel returns, over
-    one, two and three slices of EXACT_FLOAT_COLUMNS, with rows of the largest codes (sums past 2^24 rounded once to
-    float32, as the kernels' int32 sums are; one float32 sum of all the products rounds on the way and misses)."""
+    one, two and three equal slices of at most EXACT_FLOAT_COLUMNS, and over slices cut one after another where no
+    equal ones fit (2083 columns, a prime), with rows of the largest codes (sums past 2^24 rounded once to float32, as
+    the kernels' int32 sums are; one float32 sum of all the products rounds on the way and misses)."""
     gen = torch.Generator().manual_seed(columns)
     codes = torch.randint(100, 128, (40, columns), dtype=torch.int8, generator=gen)  # sums of like sign: large
     codes[0], codes[1] = 127, -127
@@ -283,6 +284,15 @@ def test_one_rows_int8_sums_are_the_integer_sums_in_a_graph_and_out(columns):
     assert reference.abs().min() > 2**24 or columns < int8_kernels.EXACT_FLOAT_COLUMNS
     assert torch.equal(linear.one_row_sums(x, codes), reference)
     assert torch.equal(torch.compile(linear.one_row_sums, dynamic=False, fullgraph=True)(x, codes), reference)
+
+
+def test_equal_slices_are_the_fewest_that_sum_exactly_and_divide_the_columns():
+    assert [linear.equal_slices(k) for k in (576, 1040, 1041, 1536, 3000, 4096)] == [1, 1, 3, 2, 3, 4]
+    assert linear.equal_slices(2083) is None  # a prime: no slices of 64 to 1,040 columns
+    assert linear.equal_slices(64 * 1024) == 64
+    for k in (1041, 1536, 3000, 4096, 5000):
+        width = k // linear.equal_slices(k)
+        assert width * linear.equal_slices(k) == k and 64 <= width <= int8_kernels.EXACT_FLOAT_COLUMNS
 
 
 def test_an_int8_linear_keeping_its_codes_multiplies_one_row_in_a_graph_by_its_own_loop(monkeypatch):

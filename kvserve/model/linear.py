@@ -138,8 +138,8 @@ def one_row_sums(x_q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     codes once. Each slice of at most EXACT_FLOAT_COLUMNS columns sums exactly in float32 in whatever order the loop
     adds; the slices' integer sums are added as int32 and rounded to float32 once, as the integer kernels' are.
     Equal slices are a dimension of their own (equal_slices), so the loop reads each row of codes straight through;
-    slices cut one after another make a loop each, each reading its piece of every row (on the AVX-512 EPYC of
-    family 25, 1.7x the time over 576 x 1536 codes: docs/benchmarks.md)."""
+    slices cut one after another make a loop each, each reading its piece of every row, which took longer over
+    SmolLM2's down projection's codes (576 x 1536) on the AMD EPYC of family 25 (docs/benchmarks.md)."""
     x = in_buffer(x_q.float())  # the row's rotation and quantization done once, not for every output n
     n, k = codes.shape
     slices = equal_slices(k)

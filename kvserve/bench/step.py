@@ -1,6 +1,8 @@
 """`kvserve bench step`: one decode step timed three ways in one process: eager, the whole compiled graph
 (attention inside it) and the graph with attention outside it (compile/steps.py), for batches of a few
-sizes whose context lengths are alike (one attention call per layer group) or spread (several).
+sizes whose context lengths are alike (one attention call per layer group) or spread (several). An engine whose KV
+format attends with a decode kernel of its own (int8, int4, nuq) compiles no whole graph: its steps are timed eager
+and with attention outside, a single stream's too.
 
 Under each batch of several, what its attention takes in the graph with attention outside it: that graph's step
 less the same graph with an attention op that returns zeros (replayed alike, interleaved), and the K/V bytes its
@@ -47,8 +49,11 @@ def run_step(args: argparse.Namespace) -> int:
     llm = LLM(**dataclasses.asdict(config))
     engine = llm.engine
     compiled = engine.runner.compiled
-    if compiled is None or not compiled.whole:
-        raise SystemExit("this engine compiles no whole decode graph (its start-up line says why)")
+    if compiled is None:
+        raise SystemExit("this engine compiles no decode graph (its start-up line says why)")
+    if not compiled.whole:  # a KV format with a decode kernel of its own (int8, int4, nuq): attention outside only
+        print("this engine compiles no whole decode graph (its start-up line says why): eager and attention outside "
+              "only")
     from kvserve.bench.roofline import read_bandwidth
     from kvserve.compile.steps import zero_attention
 
@@ -58,9 +63,9 @@ def run_step(args: argparse.Namespace) -> int:
     for n, kind in cases:
         input_ids, meta = _decode_step(engine, n, kind)
         runners = {"eager": lambda: _eager(engine, input_ids, meta)}
-        if compiled.eligible(meta):
+        if compiled.whole and compiled.eligible(meta):
             runners["whole graph"] = lambda: compiled.run_whole(input_ids, meta, compile_missing=True)
-        if n > 1:
+        if compiled.fits_outside(input_ids, meta):  # one sequence only where no whole graph takes it
             runners["attention outside"] = lambda: compiled.run_outside(input_ids, meta)
             runners[NO_ATTENTION] = lambda: compiled.run_outside(input_ids, meta, zero_attention)
         for run in runners.values():  # a first call compiles what no graph compiled at start fits, if any

@@ -50,6 +50,20 @@ def test_bench_step_times_each_batch_eagerly_and_in_each_graph_that_takes_it(tmp
     assert not engine.requests and engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
+def test_bench_step_times_a_format_with_its_own_decode_kernel_with_attention_outside(tmp_path, capsys):
+    """int8 K/V attends with its own compiled kernel, so the engine compiles no whole graph: every batch, a single
+    stream's too, is timed eagerly and with attention outside, and gets its attention's line."""
+    status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "2", "--contexts",
+                   "alike", "--repeat", "2", "--kv-cache-memory", "4MiB", "--kv-cache-dtype", "int8"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "compiles no whole decode graph" in out
+    for batch in ("1 sequence", "2 sequences"):
+        assert re.search(rf"^{batch}, alike contexts \(1 attention call per layer group\): eager {MS}, attention "
+                         rf"outside {MS} \({MS}x\); serving runs: attention outside$", out, re.MULTILINE), batch
+    assert len(re.findall(r"^  its attention, outside the graph: ", out, re.MULTILINE)) == 2
+
+
 def test_bench_step_needs_the_compiled_graphs(tmp_path):
     with pytest.raises(ValueError, match="compile_decode=True contradicts enforce_eager=True"):
         main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--enforce-eager"])

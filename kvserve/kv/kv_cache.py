@@ -84,6 +84,11 @@ class PagedKVCache:
         self.copy_blocks(copies)
         self._slot_mappings = list(slot_mappings)
 
+    def rewind_step(self) -> None:
+        """Before running the last step again over the same slots (`kvserve bench step` replays one): what the
+        cache would drop at the next step because of that step is kept. Nothing, for a format that stores each token
+        as it is written."""
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of the step's new tokens ([T, kv_heads, head_dim]) for `layer` at its group's slots."""
         group = self.layout.group_of[layer]

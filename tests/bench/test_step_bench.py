@@ -50,11 +50,13 @@ def test_bench_step_times_each_batch_eagerly_and_in_each_graph_that_takes_it(tmp
     assert not engine.requests and engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
-def test_bench_step_times_a_format_with_its_own_decode_kernel_with_attention_outside(tmp_path, capsys):
-    """int8 K/V attends with its own compiled kernel, so the engine compiles no whole graph: every batch, a single
-    stream's too, is timed eagerly and with attention outside, and gets its attention's line."""
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_bench_step_times_a_format_with_its_own_decode_kernel_with_attention_outside(tmp_path, capsys,
+                                                                                    kv_cache_dtype):
+    """int8 and int4 K/V attend with their own compiled kernels, so the engine compiles no whole graph: every batch,
+    a single stream's too, is timed eagerly and with attention outside, and gets its attention's line."""
     status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "2", "--contexts",
-                   "alike", "--repeat", "2", "--kv-cache-memory", "4MiB", "--kv-cache-dtype", "int8"])
+                   "alike", "--repeat", "2", "--kv-cache-memory", "4MiB", "--kv-cache-dtype", kv_cache_dtype])
     out = capsys.readouterr().out
     assert status == 0
     assert "compiles no whole decode graph" in out
@@ -62,6 +64,29 @@ def test_bench_step_times_a_format_with_its_own_decode_kernel_with_attention_out
         assert re.search(rf"^{batch}, alike contexts \(1 attention call per layer group\): eager {MS}, attention "
                          rf"outside {MS} \({MS}x\); serving runs: attention outside$", out, re.MULTILINE), batch
     assert len(re.findall(r"^  its attention, outside the graph: ", out, re.MULTILINE)) == 2
+
+
+def test_bench_step_replays_a_step_that_fills_a_block_of_a_staged_format(tmp_path, capsys, monkeypatch):
+    """int4 quantizes a block when a step fills it, from staged tokens that the next step gives back: each replay of
+    a captured step that fills one keeps them (rewind_step) and fills it again (it raised "a block is completed
+    without the staged tokens before it" at the second replay)."""
+    from kvserve.bench import step
+
+    # a prompt of 302 tokens: the first decode step writes position 302, the captured second one 303, a block's last
+    monkeypatch.setattr(step, "ALIKE_LENGTH", 302)
+    decode_step, fills = step._decode_step, []
+
+    def checked(engine, num_seqs, kind):
+        input_ids, meta = decode_step(engine, num_seqs, kind)
+        fills.append(bool(((meta.slot_mappings[0] + 1) % engine.cache.block_size == 0).all()))
+        return input_ids, meta
+
+    monkeypatch.setattr(step, "_decode_step", checked)
+    status = main(["bench", "step", "--model", str(make_tiny_model(tmp_path)), "--sequences", "1", "--repeat", "3",
+                   "--kv-cache-memory", "4MiB", "--kv-cache-dtype", "int4"])
+    assert status == 0 and fills == [True]
+    assert re.search(rf"^1 sequence, alike contexts .*: eager {MS}, attention outside {MS}", capsys.readouterr().out,
+                     re.MULTILINE)
 
 
 def test_bench_step_needs_the_compiled_graphs(tmp_path):

@@ -118,6 +118,10 @@ class StagedBlockKVCache(PagedKVCache):
         self._filled_last_step = [b for plan in self._plans for b in plan.fill_blocks.tolist()]
         self._own_rows = {}
 
+    def rewind_step(self) -> None:
+        # the blocks the last step filled keep their staging rows: running it again fills them again from them
+        self._filled_last_step = []
+
     def _plan(self, slots: torch.Tensor) -> _StepPlan:
         """Which new tokens are staged and which complete a block (then quantized with the staged ones before)."""
         blocks, offsets = slots // self.block_size, slots % self.block_size

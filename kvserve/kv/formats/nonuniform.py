@@ -70,7 +70,7 @@ class NonUniformKVCache(StagedBlockKVCache):
         self.v = torch.zeros(L, N * packed_rows(bs, self.value_bits), H, D, dtype=torch.uint8, device=self.device)
         self.v_scale = torch.zeros(L, N * bs, H, dtype=SCALE_DTYPE, device=self.device)  # per token
         self.attend_decodes_with(fused_decode_attention(self.block_size, self.key_bits, self.value_bits,
-                                                        self.value_coefficients, self.key_scale_dtype == torch.int8)
+                                                        self.value_coefficients)
                                  if compile else None)
         self._quantize = quantizer(bits, self._nearest_value_level)
         self.compiled_store = CompiledFunction(self._quantize) if compile else None
@@ -150,8 +150,6 @@ class NonUniformKVCache(StagedBlockKVCache):
         N = self.num_blocks
         staged_k, staged_v = self._staged(row, own_blocks, rotated=True)
         k_scale = self.k_scale[row].view(N, -1)
-        if k_scale.dtype == torch.int8:  # decoded here, once per block and channel (in the kernel: once per key)
-            k_scale = decode_half_range(k_scale.index_select(0, block_tables.reshape(-1)))
         args = (queries, self.k[row].view(N, -1), self.k_offset[row].view(N, -1), k_scale, self.v[row].view(N, -1),
                 self.v_scale[row].view(N, -1), block_tables, staged_k, staged_v, new_k, new_v, mask, self.basis)
         dynamic = [(t, 0) for t in args[:-1] if t.dim() > 1] + [(block_tables, 1), (mask, 3)] \
@@ -220,23 +218,30 @@ def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: to
     attention fuses them."""
     n, (bs, heads, dim) = k_codes.shape[0], shape
     half = decode_half_range(k_scale).view(n, 1, heads, dim)
-    # level i of the even grid is -1 + i * step: arithmetic, not a gather, which the compiled loops vectorize
+    # level i of the even grid is -1 + i * step: arithmetic, not a gather, which the compiled loops vectorize; each
+    # block's and channel's factor and shift computed once (held), not for every key of the block
     step = 2 / (2 ** bits[0] - 1)
-    keys = unpack(k_codes.view(n, packed_rows(bs, bits[0]), heads, dim), bits[0]).float() * (half * step)
-    keys = keys + (k_offset.float().view(n, 1, heads, dim) - half)
+    keys = unpack(k_codes.view(n, packed_rows(bs, bits[0]), heads, dim), bits[0]).float() * _held(half * step)
+    keys = keys + _held(k_offset.float().view(n, 1, heads, dim) - half)
     # the codebook's levels by a polynomial, not a gather (which Inductor's CPU loops load element by element)
     values = levels_of(unpack(v_codes.view(n, packed_rows(bs, bits[1]), heads, dim), bits[1]), value_coefficients,
                        bits[1])
     return keys, values * v_scale.float().view(n, bs, heads, 1)
 
 
-def fused_decode_attention(block_size: int, key_bits: int, value_bits: int, value_coefficients: tuple[float, ...],
-                           scales_selected: bool = False) -> CompiledFunction:
+def _held(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself, which a compiled graph holds in a buffer of its own (Inductor lowers as_strided only over one), so
+    that the loops reading it do not recompute it for every element they broadcast it to."""
+    return x.as_strided(x.shape, x.stride())
+
+
+def fused_decode_attention(block_size: int, key_bits: int, value_bits: int,
+                           value_coefficients: tuple[float, ...]) -> CompiledFunction:
     """Decode attention over the packed codes (see formats.compiled): selecting the blocks, unpacking the codes,
-    looking up their levels, scaling, shifting and attending become a few generated loops; block size, bits and the
-    codebook's polynomial are constants of them. Each cache gets its own; the graphs are saved whole, named by
-    those constants. `scales_selected`: the keys' half ranges come selected and decoded (a one-byte one is a power
-    of 2, and the generated loops would compute it for every key of the block, not once per block and channel)."""
+    decoding the keys' half ranges (once per block and channel: dequantize_blocks holds them), looking up their
+    levels, scaling, shifting and attending become a few generated loops; block size, bits and the codebook's
+    polynomial are constants of them. Each cache gets its own; the graphs are saved whole, named by those
+    constants."""
     def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
                                     k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                                     block_tables: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,
@@ -251,7 +256,7 @@ def fused_decode_attention(block_size: int, key_bits: int, value_bits: int, valu
         q, new_k, new_v = ((x[..., None].float() * basis).sum(-2) for x in (q, new_k, new_v))
         blocks = block_tables.reshape(-1)
         keys, values = dequantize_blocks(k_codes.index_select(0, blocks), k_offset.index_select(0, blocks),
-                                         k_scale if scales_selected else k_scale.index_select(0, blocks),
+                                         k_scale.index_select(0, blocks),
                                          v_codes.index_select(0, blocks),
                                          v_scale.index_select(0, blocks), value_coefficients, (key_bits, value_bits),
                                          (block_size, H, D))

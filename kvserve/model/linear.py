@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.graph_buffers import in_buffer
 from kvserve.model.float_kernels import BLAS, FloatMatmul, choose_matmul
 from kvserve.model.int8_kernels import EXACT_FLOAT_COLUMNS, FloatKernel, Int8Kernel, choose_kernel
 from kvserve.model.probe_shapes import FIXED, WeightShapes
@@ -162,13 +163,6 @@ def equal_slices(columns: int, min_width: int = 64) -> int | None:
         if columns % slices == 0:
             return slices
     return None
-
-
-def in_buffer(row: torch.Tensor) -> torch.Tensor:
-    """`row` itself, which a graph torch.compile traces holds in a buffer of its own (Inductor lowers as_strided only
-    over one): the elementwise work that made the row (a norm, a residual add, a rotation and quantization) would
-    otherwise be inlined into the matrix-vector loop that reads it, and redone for every output."""
-    return row.as_strided(row.shape, row.stride())
 
 
 def parameter(weight: torch.Tensor) -> torch.nn.Parameter:

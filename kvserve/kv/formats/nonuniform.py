@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.graph_buffers import in_buffer
 from kvserve.kv.formats.codebook import (NearestLevel, check_packable, codebook, levels_of, pack, packed_rows,
                                          unpack)
 from kvserve.kv.formats.compiled import CompiledFunction, attend, decode_kind
@@ -219,29 +220,23 @@ def dequantize_blocks(k_codes: torch.Tensor, k_offset: torch.Tensor, k_scale: to
     n, (bs, heads, dim) = k_codes.shape[0], shape
     half = decode_half_range(k_scale).view(n, 1, heads, dim)
     # level i of the even grid is -1 + i * step: arithmetic, not a gather, which the compiled loops vectorize; each
-    # block's and channel's factor and shift computed once (held), not for every key of the block
+    # block's and channel's factor and shift computed once (in_buffer), not for every key of the block
     step = 2 / (2 ** bits[0] - 1)
-    keys = unpack(k_codes.view(n, packed_rows(bs, bits[0]), heads, dim), bits[0]).float() * _held(half * step)
-    keys = keys + _held(k_offset.float().view(n, 1, heads, dim) - half)
+    keys = unpack(k_codes.view(n, packed_rows(bs, bits[0]), heads, dim), bits[0]).float() * in_buffer(half * step)
+    keys = keys + in_buffer(k_offset.float().view(n, 1, heads, dim) - half)
     # the codebook's levels by a polynomial, not a gather (which Inductor's CPU loops load element by element)
     values = levels_of(unpack(v_codes.view(n, packed_rows(bs, bits[1]), heads, dim), bits[1]), value_coefficients,
                        bits[1])
     return keys, values * v_scale.float().view(n, bs, heads, 1)
 
 
-def _held(x: torch.Tensor) -> torch.Tensor:
-    """`x` itself, which a compiled graph holds in a buffer of its own (Inductor lowers as_strided only over one), so
-    that the loops reading it do not recompute it for every element they broadcast it to."""
-    return x.as_strided(x.shape, x.stride())
-
-
 def fused_decode_attention(block_size: int, key_bits: int, value_bits: int,
                            value_coefficients: tuple[float, ...]) -> CompiledFunction:
     """Decode attention over the packed codes (see formats.compiled): selecting the blocks, unpacking the codes,
-    decoding the keys' half ranges (once per block and channel: dequantize_blocks holds them), looking up their
-    levels, scaling, shifting and attending become a few generated loops; block size, bits and the codebook's
-    polynomial are constants of them. Each cache gets its own; the graphs are saved whole, named by those
-    constants."""
+    decoding the keys' half ranges (once per block and channel: dequantize_blocks keeps the keys' factors and
+    shifts in_buffer), looking up their levels, scaling, shifting and attending become a few generated loops; block
+    size, bits and the codebook's polynomial are constants of them. Each cache gets its own; the graphs are saved
+    whole, named by those constants."""
     def nonuniform_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_offset: torch.Tensor,
                                     k_scale: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                                     block_tables: torch.Tensor, staged_k: torch.Tensor, staged_v: torch.Tensor,

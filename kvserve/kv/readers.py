@@ -5,7 +5,8 @@ group's attention as calls: padded groups of alike requests (AttentionGroup), or
 tiles (TileCall). A reader attends one layer over them:
 - GatherReader, every format's: a group's keys gathered from its blocks in whole (then, for a format that reads a
   query's own block in full precision, int4, that block's staged tokens and the chunk's new ones), one fused
-  scaled-dot-product call; fresh prompts attend over their own new keys, causally.
+  scaled-dot-product call (a single stream inside a compiled graph: products and sums, `decode_sums`); fresh
+  prompts attend over their own new keys, causally.
 - DecodeKernelReader, for a format with a compiled decode attention (int8 and int4 over their stored codes,
   float32 in place: `fused_decode`): one-query groups go to that kernel, the rest as GatherReader.
 - TileReader, batch-invariant mode's: each query over exactly its tile's keys (kvserve/batch_invariant.py).
@@ -172,6 +173,8 @@ def sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     """queries [S, Q, H, D] over keys and values [S, K, KVH, D]; mask [S, 1, Q, K] or None (causal). [S, Q, H, D]."""
     S, Q, H, D = queries.shape
     kv_heads = keys.shape[2]
+    if S == 1 and Q == 1 and mask is not None and torch.compiler.is_compiling():
+        return decode_sums(queries, keys, values, mask, scale)  # a single stream in the whole graph
     if Q == 1 and mask is not None:
         # Decode: the query heads that share a KV head become that head's query rows (one mask row fits all), so
         # the call needs no grouped-query support. On a CPU that is faster than enable_gqa (`kvserve bench
@@ -189,6 +192,24 @@ def sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
         scale=scale,
         enable_gqa=True,
     ).transpose(1, 2)  # [S, Q, H, D]
+
+
+def decode_sums(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """One query per request ([S, 1, H, D]) over keys and values [S, K, KVH, D] under mask [S, 1, 1, K], written as
+    products, sums and a softmax for a graph torch.compile traces (the whole graph: compile/steps.py). Inductor
+    fuses the keys' gather from the pool into the loops that read them, so the keys are read once, where they lie,
+    with no copy and no kernel call of its own; the call to scaled_dot_product_attention it replaces read a gathered
+    copy. `kvserve bench step` measures both (docs/benchmarks.md). Sums run in float32 in another order than the
+    kernel's: a few ulps apart."""
+    S, _, H, D = queries.shape
+    K, kv_heads = keys.shape[1], keys.shape[2]
+    q = queries.float().view(S, 1, kv_heads, H // kv_heads, D)
+    scores = (keys.float()[:, :, :, None, :] * q).sum(-1) * scale  # [S, K, KVH, heads per KV head]
+    scores = scores.masked_fill(~mask.view(S, K, 1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * values.float()[:, :, :, None, :]).sum(1)  # [S, KVH, heads per KV head, D]
+    return out.view(S, 1, H, D).to(queries.dtype)
 
 
 class TileReader(AttentionReader):

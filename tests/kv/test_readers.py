@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kvserve import saved_graphs
 from kvserve.batch_invariant import RowTiles
+from kvserve.kv import readers
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
 from kvserve.kv.kv_cache import LayerRow
 from kvserve.kv.readers import AttentionGroup, DecodeKernelReader, GatherReader, TileReader
@@ -94,3 +95,37 @@ def test_groups_of_part_of_the_batch_land_on_their_tokens():
                                 [AttentionGroup(torch.tensor([[0], [1]]), tables, mask, None, None)], 0.25)
     assert torch.equal(together[2], alone[0])
     assert torch.equal(together[:2], cache.reader.attend(q[:2], k[:2], v[:2], 0, [decode_group()], 0.25))
+
+
+def test_a_single_streams_decode_in_a_compiled_graph_reads_by_sums_and_equals_the_kernels_read(monkeypatch):
+    """Inside a graph torch.compile traces (the whole graph), one request's decode attends by products and sums
+    (readers.decode_sums) over the keys where they lie; its result equals scaled_dot_product_attention's eager one."""
+    cache = filled("float32")
+    group = AttentionGroup(torch.tensor([[0]]), torch.tensor([[3, 1]]), torch.arange(2 * BS).view(1, 1, 1, -1) < 7,
+                           None, None)
+    q, k, v = new_tokens(1)
+    traced, decode_sums = [], readers.decode_sums
+
+    def counted(*args):
+        traced.append(True)
+        return decode_sums(*args)
+
+    monkeypatch.setattr(readers, "decode_sums", counted)
+    compiled = torch.compile(lambda q, k, v: cache.reader.attend(q, k, v, 0, [group], 0.25), fullgraph=True)
+    out = compiled(q, k, v)
+    assert traced  # the sums, not the kernel, inside the graph
+    eager = cache.reader.attend(q, k, v, 0, [group], 0.25)
+    assert torch.allclose(out, eager, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sums_equal_scaled_dot_product_attention_for_grouped_heads(dtype):
+    g = torch.Generator().manual_seed(2)
+    queries = torch.randn(1, 1, HEADS * PER_HEAD, DIM, generator=g).to(dtype)
+    keys, values = (torch.randn(1, 24, HEADS, DIM, generator=g).to(dtype) for _ in range(2))
+    mask = torch.arange(24).view(1, 1, 1, -1) < 21
+    expected = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=mask, scale=0.25, enable_gqa=True).transpose(1, 2)
+    out = readers.decode_sums(queries, keys, values, mask, 0.25)
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert torch.allclose(out.float(), expected.float(), atol=1e-6 if dtype == torch.float32 else 2e-2)

@@ -115,7 +115,7 @@ def test_a_single_streams_decode_in_a_compiled_graph_reads_by_sums_and_equals_th
     out = compiled(q, k, v)
     assert traced  # the sums, not the kernel, inside the graph
     eager = cache.reader.attend(q, k, v, 0, [group], 0.25)
-    assert torch.allclose(out, eager, atol=1e-6)
+    assert torch.allclose(out, eager, atol=1e-5)  # sums in another order: float32 ulps on any CPU's vector width
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,6 +22,7 @@ from kvserve.kv.formats.compiled import CompiledFunction, decode_kind, warm_up_d
 from kvserve.kv.kv_cache import FullPrecisionKVCache
 
 MAX_PARTIAL_BLOCKS = 2  # per request: the block still filling, and a sliding window's first
+REORDER_GAIN = 1.1  # reorder a step's requests when the busiest thread's share would shrink by this factor or more
 
 
 class InPlaceFloatKVCache(FullPrecisionKVCache):
@@ -61,14 +62,32 @@ class InPlaceFloatKVCache(FullPrecisionKVCache):
             return None  # should be in kernel_group.args.input_buffers", torch 2.13): gathered, nothing padded anyway
         key = (id(block_tables), id(mask))  # a step's call builds its block mask once, for all its layers (kept with
         if key not in self._block_masks:  # its tensors, whose ids stay theirs until the next step clears it)
-            self._block_masks[key] = (block_tables, mask,
-                                      block_mask_inputs(block_tables, mask, self.block_size, self.num_blocks))
-        inputs = self._block_masks[key][2]
+            self._block_masks[key] = (block_tables, mask, self._step_inputs(block_tables, mask, queries.shape[1]))
+        order, inputs = self._block_masks[key][2]
         if inputs is None:
             return None
+        if order is not None:
+            queries = queries.index_select(0, order[0])
         args = (queries, self.k[row], self.v[row], *inputs)
         dynamic = [(t, 0) for t in args] + [(inputs[1], 1), (inputs[3], 1)] if self.fused_decode.warming else ()
-        return self.fused_decode(args, dynamic)
+        out = self.fused_decode(args, dynamic)
+        return out.index_select(0, order[1]) if out is not None and order is not None else out
+
+    def _step_inputs(self, block_tables: torch.Tensor, mask: torch.Tensor, kv_heads: int
+                     ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, ...] | None]:
+        """A step's block mask inputs, and the order its requests are attended in with its inverse (None: as
+        given), balanced over the kernel's threads (module doc)."""
+        inputs = block_mask_inputs(block_tables, mask, self.block_size, self.num_blocks)
+        if inputs is None:
+            return None, None
+        blocks = (inputs[0] + inputs[2]).tolist()  # whole and partial blocks each request reads
+        order = thread_balanced_order(blocks, kv_heads, torch.get_num_threads())
+        if order is None:
+            return None, inputs
+        order = torch.tensor(order, device=block_tables.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        return (order, inverse), block_mask_inputs(block_tables[order], mask[order], self.block_size, self.num_blocks)
 
 
 def block_mask_inputs(block_tables: torch.Tensor, mask: torch.Tensor, block_size: int,
@@ -100,6 +119,42 @@ def block_mask_inputs(block_tables: torch.Tensor, mask: torch.Tensor, block_size
     # tensor failed to compile ("'kv_indices' was not declared in this scope", torch 2.13)
     first_partial = partial_ids[:, 0].clone()
     return full.sum(1, dtype=torch.int32), full_ids, num_partial, partial_ids, first_partial, partial_keys
+
+
+def thread_shares(work: list[int], heads: int, threads: int) -> list[float]:
+    """Each thread's work when a kernel splits len(work) × heads items (request by request, its heads together) into
+    contiguous shares of ceil(items / threads), as at::parallel_for does; an item costs its request's work / heads
+    plus one (its own start)."""
+    items = len(work) * heads
+    threads = max(1, min(threads, items))
+    share = -(-items // threads) if items else 1
+    loads = [0.0] * threads
+    for item in range(items):
+        loads[item // share] += work[item // heads] / heads + 1
+    return loads
+
+
+def thread_balanced_order(work: list[int], heads: int, threads: int) -> list[int] | None:
+    """An order of the requests (indices into `work`, each request's blocks) in which the kernel's contiguous
+    shares (thread_shares) hold about the same work: the most work first, each request to the share with the least
+    so far that has room, the requests of a share kept in their given order (neighbours in a running batch took
+    their blocks at about the same time, so they lie near each other). None when the given order is as good: its
+    busiest share is less than REORDER_GAIN times the balanced order's."""
+    if threads < 2 or len(work) < 2:
+        return None
+    share = -(-len(work) * heads // min(threads, len(work) * heads))
+    rooms = [0] * threads
+    for request in range(len(work)):
+        rooms[request * heads // share] += 1  # the share a request's first item falls in
+    shares: list[list[int]] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for request in sorted(range(len(work)), key=lambda r: -work[r]):
+        t = min((t for t in range(threads) if len(shares[t]) < rooms[t]), key=lambda t: loads[t])
+        shares[t].append(request)
+        loads[t] += work[request]
+    order = [request for requests in shares for request in sorted(requests)]
+    balanced = max(thread_shares([work[r] for r in order], heads, threads))
+    return order if max(thread_shares(work, heads, threads)) >= REORDER_GAIN * balanced else None
 
 
 def flex_decode_attention(block_size: int) -> CompiledFunction:

@@ -1,7 +1,8 @@
 """float32 decode attention over the blocks where they lie (flex_attention with a block mask): equal to the eager
 read (gather, then scaled_dot_product_attention) within float32 rounding, for any batch after one warm-up; a
-request's row does not depend on the rest of its batch; masks it cannot express, one request alone, and a cache
-that does not compile are left to the eager read."""
+request's row does not depend on the rest of its batch, nor on the order a step's requests are attended in (balanced
+over the kernel's threads); masks it cannot express, one request alone, and a cache that does not compile are left
+to the eager read."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,9 @@ from torch._dynamo.utils import counters
 
 from kvserve import saved_graphs
 from kvserve.kv.formats import KVCacheSpec, make_kv_cache
-from kvserve.kv.formats.flex_decode import InPlaceFloatKVCache, block_mask_inputs
+from kvserve.kv.formats import flex_decode
+from kvserve.kv.formats.flex_decode import (InPlaceFloatKVCache, block_mask_inputs, thread_balanced_order,
+                                              thread_shares)
 from kvserve.kv.kv_cache import FullPrecisionKVCache
 from kvserve.planner.layout import KVLayout
 
@@ -207,3 +210,45 @@ def test_a_cache_whose_kernel_fails_reads_as_gathered_and_a_later_cache_compiles
         queries = torch.zeros(2, HEADS, PER_HEAD, DIM)
         assert broken.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is None
         assert healthy.decode_attention(0, queries, tables, None, None, None, mask, 1.0) is not None
+
+
+def test_a_batch_with_its_long_contexts_together_is_balanced_over_the_threads():
+    ascending = [2 + i for i in range(16)]  # a running batch's contexts, sorted as admission order sorts them
+    for heads, threads in [(3, 2), (2, 4), (1, 3)]:
+        order = thread_balanced_order(ascending, heads, threads)
+        assert sorted(order) == list(range(16))
+        before, after = thread_shares(ascending, heads, threads), thread_shares([ascending[r] for r in order], heads,
+                                                                                threads)
+        assert max(after) < max(before) / 1.1
+        if 16 % threads == 0:  # shares of as many requests each: as good as even
+            assert max(after) < 1.1 * min(after)
+        share = -(-16 * heads // threads)  # each thread's requests stay in their given order
+        firsts = [[r for p, r in enumerate(order) if p * heads // share == t] for t in range(threads)]
+        assert all(requests == sorted(requests) for requests in firsts)
+    assert thread_balanced_order([5, 6, 5, 6, 6, 5, 5, 6], 3, 2) is None  # as good as it gets already
+    assert thread_balanced_order(ascending, 3, 1) is None and thread_balanced_order([4], 3, 2) is None
+    assert thread_shares([4, 8], 2, 2) == [6.0, 10.0]  # request 0's two items on thread 0, request 1's on thread 1
+
+
+def test_a_reordered_step_reads_each_request_as_its_given_order_does(monkeypatch):
+    cache = filled_cache(40)
+    cache.warm_up(num_query_heads=HEADS * PER_HEAD)
+    orders = []
+    balanced = thread_balanced_order
+    monkeypatch.setattr(flex_decode, "thread_balanced_order", lambda *a: orders.append(balanced(*a)) or orders[-1])
+    g = torch.Generator().manual_seed(4)
+    S, B = 8, 9
+    tables = torch.stack([torch.randperm(40, generator=g)[:B] for _ in range(S)])
+    mask = torch.arange(B * BS)[None, None, None, :] < (torch.arange(S) * BS + 3)[:, None, None, None]  # ascending
+    with torch.inference_mode():
+        queries = torch.randn(S, HEADS, PER_HEAD, DIM, generator=g)
+        for threads, reordered in [(2, True), (1, False)]:
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+            cache.begin_step([], [], [torch.zeros(S, dtype=torch.long)])
+            out = cache.decode_attention(0, queries, tables, None, None, None, mask, 0.3)
+            assert (orders[-1] is not None) == reordered
+            if reordered:
+                first = out
+            else:
+                assert torch.equal(out, first)  # bitwise: each request is read alike in either order
+        torch.testing.assert_close(first, eager(cache, 0, queries, tables, mask, 0.3), atol=2e-6, rtol=2e-5)

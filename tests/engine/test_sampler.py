@@ -8,6 +8,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.detokenizer import Detokenizer
+from kvserve.engine import sampler
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
 from tests.conftest import make_tiny_model
@@ -147,6 +148,27 @@ def test_logprobs_hold_the_top_k_plus_the_sampled_token():
     seq = make_seq(SamplingParams(temperature=0, logprobs=0))
     assert sample(logits, [seq], torch.Generator()).top_logprobs[0] == pytest.approx({0: raw[0].item()})
     assert sample(logits, [make_seq(SamplingParams(temperature=0))], torch.Generator()).top_logprobs == [None]
+
+
+@pytest.mark.parametrize("rows_at_a_time", [1, 3, 64])
+def test_a_batch_gets_each_rows_logprobs_whatever_rows_are_taken_at_a_time(monkeypatch, rows_at_a_time):
+    """Log-probabilities are computed a few rows at a time (a large vocabulary's whole batch would not fit the kept
+    heap): every row gets its own, a penalized row's under its raw distribution, in the batch's order."""
+    monkeypatch.setattr(sampler, "LOGPROB_ROWS_BYTES", rows_at_a_time * VOCAB * 4)
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(5)) * 3
+    raw = torch.log_softmax(logits, dim=-1)
+    seqs = [make_seq(SamplingParams(temperature=0, logprobs=2 if i % 2 else None,
+                                    repetition_penalty=50.0 if i == 3 else 1.0), prompt=[int(raw[i].argmax())])
+            for i in range(7)]
+    result = sample(logits, seqs, torch.Generator())
+    assert result.token_ids[3] != int(raw[3].argmax())  # the penalty moved row 3's pick off its raw top-1
+    assert result.logprobs == pytest.approx([raw[i, t].item() for i, t in enumerate(result.token_ids)], abs=1e-6)
+    for i, top in enumerate(result.top_logprobs):
+        if i % 2 == 0:
+            assert top is None
+        else:
+            best = raw[i].topk(2).indices.tolist()
+            assert top == pytest.approx({t: raw[i, t].item() for t in best + [result.token_ids[i]]}, abs=1e-6)
 
 
 # ---- seeds through the engine ------------------------------------------------------------------------------

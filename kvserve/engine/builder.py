@@ -226,13 +226,21 @@ def _generation_eos(path: Path) -> frozenset[int]:
 # ---- the model and its cache -------------------------------------------------------------------------------
 def load_model(config: EngineConfig, setup: EngineSetup, eager_decode_reason: str | None):
     """The model with its weights; under --compile-decode a one-row graph multiplies float weights in loops of
-    its own, over dense weights (model/linear.py)."""
+    its own, over dense weights (model/linear.py), and where the steps run eagerly all the same, one row is
+    multiplied by that loop compiled on its own (OneRowLoop, compiled or loaded here)."""
     mc = setup.model_config
     weights = load_weights(setup.model_path, config.torch_dtype)
+    eager_one_row = (eager_decode_reason is not None and config.compile.decode_steps and not config.batch_invariant
+                     and torch.device(config.device).type == "cpu")
     policy = WeightsPolicy(config.torch_dtype, config.device, config.quantization, config.batch_invariant,
-                           dense_in_graph=eager_decode_reason is None)
+                           dense_in_graph=eager_decode_reason is None, eager_one_row=eager_one_row)
     model = build_model(mc, weights, setup.max_model_len, policy)
     logger.info(startup.weights_line(weights_facts(config, model)))
+    one_row = model.linears.one_row
+    if one_row is not None:
+        started = time.perf_counter()
+        one_row.warm_up(config.torch_dtype, config.device)
+        logger.info(startup.one_row_loop_line(time.perf_counter() - started, one_row))
     return model
 
 

@@ -81,8 +81,8 @@ def weights_line(facts: WeightsFacts) -> str:
                           "the tied embedding table: lookups read the table, the output head its packed copy")
         if facts.dense_copy_nbytes:
             copies.append(f"{facts.dense_copy_nbytes / 1e6:,.1f} MB the dense weights kept beside "
-                          f"{facts.matmul_name}'s packed copies for compiled decode steps: the single stream's graph "
-                          "multiplies them in loops of its own")
+                          f"{facts.matmul_name}'s packed copies for compiled decode: a single stream multiplies them "
+                          "in loops of their own")
         if copies:
             form += f" (of which {'; '.join(copies)})"
     return f"weights: {facts.nbytes / 1e6:,.1f} MB {form}"
@@ -134,6 +134,14 @@ def compiled_state_update_line(kind: str, seconds: float, kernel) -> str:
     return (f"state cache: decode update (the recurrent states read, decayed and given their rank-one update) "
             f"compiled into one pass in {seconds:.1f} s "
             f"{compiled_kernel_parts(kernel.graphs_loaded, kernel.graphs_compiled)}")
+
+
+def one_row_loop_line(seconds: float, loop) -> str:
+    """How eager steps multiply one row by the float weights (model/linear.py, OneRowLoop)."""
+    if loop.failed:
+        return f"one-row products: the weights' matmul route (compiling their loop failed: {loop.failed})"
+    return (f"one-row products (eager steps): the compiled graphs' float32 loop over the dense weights, compiled "
+            f"in {seconds:.1f} s {compiled_kernel_parts(loop.compiled.graphs_loaded, loop.compiled.graphs_compiled)}")
 
 
 def speculation_line(config: SpeculativeConfig) -> str:

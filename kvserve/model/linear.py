@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.graph_buffers import in_buffer
+from kvserve.kv.formats.compiled import CompiledFunction
 from kvserve.model.float_kernels import BLAS, FloatMatmul, choose_matmul
 from kvserve.model.int8_kernels import EXACT_FLOAT_COLUMNS, FloatKernel, Int8Kernel, choose_kernel
 from kvserve.model.probe_shapes import FIXED, WeightShapes
@@ -38,13 +39,15 @@ class WeightsPolicy:
     `dtype` on `device`, as they are or as int8 (`quantization`, above), float weights multiplied by the BLAS call
     where `batch_invariant` (kvserve/batch_invariant.py) and off the CPU, by the start-up probe's choice otherwise
     (float_kernels.py); `dense_in_graph`: float weights that a packed route multiplies are kept dense too, for a
-    compiled graph's one-row loops (Linear's keep_dense)."""
+    compiled graph's one-row loops (Linear's keep_dense); `eager_one_row`: steps that run eagerly while compiling is
+    on multiply one row by the same loop, compiled on its own (OneRowLoop), over dense weights kept as well."""
 
     dtype: torch.dtype = torch.float32
     device: str | torch.device = "cpu"
     quantization: str = "none"
     batch_invariant: bool = False
     dense_in_graph: bool = False
+    eager_one_row: bool = False
 
 
 class Linear:
@@ -52,15 +55,17 @@ class Linear:
     held as an nn.Parameter (the same tensor), which is what the compiled decode step's --compile-gemms freezes into
     its graph (compile/steps.py), or oneDNN's linear over its packed copy of W, which then replaces W
     (`weight` None) unless `keep_dense`: a compiled graph's one-row steps multiply W in loops of their own
-    (one_row_in_graph), which beat oneDNN's call at one row, so --compile-decode keeps W beside the packed copy."""
+    (one_row_in_graph), which beat oneDNN's call at one row, so --compile-decode keeps W beside the packed copy.
+    Eager steps multiply one row by `one_row` (OneRowLoop, the same loop compiled on its own) where they have it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, matmul: FloatMatmul | None = None,
-                 keep_dense: bool = False):
+                 keep_dense: bool = False, one_row: OneRowLoop | None = None):
         self.matmul = matmul or BLAS
         self.bias = bias
         self.in_features, self.dtype = weight.shape[1], weight.dtype
         self.packed = self.matmul.pack(weight)
-        self.weight = parameter(weight) if self.packed is None or keep_dense else None
+        self.weight = parameter(weight) if self.packed is None or keep_dense or one_row is not None else None
+        self.one_row = one_row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
@@ -68,6 +73,11 @@ class Linear:
             # fused into the loop: bfloat16 weights are read as they are), over the row in a buffer (in_buffer)
             y = (in_buffer(x.float()).unsqueeze(-2) * self.weight.float()).sum(-1).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        if self.one_row is not None and x.numel() == self.in_features and x.dtype == self.dtype:
+            y = self.one_row(x.reshape(-1), self.weight)  # None: no graph takes it (then the route's call)
+            if y is not None:
+                y = y.view(*x.shape[:-1], y.shape[0])
+                return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return self.matmul.linear(x, None, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -131,6 +141,43 @@ class Int8Linear:
     def storages(self) -> dict[int, int]:
         return {**tensor_storages(self.weight_scale, self.bias, self.codes), **self.kernel.storages(self.packed),
                 **self.rotation.storages()}
+
+
+class OneRowLoop:
+    """One row times a float weight as the loop a compiled graph writes for its one-row steps (Linear.__call__), for
+    steps that run eagerly while compiling is on (a model family no step graph takes, such as the Gated DeltaNet
+    hybrids, or settings that need eager steps): products and sums in float32, vectorized and split over every core
+    by Inductor, where oneDNN's call at one row reads the weights more slowly (docs/benchmarks.md, "A hybrid
+    model"). One graph serves every weight shape of a dtype (its sizes dynamic), compiled or loaded at warm_up as
+    the KV formats' kernels are (kv/formats/compiled.py: saved whole, nothing compiled while serving; a failure says
+    why once and leaves the route's call)."""
+
+    def __init__(self):
+        self.compiled = CompiledFunction(one_row_product)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        with torch.inference_mode():  # the graph's row is an inference tensor: a row made outside (the runner picks
+            row = x if x.is_inference() else x.clone()  # the head's rows so) is copied into one
+            # detach: a plain tensor, not the nn.Parameter, whose sizes Dynamo would take as constants
+            return self.compiled((row, weight.detach()))
+
+    def warm_up(self, dtype: torch.dtype, device: str | torch.device) -> None:
+        """Compile (or load) the graph for calls as __call__ makes them: the weight made outside inference mode, the
+        row inside it."""
+        with torch.inference_mode(False):  # as the weights are made, whoever warms it up
+            weight = torch.zeros(48, 32, dtype=dtype, device=device)
+        with torch.inference_mode(), self.compiled.warming_up():
+            x = torch.zeros(32, dtype=dtype, device=device)
+            self.compiled((x, weight), dynamic=[(x, 0), (weight, 0), (weight, 1)])
+
+    @property
+    def failed(self) -> str | None:
+        return self.compiled.failed
+
+
+def one_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [K] times weight [N, K] transposed, [N] in x's dtype, summed in float32 (OneRowLoop's graph)."""
+    return (x.float().unsqueeze(0) * weight.float()).sum(-1).to(x.dtype)
 
 
 def one_row_sums(x_q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -231,6 +278,9 @@ class Linears:
         # oneDNN's alone)
         self.dense_in_graph = (policy.dense_in_graph and self.kernel is None and
                                policy.dtype in GRAPH_MATRIX_VECTOR_DTYPES)
+        # eager steps' one-row loop (OneRowLoop), over dense float weights as well
+        self.one_row = (OneRowLoop() if policy.eager_one_row and self.kernel is None and
+                        policy.dtype in GRAPH_MATRIX_VECTOR_DTYPES else None)
         # ... and int8 codes as they are, beside the packed form of a kernel that a graph's one-row loop replaces
         # (Int8Linear's keep_codes; the kernel's loops_at_one_row)
         self.keep_codes = policy.dense_in_graph and self.kernel is not None and self.kernel.loops_at_one_row
@@ -248,7 +298,7 @@ class Linears:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
         if self.kernel is None:
-            linear = Linear(weight, bias, self.matmul, keep_dense=self.dense_in_graph)
+            linear = Linear(weight, bias, self.matmul, keep_dense=self.dense_in_graph, one_row=self.one_row)
             self.dense_copy_nbytes += linear.dense_copy_nbytes
             return linear
         linear = Int8Linear(weight, bias, self.kernel, keep_codes=self.keep_codes)

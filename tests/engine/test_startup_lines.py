@@ -4,8 +4,8 @@ from kvserve.compile.steps import PendingGraphs
 from kvserve.config import SpeculativeConfig
 from kvserve.engine.startup import (CacheFacts, CompiledAttentionFacts, CompiledStepsFacts, WeightsFacts,
                                     batch_invariance_line, capacity_line, compiled_attention_line, compiled_steps_line,
-                                    compiling_steps_line, eager_steps_line, gemms_not_applied_line, speculation_line,
-                                    weights_line)
+                                    compiling_steps_line, eager_steps_line, gemms_not_applied_line, one_row_loop_line,
+                                    speculation_line, weights_line)
 from kvserve.planner.capacity import plan_kv_cache
 from kvserve.planner.model_spec import ModelSpec
 
@@ -21,7 +21,7 @@ def test_float_weights_name_their_dtype_and_any_copies_a_kernel_keeps():
     assert weights_line(copies) == (
         "weights: 2.0 MB float32 (of which 0.1 MB is oneDNN linear's packed copy of the tied embedding table: lookups "
         "read the table, the output head its packed copy; 1.5 MB the dense weights kept beside oneDNN linear's packed "
-        "copies for compiled decode steps: the single stream's graph multiplies them in loops of its own)")
+        "copies for compiled decode: a single stream multiplies them in loops of their own)")
 
 
 def test_int8_weights_name_their_scales_the_fallback_kernel_and_the_copies():
@@ -116,3 +116,18 @@ def test_speculation_line_names_the_method_and_its_bounds():
     assert speculation_line(suffix) == (
         "speculative decoding: suffix, up to 6 draft tokens (suffix match up to 12 tokens over the request and the "
         "last 50 outputs), while at most 4 sequences decode in a step (disable_by_batch_size)")
+
+
+def test_the_one_row_loop_line_says_how_it_was_got_or_why_it_is_not_used():
+    class Loop:
+        failed = None
+
+        class compiled:
+            graphs_loaded, graphs_compiled = 0, 1
+
+    assert one_row_loop_line(2.84, Loop()) == (
+        "one-row products (eager steps): the compiled graphs' float32 loop over the dense weights, compiled in 2.8 s "
+        "(1 graph compiled, torch.compile; --enforce-eager skips it)")
+    Loop.failed = "no C++ compiler"
+    assert one_row_loop_line(0.1, Loop()) == ("one-row products: the weights' matmul route (compiling their loop "
+                                              "failed: no C++ compiler)")

@@ -329,3 +329,60 @@ def test_the_policy_picks_the_routes_once(device):
     assert int8.matmul is BLAS and isinstance(int8.kernel, FloatKernel) == (device != "cpu")
     probed = Linears.for_policy(WeightsPolicy(device=device))
     assert probed.matmul is (float_kernels.choose_matmul(torch.float32) if device == "cpu" else BLAS)
+
+
+class CountingRoute:
+    """A packed route (whatever the CPU) that counts its calls."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.calls = 0
+
+    def pack(self, weight):
+        return weight.clone()
+
+    def linear(self, x, weight, packed, bias):
+        self.calls += 1
+        return F.linear(x, packed, bias)
+
+    def storages(self, packed):
+        return {packed.untyped_storage().data_ptr(): packed.nbytes}
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_eager_steps_multiply_one_row_by_the_loop_compiled_once_for_every_shape(dtype, tolerance):
+    """With eager_one_row a packed route's weights are kept dense too, and one row (whatever its leading shape) is
+    multiplied by OneRowLoop's graph, the same product and sum a compiled step writes, compiled once at warm-up
+    for every weight shape of the dtype (a row made outside inference mode, as the runner makes the head's, copied
+    into one); several rows keep the route's call, and so does one row before the warm-up (nothing compiles outside
+    it)."""
+    torch.manual_seed(0)
+    route = CountingRoute()
+    linears = Linears(WeightsPolicy(dtype, eager_one_row=True), matmul=route)
+    shapes = [(48, 96), (20, 32)]
+    layers = [linears.linear(torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)) for n, k in shapes]
+    assert linears.dense_copy_nbytes == sum(n * k for n, k in shapes) * torch.empty((), dtype=dtype).element_size()
+    with torch.inference_mode():
+        one = torch.randn(1, 96).to(dtype)
+        assert torch.equal(layers[0](one), F.linear(one, layers[0].packed, layers[0].bias))  # not warmed up: the route
+        assert route.calls == 1
+        linears.one_row.warm_up(dtype, "cpu")
+        assert linears.one_row.failed is None and linears.one_row.compiled.graphs_compiled == 1
+        for layer, (n, k) in zip(layers, shapes):
+            for lead in [(), (1,), (1, 1)]:
+                x = torch.randn(*lead, k).to(dtype)
+                expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype)
+                torch.testing.assert_close(layer(x), expected, rtol=tolerance, atol=tolerance)
+        assert route.calls == 1 and linears.one_row.compiled.graphs_compiled == 1  # none more for the other shape
+        with torch.inference_mode(False):
+            outside = torch.randn(1, 32).to(dtype)
+        assert not outside.is_inference()
+        expected = F.linear(outside.float(), layers[1].weight.float(), layers[1].bias.float()).to(dtype)
+        torch.testing.assert_close(layers[1](outside), expected, rtol=tolerance, atol=tolerance)
+        assert route.calls == 1
+        rows = torch.randn(3, 96).to(dtype)
+        assert torch.equal(layers[0](rows), F.linear(rows, layers[0].packed, layers[0].bias)) and route.calls == 2
+    plain = Linears(WeightsPolicy(dtype), matmul=CountingRoute())
+    assert plain.one_row is None and plain.linear(torch.randn(4, 8).to(dtype)).weight is None
+    assert Linears(WeightsPolicy(quantization="int8", eager_one_row=True), kernel=FloatKernel()).one_row is None

@@ -150,6 +150,8 @@ def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path, monkey
               **({"compile_decode": True} if compiled else {}))
     update = llm.engine.runner.state_cache.compiled_update
     assert (update is not None) == compiled
+    one_row = llm.engine.model.linears.one_row  # compiled, a decode's one row is multiplied by the compiled loop too
+    assert (one_row is not None and one_row.failed is None) == compiled
     eager_updates = []  # decode updates that ran eagerly
     eager = state_cache.delta_rule_step_
     monkeypatch.setattr(state_cache, "delta_rule_step_", lambda *args: eager_updates.append(1) or eager(*args))
@@ -170,6 +172,14 @@ def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path, monkey
     assert_nothing_held(llm.engine)
     # compiled: both kinds of decode (in place and through copies) ran the two graphs compiled at start
     assert (len(eager_updates) == 0) == compiled and (not compiled or len(update.graphs.graphs) == 2)
+    if compiled:  # one graph for every weight shape; a single stream's decodes take it, matching transformers
+        loop = one_row.compiled
+        assert loop.graphs_compiled + loop.graphs_loaded == 1
+        taken = []
+        monkeypatch.setattr(one_row, "compiled", lambda args: taken.append(loop(args)) or taken[-1])
+        output = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)[0]
+        logits, generated = reference(path, prompts[0])
+        assert output.outputs[0].token_ids == generated and taken and all(y is not None for y in taken)
 
 
 def test_preempted_sequences_recompute_to_the_same_logits(tmp_path):

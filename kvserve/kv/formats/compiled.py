@@ -75,13 +75,12 @@ class CompiledFunction:
         except GraphMiss as miss:  # nothing compiles while serving: this call is attended eagerly
             if str(miss) not in self._misses:
                 self._misses.add(str(miss))
-                logger.warning(f"KV cache: a call fits no compiled {self.fn.__name__} ({miss}); running it eagerly, "
+                logger.warning(f"a call fits no compiled {self.fn.__name__} ({miss}); running it eagerly, "
                                "no compiling while serving")
             return None
         except Exception as exc:  # noqa: BLE001 - any compile failure means: fall back, and say why once
             self.failed = first_line(exc)
-            logger.warning(f"KV cache: compiling {self.fn.__name__} failed ({self.failed}); running it eagerly "
-                           "(slower)")
+            logger.warning(f"compiling {self.fn.__name__} failed ({self.failed}); running it eagerly (slower)")
             return None
 
     def __getstate__(self) -> dict:

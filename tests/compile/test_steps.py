@@ -381,7 +381,8 @@ def test_half_precision_pools_run_inside_the_whole_graph_as_eager(tmp_path, kv_c
     (dict(deepseek=True), "DeepseekModel is not compiled (Llama and Gemma 3 families only)"),
 ])
 def test_what_the_graph_does_not_cover_runs_eagerly_and_says_why(tmp_path, caplog, options, reason):
-    """...and keeps no dense weights beside oneDNN's packed ones: no graph would read them."""
+    """...and keeps dense weights beside oneDNN's packed ones only for its eager steps' one-row loop (OneRowLoop), not
+    for a graph's; --batch-invariant compiles no loop and keeps F.linear, over the dense weights alone."""
     options = dict(options)
     path = make_deepseek(tmp_path) if options.pop("deepseek", False) else make_tiny_model(tmp_path)
     with caplog.at_level(logging.INFO, logger="kvserve"), float_matmul(OneDNNMatmul()):
@@ -389,8 +390,9 @@ def test_what_the_graph_does_not_cover_runs_eagerly_and_says_why(tmp_path, caplo
     assert llm.engine.runner.compiled is None
     assert f"decode steps: eager ({reason}" in caplog.text
     batch_invariant = options.get("batch_invariant", False)  # which keeps F.linear, over the dense weights
-    assert llm.engine.model.linears.dense_copy_nbytes == 0 and not llm.engine.model.linears.dense_in_graph
-    assert (llm.engine.model.lm_head.weight is None) != batch_invariant
+    linears = llm.engine.model.linears
+    assert not linears.dense_in_graph and (linears.one_row is None) == batch_invariant
+    assert (linears.dense_copy_nbytes > 0) != batch_invariant and llm.engine.model.lm_head.weight is not None
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
 
 

@@ -174,7 +174,7 @@ def test_decodes_whose_slots_are_not_one_run_match_transformers(tmp_path, monkey
     assert (len(eager_updates) == 0) == compiled and (not compiled or len(update.graphs.graphs) == 2)
     if compiled:  # one graph for every weight shape; a single stream's decodes take it, matching transformers
         loop = one_row.compiled
-        assert loop.graphs_compiled + loop.graphs_loaded == 1
+        assert loop.graphs_compiled + loop.graphs_loaded <= 1  # none if this process compiled it before
         taken = []
         monkeypatch.setattr(one_row, "compiled", lambda args: taken.append(loop(args)) or taken[-1])
         output = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)[0]

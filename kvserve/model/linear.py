@@ -71,7 +71,7 @@ class Linear:
         if self.weight is not None and x.dtype in GRAPH_MATRIX_VECTOR_DTYPES and one_row_in_graph(x):
             # Inductor's own loop over every core (one_row_in_graph), products and sums in float32 (the casts are
             # fused into the loop: bfloat16 weights are read as they are), over the row in a buffer (in_buffer)
-            y = (in_buffer(x.float()).unsqueeze(-2) * self.weight.float()).sum(-1).to(x.dtype)
+            y = one_row_product(in_buffer(x.float()), self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.one_row is not None and x.numel() == self.in_features and x.dtype == self.dtype:
             y = self.one_row(x.reshape(-1), self.weight)  # None: no graph takes it (then the route's call)
@@ -176,8 +176,9 @@ class OneRowLoop:
 
 
 def one_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [K] times weight [N, K] transposed, [N] in x's dtype, summed in float32 (OneRowLoop's graph)."""
-    return (x.float().unsqueeze(0) * weight.float()).sum(-1).to(x.dtype)
+    """One row x ([K], or [..., 1, K]) times weight [N, K] transposed, in x's dtype, as a product and a sum in float32:
+    what a compiled graph's one-row step writes (Linear.__call__) and OneRowLoop's graph."""
+    return (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(x.dtype)
 
 
 def one_row_sums(x_q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,11 @@ planner's pool, and the manager's scorer."""
 from __future__ import annotations
 
 from kvserve.config import EngineConfig
+from kvserve.kv.eviction import HEAD_POLICIES
 from kvserve.kv.formats import FLOAT_FORMATS
 from kvserve.kv.head_streams import HeadStreamKVCache, Int4HeadStreamKVCache, Int8HeadStreamKVCache
 from kvserve.kv.kv_cache_manager import KVCacheManager
-from kvserve.kv.scorers import make_scorer
+from kvserve.kv.scorers import make_scorer, window_queries
 from kvserve.model.config import ModelConfig
 from kvserve.planner.capacity import KVCachePlan
 from kvserve.planner.layout import KVLayout
@@ -43,10 +44,11 @@ def build_head_cache(config: EngineConfig, plan: KVCachePlan, layout: KVLayout,
                      model_config: ModelConfig) -> HeadStreamKVCache:
     args = (layout, head_blocks(plan, layout, model_config), plan.block_size, model_config.num_kv_heads,
             model_config.head_dim, config.torch_dtype, config.device)
+    scorer = HEAD_POLICIES[config.kv_eviction][0]
+    kwargs = dict(num_query_heads=model_config.num_heads, window_queries=window_queries(scorer))
     if config.kv_cache_format in QUANTIZED_STREAMS:
-        return QUANTIZED_STREAMS[config.kv_cache_format](*args, num_query_heads=model_config.num_heads)
-    return HeadStreamKVCache(*args, storage_dtype=FLOAT_FORMATS[config.kv_cache_format],
-                             num_query_heads=model_config.num_heads)
+        return QUANTIZED_STREAMS[config.kv_cache_format](*args, **kwargs)
+    return HeadStreamKVCache(*args, storage_dtype=FLOAT_FORMATS[config.kv_cache_format], **kwargs)
 
 
 def attach_head_streams(kv: KVCacheManager, cache: HeadStreamKVCache, model) -> None:

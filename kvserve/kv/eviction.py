@@ -6,9 +6,9 @@
   the true one, its distance to the sinks is what it would be with the window right after them.
 - H2O (`h2o`): keep the sinks, the recent window and the blocks that received the most attention ("heavy
   hitters") within `budget_tokens`; positions stay the original ones.
-- Per head (`adakv`, `adakv-keydiff`, `adakv-knorm`, `perhead`, `perhead-mix`, `perhead-span`): each (layer, KV
-  head) keeps its own tokens, per token rather than per block, in its own stream of head blocks (HeadBudgetPolicy;
-  kv/head_manager.py).
+- Per head (`adakv`, `adakv-keydiff`, `adakv-knorm`, `perhead`, `perhead-mix`, `perhead-span`, `perhead-observed`,
+  `perhead-observed-span`): each (layer, KV head) keeps its own tokens, per token rather than per block, in its own
+  stream of head blocks (HeadBudgetPolicy; kv/head_manager.py).
 
 Eviction is per block (16 tokens): a block is dropped only when no query will read it again (streaming) or when
 its accumulated attention is the lowest among the droppable ones (h2o, summing its tokens' scores: a block
@@ -125,9 +125,11 @@ class HeadBudgetPolicy(EvictionPolicy):
     budgets pooled over every layer's heads at once, so a layer may keep more than another; `adakv-knorm`: key norms;
     `perhead`: expected attention, every head the same count; `perhead-mix`: the same counts, half of each kept by
     expected attention and half by KeyDiff, kv/scorers.py's UnionScorer; `perhead-span`: the same, KeyDiff's scores
-    pooled over SPAN_TOKENS neighbours first, kv/scorers.py's SpanScorer): each head keeps its own tokens in its own
-    stream of head blocks (kv/head_streams.py, kv/head_manager.py), `budget_tokens` per head on average, the sinks,
-    the block being filled and the last `recent_tokens` always."""
+    pooled over SPAN_TOKENS neighbours first, kv/scorers.py's SpanScorer; `perhead-observed`: the attention the
+    sequence's latest queries paid, every head the same count, kv/scorers.py's ObservedAttentionScorer;
+    `perhead-observed-span`: `perhead-span` with that in place of expected attention): each head keeps its own
+    tokens in its own stream of head blocks (kv/head_streams.py, kv/head_manager.py), `budget_tokens` per head on
+    average, the sinks, the block being filled and the last `recent_tokens` always."""
 
     name: str = "adakv"
     scorer: str = "expected"
@@ -144,7 +146,9 @@ SPAN_TOKENS = 9  # `perhead-span`'s window: KeyDiff's scores max-pooled over 9 t
 HEAD_POLICIES = {"adakv": ("expected", True, False), "adakv-layers": ("expected", True, True),
                  "adakv-knorm": ("knorm", True, False), "adakv-keydiff": ("keydiff", True, False),
                  "perhead": ("expected", False, False), "perhead-mix": ("expected+keydiff", False, False),
-                 "perhead-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False, False)}
+                 "perhead-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False, False),
+                 "perhead-observed": ("observed", False, False),
+                 "perhead-observed-span": (f"observed+span{SPAN_TOKENS}(keydiff)", False, False)}
 
 
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:

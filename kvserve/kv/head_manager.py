@@ -82,6 +82,9 @@ class HeadStreamManager:
         if storage.null_block != self.pool.num_blocks:
             raise ValueError(f"the storage holds {storage.null_block} head blocks, the pool {self.pool.num_blocks}")
         self.storage, self.scorer = storage, scorer
+        if storage.window_queries != scorer.window_queries:
+            raise ValueError(f"the storage keeps {storage.window_queries} queries a sequence, the scorer "
+                             f"{scorer.name} reads {scorer.window_queries}")
         self.num_layers, self.num_heads = storage.num_layers_total, storage.num_kv_heads
 
     # ---- the coordinator's calls -------------------------------------------------------------------------------
@@ -149,6 +152,9 @@ class HeadStreamManager:
         src = self.storage._block_rows(parent.held_blocks())
         self.storage.move_slots(src, self.storage._block_rows(child.held_blocks()))
         self.streams[child_id] = child
+        stats = self.storage.query_stats.get(parent_id)
+        if stats is not None:  # the queries the child's stored tokens were asked with are the parent's
+            self.storage.query_stats[child_id] = stats.copy()
 
     def free(self, request_id: str) -> None:
         streams = self.streams.pop(request_id, None)
@@ -191,7 +197,7 @@ class HeadStreamManager:
         valid = torch.arange(keys.shape[2])[None, None, :] < streams.lengths[..., None]
         stats = self.storage.query_stats.get(request_id) or QueryStats.empty(
             self.num_layers, self.storage.num_query_heads, keys.shape[-1])
-        scores = self.scorer.score(keys, values, valid, stats, position)
+        scores = self.scorer.score(keys, values, valid, stats, position, key_positions)
         p = self.policy
         protect_from = min(position - p.recent_tokens, position - position % self.block_size)
         protected = valid & ((key_positions < p.sink_tokens) | (key_positions >= protect_from))

@@ -12,7 +12,8 @@ A step is described once by the runner (engine/head_runner.py): the slots every 
 ([layers, tokens, heads]) and, per attention call, the calls' block tables as one tensor [layers, S, heads, B] with
 the streams' lengths [layers, S, heads]. Attention then gathers one layer's heads in one indexed read and masks each
 head by its own length and by position (causal), no loop over heads. The reader also adds up each sequence's
-queries before RoPE (QueryStats) for the expected-attention scorer."""
+queries before RoPE (QueryStats) for the expected-attention scorer and, where the scorer reads them
+(`window_queries`), keeps each sequence's latest queries as they were asked (after RoPE) for the observed one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,7 +64,8 @@ class HeadStreamKVCache(PagedKVCache):
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 storage_dtype: torch.dtype | None = None, num_query_heads: int | None = None):
+                 storage_dtype: torch.dtype | None = None, num_query_heads: int | None = None,
+                 window_queries: int = 0):
         super().__init__(layout, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.storage_dtype = storage_dtype or dtype
         self.exact = self.storage_dtype == dtype
@@ -78,6 +80,7 @@ class HeadStreamKVCache(PagedKVCache):
         self._slots = torch.zeros(0, 0, num_kv_heads, dtype=torch.long)
         self._record: QueryRecord | None = None
         self._step_totals = self._step_squares = None
+        self.window_queries = window_queries  # each sequence's latest queries, kept for its scorer (QueryStats)
 
     @property
     def format_name(self) -> str:
@@ -104,8 +107,15 @@ class HeadStreamKVCache(PagedKVCache):
 
     def describe(self) -> str:
         """The format and the unit of its pool; each slot's position (int32) is held beside the blocks."""
+        window = (f"; each sequence's latest {self.window_queries} queries kept for its scorer outside the pool "
+                  f"({self.window_nbytes() / 2**20:.1f} MiB a sequence)") if self.window_queries else ""
         return (f"{self.format_name}, blocks of {self.block_size} tokens of one layer's one KV head "
-                f"({self.num_blocks:,} of them), plus {self.positions.nbytes / 2**20:.1f} MiB of token positions")
+                f"({self.num_blocks:,} of them), plus {self.positions.nbytes / 2**20:.1f} MiB of token "
+                f"positions{window}")
+
+    def window_nbytes(self) -> int:
+        """Bytes of one sequence's window of queries (float32, every layer and query head)."""
+        return self.num_layers_total * self.num_query_heads * self.window_queries * self.head_dim * 4
 
     def _block_tensors(self) -> list[torch.Tensor]:
         pool_slots = self.num_blocks * self.block_size  # the null block is no block of the pool
@@ -128,6 +138,14 @@ class HeadStreamKVCache(PagedKVCache):
         shape = (self.num_layers_total, num_seqs, self.num_query_heads, self.head_dim)
         self._step_totals = torch.zeros(shape)
         self._step_squares = torch.zeros(shape)
+        self._step_window = [None] * self.num_layers_total
+        if self.window_queries:  # the rows of each sequence's latest counted tokens (a sequence's are contiguous)
+            counted = record.counted > 0
+            cum = counted.long().cumsum(0)
+            last = torch.zeros(num_seqs, dtype=torch.long, device=cum.device).scatter_reduce(
+                0, record.sequence_of, cum, "amax")
+            self._window_rows = (counted & (last[record.sequence_of] - cum < self.window_queries)).nonzero()[:, 0]
+            self._window_positions = positions[self._window_rows]
 
     def begin_step(self, freed_blocks, copies, slot_mappings) -> None:
         """The base step hook: a head-stream step is described by begin_head_step instead; copies never arise."""
@@ -137,12 +155,20 @@ class HeadStreamKVCache(PagedKVCache):
         record = self._record
         counts = torch.zeros(len(record.request_ids), dtype=torch.long).index_add_(
             0, record.sequence_of, record.counted.long())
+        window = window_of = None
+        if self.window_queries and self._window_rows.numel():
+            window = torch.stack(self._step_window).permute(0, 2, 1, 3)  # [L, Hq, rows, D]
+            window_of = record.sequence_of[self._window_rows]
         for i, request_id in enumerate(record.request_ids):
             stats = self.query_stats.get(request_id)
             if stats is None:
                 stats = self.query_stats[request_id] = QueryStats.empty(self.num_layers_total, self.num_query_heads,
                                                                         self.head_dim)
             stats.add(self._step_totals[:, i], self._step_squares[:, i], int(counts[i]))
+            if window is not None:
+                mine = window_of == i
+                if bool(mine.any()):
+                    stats.add_window(window[:, :, mine], self._window_positions[mine], self.window_queries)
         self._record = None
 
     def forget(self, request_id: str) -> None:
@@ -158,6 +184,8 @@ class HeadStreamKVCache(PagedKVCache):
         pre = apply_rotary(q.float(), record.cos, -record.sin) * record.counted[:, None, None]
         self._step_totals[layer].index_add_(0, record.sequence_of, pre)
         self._step_squares[layer].index_add_(0, record.sequence_of, pre * pre)
+        if self.window_queries:
+            self._step_window[layer] = q[self._window_rows].float()
 
     # ---- streams -----------------------------------------------------------------------------------------------
     def _block_rows(self, blocks: torch.Tensor) -> torch.Tensor:

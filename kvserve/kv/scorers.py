@@ -14,6 +14,8 @@ keys, scaled by the value norms), so a layer's budget can be pooled over its hea
 - `keydiff` (KeyDiffScorer): keys least like the head's mean key are the distinctive ones (KeyDiff).
 - `expected+keydiff` (UnionScorer): half of what a head keeps by each of the two rankings (expected attention keeps
   what the text reads, KeyDiff a fact no query has asked for yet).
+- `observed` (ObservedAttentionScorer, SnapKV's observation window): the attention the sequence's latest
+  WINDOW_QUERIES queries paid each key, averaged over them and the query heads of a KV head, times ‖v‖.
 - `spanN(a)` (SpanScorer, after SnapKV's pooling): scorer a's scores max-pooled over a window of N tokens in
   each head's stream, so a kept token keeps the tokens beside it (a needle's digits and the words naming it).
 
@@ -30,6 +32,9 @@ import torch
 from kvserve.rotation import apply_rotary
 
 
+WINDOW_QUERIES = 128  # the observed scorer's window: the sequence's latest queries (docs/quality.md)
+
+
 @dataclass
 class QueryStats:
     """Running sums of one sequence's queries before RoPE, per layer and query head: [L, Hq, D] each."""
@@ -37,6 +42,9 @@ class QueryStats:
     total: torch.Tensor
     squares: torch.Tensor
     count: int = 0
+    window: torch.Tensor | None = None  # [L, Hq, W, D]: the latest queries after RoPE, a ring (ObservedAttentionScorer)
+    window_positions: torch.Tensor | None = None  # [W]: their positions (-1: a place not written yet)
+    window_next: int = 0  # the ring's place the next query goes to
 
     @classmethod
     def empty(cls, num_layers: int, num_heads: int, head_dim: int) -> QueryStats:
@@ -47,6 +55,25 @@ class QueryStats:
         self.total += total
         self.squares += squares
         self.count += count
+
+    def copy(self) -> QueryStats:
+        """Its own copy (a forked sequence's statistics start as its parent's)."""
+        if self.window is None:
+            return QueryStats(self.total.clone(), self.squares.clone(), self.count)
+        return QueryStats(self.total.clone(), self.squares.clone(), self.count, self.window.clone(),
+                          self.window_positions.clone(), self.window_next)
+
+    def add_window(self, queries: torch.Tensor, positions: torch.Tensor, keep: int) -> None:
+        """Queries [L, Hq, n, D] (after RoPE) at positions [n] join the window, a ring of the latest `keep`."""
+        if self.window is None:
+            L, Hq, _, D = queries.shape
+            self.window = queries.new_zeros(L, Hq, keep, D)
+            self.window_positions = torch.full((keep,), -1, dtype=torch.long)
+        queries, positions = queries[:, :, -keep:], positions[-keep:]
+        places = (self.window_next + torch.arange(positions.numel())) % keep
+        self.window[:, :, places] = queries
+        self.window_positions[places] = positions.long().cpu()
+        self.window_next = int(places[-1] + 1) % keep
 
     def mean_and_pair_variance(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean query [L, Hq, D] and each rotary pair's variance, repeated on both its dimensions [L, Hq, D]."""
@@ -62,16 +89,17 @@ class Scorer:
     """Scores [L, H, K] of a sequence's stored tokens, comparable across the heads of a layer (see module doc)."""
 
     name = "?"
+    window_queries = 0  # the latest queries of the sequence it reads (QueryStats.window)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, stats: QueryStats,
-              position: int) -> torch.Tensor:
+              position: int, key_positions: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
 class KeyNormScorer(Scorer):
     name = "knorm"
 
-    def score(self, keys, values, valid, stats, position):
+    def score(self, keys, values, valid, stats, position, key_positions=None):
         logits = (-keys.float().norm(dim=-1)).masked_fill(~valid, float("-inf"))
         return logits.softmax(dim=-1) * values.float().norm(dim=-1)
 
@@ -82,7 +110,7 @@ class KeyDiffScorer(Scorer):
 
     name = "keydiff"
 
-    def score(self, keys, values, valid, stats, position):
+    def score(self, keys, values, valid, stats, position, key_positions=None):
         keys = keys.float() * valid[..., None]
         anchor = keys.sum(dim=2, keepdim=True) / valid.sum(-1, keepdim=True)[..., None].clamp_min(1)
         distinct = (1 + 1e-6 - torch.nn.functional.cosine_similarity(keys, anchor, dim=-1)) * valid  # > 0: one key too
@@ -107,7 +135,7 @@ class ExpectedAttentionScorer(Scorer):
         return (torch.cat((cos, cos)) * self.attention_factor).float(), (torch.cat((sin, sin)) *
                                                                           self.attention_factor).float()
 
-    def score(self, keys, values, valid, stats, position):
+    def score(self, keys, values, valid, stats, position, key_positions=None):
         L, H, K, D = keys.shape
         mean, pair_variance = stats.mean_and_pair_variance()  # [L, Hq, D]
         per_kv = mean.shape[1] // H
@@ -121,6 +149,34 @@ class ExpectedAttentionScorer(Scorer):
         logits = logits + (variance @ (keys * keys).transpose(-1, -2)) / (2 * D)
         logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
         return logits.softmax(dim=-1).mean(dim=2) * values.float().norm(dim=-1)
+
+
+class ObservedAttentionScorer(Scorer):
+    """The attention the sequence's latest queries paid each key (SnapKV's observation window, Li et al., 2024):
+    softmax(q·k/√d) of each of the window's queries over the keys it could see (key position ≤ its own), averaged
+    over the window and the query heads of a KV head, times ‖v‖."""
+
+    name = "observed"
+    window_queries = WINDOW_QUERIES
+
+    def score(self, keys, values, valid, stats, position, key_positions=None):
+        L, H, K, D = keys.shape
+        value_norms = values.float().norm(dim=-1)
+        if stats is None or stats.window is None:  # no query yet: nothing to tell the keys apart
+            return valid.float() * value_norms
+        window = stats.window  # [L, Hq, W, D]
+        per_kv, W = window.shape[1] // H, window.shape[2]
+        logits = (window.reshape(L, H, per_kv * W, D) @ keys.float().transpose(-1, -2)).div_(math.sqrt(D))
+        query_positions = stats.window_positions.repeat(per_kv)  # rows: per_kv blocks of the W queries
+        # one comparison hides what a query cannot see: padding (placed past every query), keys after its own
+        # position, and every key from a ring place not written yet (position -1)
+        if key_positions is None:  # no positions given: every stored key as old as the first token
+            key_positions = torch.zeros_like(valid, dtype=torch.long)
+        far = torch.iinfo(torch.long).max
+        hidden = key_positions.long().masked_fill(~valid, far)[:, :, None, :] > query_positions[None, None, :, None]
+        probs = logits.masked_fill_(hidden, float("-inf")).softmax(dim=-1).nan_to_num_(0.0)
+        rows = int((query_positions >= 0).sum())
+        return probs.sum(dim=2) / max(rows, 1) * value_norms
 
 
 def ranks(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -142,11 +198,12 @@ class UnionScorer(Scorer):
         if not 0 < share < 1:
             raise ValueError(f"the first scorer's share of a union must be in (0, 1), not {share}")
         self.first, self.second, self.share = first, second, share
+        self.window_queries = max(first.window_queries, second.window_queries)
         self.name = f"{first.name}+{second.name}"
 
-    def score(self, keys, values, valid, stats, position):
-        first = self.first.score(keys, values, valid, stats, position)
-        second = self.second.score(keys, values, valid, stats, position)
+    def score(self, keys, values, valid, stats, position, key_positions=None):
+        first = self.first.score(keys, values, valid, stats, position, key_positions)
+        second = self.second.score(keys, values, valid, stats, position, key_positions)
         place = torch.minimum(ranks(first, valid).double() / self.share,
                               ranks(second, valid).double() / (1 - self.share))
         order = place.masked_fill(~valid, float("inf")).argsort(dim=-1, stable=True).argsort(dim=-1)
@@ -162,10 +219,11 @@ class SpanScorer(Scorer):
         if window < 1 or window % 2 == 0:
             raise ValueError(f"a span window must be an odd number of tokens (1, 3, 5, ...), not {window}")
         self.inner, self.window = inner, window
+        self.window_queries = inner.window_queries
         self.name = f"span{window}({inner.name})"
 
-    def score(self, keys, values, valid, stats, position):
-        scores = self.inner.score(keys, values, valid, stats, position)
+    def score(self, keys, values, valid, stats, position, key_positions=None):
+        scores = self.inner.score(keys, values, valid, stats, position, key_positions)
         return pool_spans(scores, valid, self.window)
 
 
@@ -193,7 +251,14 @@ def make_scorer(name: str, inv_freq: torch.Tensor, attention_factor: float = 1.0
         return KeyDiffScorer()
     if name == "expected":
         return ExpectedAttentionScorer(inv_freq, attention_factor)
+    if name == "observed":
+        return ObservedAttentionScorer()
     raise ValueError(f"unknown KV scorer {name!r}; choose expected, keydiff, knorm, a union a+b or a span spanN(a)")
+
+
+def window_queries(name: str) -> int:
+    """How many of a sequence's latest queries the scorer `name` reads (kept beside its streams)."""
+    return make_scorer(name, torch.ones(1)).window_queries
 
 
 def head_budgets(scores: torch.Tensor, valid: torch.Tensor, floors: torch.Tensor, totals: torch.Tensor

@@ -8,6 +8,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.kv.eviction import HEAD_POLICIES
 from kvserve.kv.head_manager import HeadStreamManager
 from kvserve.kv.head_streams import HeadStreamReader, Int4HeadStreamKVCache
+from kvserve.kv.scorers import ObservedAttentionScorer
 from kvserve.planner.kv_size import HEAD_STREAM_POLICIES
 from tests.conftest import make_tiny_model
 
@@ -218,3 +219,35 @@ def test_per_head_sequences_stay_out_of_the_prefix_index(model_dir):
     stats = llm.stats()
     assert first == again
     assert stats["prefix_cache_hits"] == 0 and stats["num_cached_blocks"] == 0
+
+
+def test_an_observed_scorer_keeps_each_sequences_latest_queries_alone_or_batched(model_dir, monkeypatch):
+    monkeypatch.setattr(ObservedAttentionScorer, "window_queries", 16)
+    options = {**ADAKV, "kv_eviction": "perhead-observed-span"}
+
+    def windows(prompts: dict[str, list[int]]) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+        engine = make(model_dir, **options).engine
+        assert engine.cache.window_queries == 16
+        assert "each sequence's latest 16 queries kept for its scorer outside the pool" in engine.cache.describe()
+        for request_id, tokens in prompts.items():
+            engine.add_request(request_id, tokens, greedy(12))
+        seen = {request_id: [] for request_id in prompts}
+        while engine.has_unfinished_requests():
+            engine.step()
+            for seq in engine.scheduler.running:
+                stats = engine.cache.query_stats[seq.request_id]
+                n = seq.num_computed_tokens
+                order = stats.window_positions.argsort()
+                positions = [p for p in stats.window_positions[order].tolist() if p >= 0]
+                assert positions == list(range(max(ADAKV["kv_sink_tokens"], n - 16), n))
+                seen[seq.request_id].append((positions, stats.window[:, :, order[-len(positions):]].clone()))
+        return seen
+
+    assert make(model_dir, **ADAKV).engine.cache.window_queries == 0  # expected attention reads no window
+    alone = windows({"a": prompt(70, seed=3)})
+    batched = windows({"b": prompt(45, seed=4), "a": prompt(70, seed=3)})
+    common = [w for w in batched["a"] if w[0] in [v[0] for v in alone["a"]]]
+    assert len(common) >= 10
+    for positions, window in common:
+        torch.testing.assert_close(window, dict((tuple(p), w) for p, w in alone["a"])[tuple(positions)],
+                                   atol=1e-4, rtol=1e-4)

@@ -1,14 +1,15 @@
 """Scores per (layer, KV head) and AdaKV's budgets: a layer's budgets sum to its total, every head gets its floor,
 the pooled rest goes to the highest scores; expected attention ranks the keys a query distribution points at; the
 union of two rankings keeps each one's best, where either alone drops one of them; a span scorer keeps a high
-key's neighbours."""
+key's neighbours; the observed scorer averages the attention its window of queries paid, each query over the keys
+up to its own position."""
 import math
 
 import pytest
 import torch
 
-from kvserve.kv.scorers import (ExpectedAttentionScorer, KeyDiffScorer, KeyNormScorer, QueryStats, Scorer,
-                                 SpanScorer, UnionScorer, head_budgets, make_scorer, ranks)
+from kvserve.kv.scorers import (ExpectedAttentionScorer, KeyDiffScorer, KeyNormScorer, ObservedAttentionScorer,
+                                 QueryStats, Scorer, SpanScorer, UnionScorer, head_budgets, make_scorer, ranks)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -103,7 +104,7 @@ class Fixed(Scorer):
     def __init__(self, scores: torch.Tensor):
         self.scores = scores
 
-    def score(self, keys, values, valid, stats, position):
+    def score(self, keys, values, valid, stats, position, key_positions=None):
         return self.scores
 
 
@@ -175,3 +176,61 @@ def test_make_scorer_builds_spans_inside_a_union():
     assert scorer.second.window == 5 and isinstance(scorer.second.inner, KeyDiffScorer)
     with pytest.raises(ValueError, match="unknown KV scorer 'nothing'"):
         make_scorer("span5(nothing)", torch.ones(4))
+
+
+def test_observed_attention_is_the_windows_causal_softmax_averaged_over_queries_and_heads():
+    g = torch.Generator().manual_seed(3)
+    L, H, per_kv, W, K, D = 2, 2, 3, 4, 7, 8
+    keys, values = torch.randn(L, H, K, D, generator=g), torch.randn(L, H, K, D, generator=g)
+    valid = torch.arange(K)[None, None, :] < torch.tensor([[7, 5], [6, 7]])[..., None]
+    key_positions = torch.arange(K).expand(L, H, K)
+    stats = QueryStats.empty(L, H * per_kv, D)
+    stats.add_window(torch.randn(L, H * per_kv, W, D, generator=g), torch.tensor([2, 3, 5, 6]), keep=W + 3)
+    scores = ObservedAttentionScorer().score(keys, values, valid, stats, 7, key_positions)
+    for layer in range(L):
+        for h in range(H):
+            rows = []
+            for qh in range(h * per_kv, (h + 1) * per_kv):  # the ring's three places not written: no rows
+                for w, pos in enumerate([2, 3, 5, 6]):
+                    seen = valid[layer, h] & (key_positions[layer, h] <= pos)
+                    logits = stats.window[layer, qh, w] @ keys[layer, h].T / math.sqrt(D)
+                    rows.append(logits.masked_fill(~seen, float("-inf")).softmax(-1))
+            want = torch.stack(rows).mean(0) * values[layer, h].norm(dim=-1)
+            torch.testing.assert_close(scores[layer, h], want)
+    assert bool((scores[:, :, 6:][~valid[:, :, 6:]] == 0).all())
+    unplaced = ObservedAttentionScorer().score(keys, values, valid, stats, 7)  # no positions: every query sees all
+    seen = [torch.stack([(stats.window[layer, qh, :W] @ keys[layer, h].T / math.sqrt(D))
+                         .masked_fill(~valid[layer, h], float("-inf")).softmax(-1)
+                         for qh in range(h * per_kv, (h + 1) * per_kv)]).mean((0, 1)) * values[layer, h].norm(dim=-1)
+            for layer in range(L) for h in range(H)]
+    torch.testing.assert_close(unplaced, torch.stack(seen).view(L, H, K))
+    assert float(scores[0, 0, 6]) > 0 and float(scores[0, 0, 6]) < float(scores[0, 0, :6].max())  # one query saw it
+
+
+def test_the_window_keeps_the_latest_queries_and_a_copy_is_its_own():
+    stats = QueryStats.empty(1, 2, 4)
+    stats.add_window(torch.full((1, 2, 2, 4), -1.0), torch.arange(-2, 0), keep=5)
+    assert stats.window_positions.tolist() == [-2, -1, -1, -1, -1]  # -1: places not written yet
+    for start in (0, 3, 6):
+        stats.add_window(torch.arange(start, start + 3).float()[None, None, :, None].expand(1, 2, 3, 4),
+                         torch.arange(start, start + 3), keep=5)
+    order = stats.window_positions.argsort()
+    assert stats.window_positions[order].tolist() == [4, 5, 6, 7, 8]
+    assert stats.window[0, 1, order, 0].tolist() == [4, 5, 6, 7, 8]  # each query beside its position
+    stats.add_window(torch.zeros(1, 2, 7, 4), torch.arange(9, 16), keep=5)  # more than the ring: the latest
+    assert sorted(stats.window_positions.tolist()) == [11, 12, 13, 14, 15]
+    child = stats.copy()
+    child.add_window(torch.ones(1, 2, 1, 4), torch.tensor([16]), keep=5)
+    child.total += 1
+    assert sorted(stats.window_positions.tolist()) == [11, 12, 13, 14, 15] and float(stats.total.sum()) == 0
+    assert float(stats.window.sum()) == 0
+
+
+def test_observed_attention_without_queries_yet_keeps_no_key_over_another():
+    keys, values = torch.randn(1, 1, 5, 4), torch.ones(1, 1, 5, 4)
+    valid = torch.ones(1, 1, 5, dtype=torch.bool)
+    scores = ObservedAttentionScorer().score(keys, values, valid, QueryStats.empty(1, 1, 4), 5)
+    assert scores.unique().numel() == 1
+    observed = ObservedAttentionScorer.window_queries
+    assert make_scorer("observed+span9(keydiff)", torch.ones(2)).window_queries == observed
+    assert make_scorer("expected+span9(keydiff)", torch.ones(2)).window_queries == 0

@@ -369,12 +369,15 @@ def test_eager_steps_multiply_one_row_by_the_loop_compiled_once_for_every_shape(
         assert route.calls == 1
         linears.one_row.warm_up(dtype, "cpu")
         assert linears.one_row.failed is None  # its graph compiled here, or one this process compiled before
+        loop = linears.one_row.compiled
+        warmed = (loop.graphs_compiled, loop.graphs_loaded)
         for layer, (n, k) in zip(layers, shapes):
             for lead in [(), (1,), (1, 1)]:
                 x = torch.randn(*lead, k).to(dtype)
                 expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype)
                 torch.testing.assert_close(layer(x), expected, rtol=tolerance, atol=tolerance)
-        assert route.calls == 1  # both shapes took the graph (nothing compiles after the warm-up)
+        assert route.calls == 1  # both shapes took the graph, and nothing compiled or loaded after the warm-up
+        assert (loop.graphs_compiled, loop.graphs_loaded) == warmed
         with torch.inference_mode(False):
             outside = torch.randn(1, 32).to(dtype)
         assert not outside.is_inference()

@@ -102,7 +102,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     disk_cache = open_disk_cache(config, setup, cache, state_cache) if config.kv_disk_cache is not None else None
     kv = cache_manager(config, setup, disk_cache, cache.num_blocks)
     if per_head:
-        attach_head_streams(kv, cache, model)
+        attach_head_streams(kv, cache, model, setup.model_path)
     scores = attention_scores(config, setup)
     speculator = (Speculator(config.speculative_config, cache)
                   if config.speculative_config is not None else None)

@@ -1,18 +1,26 @@
 """Building an engine for per-(layer, KV head) streams (`--kv-eviction adakv`, `adakv-knorm`, `perhead`): what the
 setting refuses by name, its storage (kv/head_streams.py: float, int8 with a scale per token, or int4 of rotated
 vectors with a scale and zero point per token) sized from the
-planner's pool, and the manager's scorer."""
+planner's pool, the manager's scorer and, for `headkv-span`, the model's retrieval-head weights
+(engine/retrieval_heads.py)."""
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 from kvserve.config import EngineConfig
+from kvserve.engine.retrieval_heads import describe, head_weights, load_or_measure
 from kvserve.kv.eviction import HEAD_POLICIES
 from kvserve.kv.formats import FLOAT_FORMATS
 from kvserve.kv.head_streams import HeadStreamKVCache, Int4HeadStreamKVCache, Int8HeadStreamKVCache
 from kvserve.kv.kv_cache_manager import KVCacheManager
 from kvserve.kv.scorers import make_scorer, window_queries
 from kvserve.model.config import ModelConfig
+from kvserve.model.embedded import default_cache_dir
 from kvserve.planner.capacity import KVCachePlan
 from kvserve.planner.layout import KVLayout
+
+logger = logging.getLogger("kvserve")
 
 QUANTIZED_STREAMS = {"int8": Int8HeadStreamKVCache, "int4": Int4HeadStreamKVCache}
 HEAD_STREAM_FORMATS = (*FLOAT_FORMATS, *QUANTIZED_STREAMS)
@@ -51,8 +59,14 @@ def build_head_cache(config: EngineConfig, plan: KVCachePlan, layout: KVLayout,
     return HeadStreamKVCache(*args, storage_dtype=FLOAT_FORMATS[config.kv_cache_format], **kwargs)
 
 
-def attach_head_streams(kv: KVCacheManager, cache: HeadStreamKVCache, model) -> None:
-    """Hand the manager the storage it compresses and the scorer its policy names (with the model's RoPE)."""
+def attach_head_streams(kv: KVCacheManager, cache: HeadStreamKVCache, model, model_path: Path) -> None:
+    """Hand the manager the storage it compresses, the scorer its policy names (with the model's RoPE) and, for a
+    policy that weights heads by their retrieval scores, the weights (measured once per model and kept)."""
     rotary = model.rotary
     scorer = make_scorer(kv.eviction.scorer, rotary.inv_freq, rotary.attention_factor)
-    kv.groups[0].attach(cache, scorer)
+    weights = None
+    if kv.eviction.retrieval_heads:
+        scores, source = load_or_measure(model_path, cache.num_layers_total, cache.num_kv_heads, default_cache_dir())
+        weights = head_weights(scores)
+        logger.info(describe(scores, weights, source))
+    kv.groups[0].attach(cache, scorer, weights)

@@ -127,7 +127,9 @@ class HeadBudgetPolicy(EvictionPolicy):
     expected attention and half by KeyDiff, kv/scorers.py's UnionScorer; `perhead-span`: the same, KeyDiff's scores
     pooled over SPAN_TOKENS neighbours first, kv/scorers.py's SpanScorer; `perhead-observed`: the attention the
     sequence's latest queries paid, every head the same count, kv/scorers.py's ObservedAttentionScorer;
-    `perhead-observed-span`: `perhead-span` with that in place of expected attention): each head keeps its own
+    `perhead-observed-span`: `perhead-span` with that in place of expected attention; `headkv-span`: `perhead-span`
+    with each head's share of the budget weighted by its retrieval score, engine/retrieval_heads.py;
+    `headkv-observed-span`: `perhead-observed-span` so weighted): each head keeps its own
     tokens in its own stream of head blocks (kv/head_streams.py, kv/head_manager.py), `budget_tokens` per head on
     average, the sinks, the block being filled and the last `recent_tokens` always."""
 
@@ -135,6 +137,7 @@ class HeadBudgetPolicy(EvictionPolicy):
     scorer: str = "expected"
     adaptive: bool = True  # AdaKV's pooled budgets; False: every head of a layer keeps the same count
     across_layers: bool = False  # the budgets pooled over every (layer, head) of a sequence, not layer by layer
+    retrieval_heads: bool = False  # each head's budget weighted by its retrieval score (HeadKV), not equal
 
     @property
     def per_head(self) -> bool:
@@ -142,22 +145,25 @@ class HeadBudgetPolicy(EvictionPolicy):
 
 
 SPAN_TOKENS = 9  # `perhead-span`'s window: KeyDiff's scores max-pooled over 9 tokens (docs/quality.md)
-# name: (scorer, AdaKV's pooled budgets, pooled across layers too)
-HEAD_POLICIES = {"adakv": ("expected", True, False), "adakv-layers": ("expected", True, True),
-                 "adakv-knorm": ("knorm", True, False), "adakv-keydiff": ("keydiff", True, False),
-                 "perhead": ("expected", False, False), "perhead-mix": ("expected+keydiff", False, False),
-                 "perhead-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False, False),
-                 "perhead-observed": ("observed", False, False),
-                 "perhead-observed-span": (f"observed+span{SPAN_TOKENS}(keydiff)", False, False)}
+# name: (scorer, AdaKV's pooled budgets, pooled across layers too, budgets weighted by retrieval scores)
+HEAD_POLICIES = {"adakv": ("expected", True, False, False), "adakv-layers": ("expected", True, True, False),
+                 "adakv-knorm": ("knorm", True, False, False), "adakv-keydiff": ("keydiff", True, False, False),
+                 "perhead": ("expected", False, False, False),
+                 "perhead-mix": ("expected+keydiff", False, False, False),
+                 "perhead-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False, False, False),
+                 "perhead-observed": ("observed", False, False, False),
+                 "perhead-observed-span": (f"observed+span{SPAN_TOKENS}(keydiff)", False, False, False),
+                 "headkv-span": (f"expected+span{SPAN_TOKENS}(keydiff)", False, False, True),
+                 "headkv-observed-span": (f"observed+span{SPAN_TOKENS}(keydiff)", False, False, True)}
 
 
 def make_policy(name: str, sink_tokens: int, recent_tokens: int, budget_tokens: int) -> EvictionPolicy:
     """The policy for EngineConfig's kv_eviction options (already validated there)."""
     if name in HEAD_POLICIES:
-        scorer, adaptive, across_layers = HEAD_POLICIES[name]
+        scorer, adaptive, across_layers, retrieval_heads = HEAD_POLICIES[name]
         return HeadBudgetPolicy(name=name, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                                 budget_tokens=budget_tokens, scorer=scorer, adaptive=adaptive,
-                                across_layers=across_layers)
+                                across_layers=across_layers, retrieval_heads=retrieval_heads)
     if name == "streaming":
         return StreamingPolicy(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
     if name == "h2o":

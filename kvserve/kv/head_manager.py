@@ -8,6 +8,9 @@ the budget by more than a block (after a prompt chunk, or every block_size decod
 compressed: every stream's tokens are scored, each layer's budget (budget_tokens × heads) is split over its heads,
 each head's kept tokens move to the front of its stream in position order and the head blocks past them go back
 to the pool. The first `sink_tokens` positions, the block being filled and the last `recent_tokens` are always kept.
+A policy that weights heads (`headkv-span`) gives each (layer, head) its own share of the budget instead (the
+weights the engine measured, engine/retrieval_heads.py), and compresses when the sequence's heads hold more than
+the budget on average.
 
 Prefix caching: a head block holds one head's tokens, not a block of the sequence, so nothing is registered in the
 prefix index and no hit is taken (every sequence is computed from its first token). Forking (n > 1, beams) copies the
@@ -73,12 +76,14 @@ class HeadStreamManager:
         self.null_block = pool.num_blocks  # the storage's block past the pool, never written: padding reads it
         self.storage: HeadStreamKVCache | None = None
         self.scorer: Scorer | None = None
+        self.head_weights: torch.Tensor | None = None  # each (layer, head)'s share of the budget, [L, H] (HeadKV)
         self._fresh: list[int] = []  # head blocks taken since the runner last asked (it zeroes them)
         self.num_compressions = 0
 
-    def attach(self, storage: HeadStreamKVCache, scorer: Scorer) -> None:
+    def attach(self, storage: HeadStreamKVCache, scorer: Scorer, head_weights: torch.Tensor | None = None) -> None:
         """The storage whose tokens this manager moves when it compresses (its layers and KV heads are the streams
-        of a sequence), and the scorer that ranks them."""
+        of a sequence), the scorer that ranks them and, for a policy that weights heads (`retrieval_heads`), each
+        (layer, KV head)'s share of the budget [L, H], averaging at most 1."""
         if storage.null_block != self.pool.num_blocks:
             raise ValueError(f"the storage holds {storage.null_block} head blocks, the pool {self.pool.num_blocks}")
         self.storage, self.scorer = storage, scorer
@@ -86,6 +91,16 @@ class HeadStreamManager:
             raise ValueError(f"the storage keeps {storage.window_queries} queries a sequence, the scorer "
                              f"{scorer.name} reads {scorer.window_queries}")
         self.num_layers, self.num_heads = storage.num_layers_total, storage.num_kv_heads
+        if self.policy.retrieval_heads != (head_weights is not None):
+            needs = "needs" if self.policy.retrieval_heads else "takes no"
+            raise ValueError(f"kv_eviction={self.policy.name!r} {needs} head weights")
+        if head_weights is not None:
+            if tuple(head_weights.shape) != (self.num_layers, self.num_heads):
+                raise ValueError(f"head weights of shape {tuple(head_weights.shape)} for {self.num_layers} layers of "
+                                 f"{self.num_heads} KV heads")
+            if float(head_weights.mean()) > 1 + 1e-6 or bool((head_weights < 0).any()):
+                raise ValueError("head weights must be at least 0 and average at most 1")
+        self.head_weights = head_weights
 
     # ---- the coordinator's calls -------------------------------------------------------------------------------
     def first_needed(self, num_blocks: int) -> int:
@@ -181,9 +196,11 @@ class HeadStreamManager:
         streams = self.streams.get(seq.request_id)
         if streams is None:
             return
-        # a layer's heads hold the budget on average, or (pooled across layers) every head of the sequence does
+        # a layer's heads hold the budget on average, or (pooled across layers, or weighted) every head of the
+        # sequence does
         lengths = streams.lengths.float()
-        held = lengths.mean() if self.policy.across_layers else lengths.mean(dim=1).max()
+        pooled = self.policy.across_layers or self.head_weights is not None
+        held = lengths.mean() if pooled else lengths.mean(dim=1).max()
         if held <= self.policy.budget_tokens + self.block_size:
             return
         keep = self._choose(streams, seq.request_id, seq.num_computed_tokens)  # [L, H, K] bool
@@ -209,8 +226,12 @@ class HeadStreamManager:
     def _budgets(self, scores: torch.Tensor, valid: torch.Tensor, num_protected: torch.Tensor) -> torch.Tensor:
         """Tokens each stream keeps [L, H]: AdaKV's split of each layer's budget_tokens × heads (floors of
         FLOOR_SHARE of the budget), or of the sequence's budget_tokens × layers × heads (`across_layers`), or the
-        budget for every head (`perhead`); never fewer than its protected ones."""
+        budget for every head (`perhead`) or its weighted share (`head_weights`, rounded down, so that the heads
+        hold no more than the budget on average); never fewer than its protected ones."""
         budget, stored = self.policy.budget_tokens, valid.sum(-1)
+        if self.head_weights is not None:
+            shares = (self.head_weights * budget).floor().long()
+            return torch.minimum(torch.maximum(num_protected, shares), stored)
         if not self.policy.adaptive:
             return torch.minimum(torch.maximum(num_protected, torch.full_like(stored, budget)), stored)
         floors = torch.minimum(torch.maximum(num_protected, torch.full_like(stored, int(FLOOR_SHARE * budget))),

@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     evict.add_argument("--kv-eviction", default="none", choices=("none", "streaming", "h2o", *HEAD_STREAM_POLICIES),
                        help="streaming: StreamingLLM sinks + recent window; h2o: heavy hitters within a budget; "
                        "adakv (adakv-layers, adakv-keydiff, adakv-knorm, perhead, perhead-mix, perhead-span, "
-                       "perhead-observed, perhead-observed-span): each "
+                       "perhead-observed, perhead-observed-span, headkv-span, headkv-observed-span): each "
                        "(layer, KV head) keeps its own tokens, budget tokens per head on average, in blocks of one "
                        "layer's one KV head")
     evict.add_argument("--kv-sink-tokens", type=int, default=4, metavar="N", help="sinks kept (%(default)s)")

@@ -202,7 +202,8 @@ fixed_state_bytes = state_slot_bytes  # what `kvserve plan` reports per request 
 # scale and zero point per token and head: a slot moves alone when a stream is compacted, so no statistics per
 # channel over a block as the int4 format keeps for its keys)
 HEAD_STREAM_POLICIES = ("adakv", "adakv-layers", "adakv-knorm", "adakv-keydiff", "perhead", "perhead-mix",
-                        "perhead-span", "perhead-observed", "perhead-observed-span")
+                        "perhead-span", "perhead-observed", "perhead-observed-span", "headkv-span",
+                        "headkv-observed-span")
 HEAD_STREAM_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 INT4_PER_TOKEN = KVDtype("int4", 4, PER_VECTOR, scale_bytes=2, zero_point_bytes=2)
 

@@ -1,15 +1,19 @@
 """`--kv-eviction adakv` inside the engine: with a budget above the sequence it equals the full cache; compressed,
 it never reads a freed head block (they are poisoned with NaN), stays within its budget between steps, and leaks
 nothing under preemption, aborts and n > 1; what it does not run with is refused by name."""
+import json
+
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.retrieval_heads import DIRECTORY_NAME, METHOD, model_digest
 from kvserve.kv.eviction import HEAD_POLICIES
 from kvserve.kv.head_manager import HeadStreamManager
 from kvserve.kv.head_streams import HeadStreamReader, Int4HeadStreamKVCache
 from kvserve.kv.scorers import ObservedAttentionScorer
 from kvserve.planner.kv_size import HEAD_STREAM_POLICIES
+from kvserve.private_files import write_private
 from tests.conftest import make_tiny_model
 
 MAX_LEN = 256
@@ -134,7 +138,12 @@ def test_quantized_streams_compress_and_never_read_a_freed_block(model_dir, monk
 
 
 @pytest.mark.parametrize("name", HEAD_STREAM_POLICIES)
-def test_every_per_head_policy_compresses_with_its_scorer_and_gives_every_block_back(model_dir, name):
+def test_every_per_head_policy_compresses_with_its_scorer_and_gives_every_block_back(model_dir, name, tmp_path,
+                                                                                      monkeypatch):
+    if HEAD_POLICIES[name][3]:  # weighted by retrieval scores: this model's, as if measured before (no tokenizer)
+        monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+        path = tmp_path / DIRECTORY_NAME / f"{model_digest(model_dir)}-m{METHOD}.json"
+        write_private(path, json.dumps({"method": METHOD, "scores": [[0.5, 0.0], [0.0, 0.0]]}))
     llm = make(model_dir, **{**ADAKV, "kv_eviction": name})
     assert llm.engine.kv.groups[0].scorer.name == HEAD_POLICIES[name][0]
     logprobs = scored(llm, prompt(150, seed=5))

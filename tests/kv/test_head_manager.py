@@ -117,3 +117,30 @@ def test_allocation_fails_without_changing_anything_when_the_pool_is_short():
     assert kv.pool.num_free_blocks == 0
     assert kv.allocate(seq, 10) is None
     assert kv.groups[0].streams["a"].num_blocks.sum() == LAYERS * HEADS * 3
+
+
+def test_weighted_heads_keep_their_own_shares_and_the_sequence_holds_the_budget_on_average():
+    policy = make_policy("headkv-span", SINKS, RECENT, BUDGET)
+    kv = KVCacheManager(400, BS, enable_prefix_caching=True, eviction=policy)
+    storage = HeadStreamKVCache(KVLayout.uniform(LAYERS), 400, BS, HEADS, DIM, num_query_heads=HEADS)
+    weights = torch.tensor([[0.5, 2.0, 0.5], [1.0, 1.0, 1.0]])
+    for wrong, match in ((None, "needs head weights"), (torch.ones(3, 2), "shape"),
+                         (torch.full((LAYERS, HEADS), 1.1), "average at most 1")):
+        with pytest.raises(ValueError, match=match):
+            kv.groups[0].attach(storage, KeyNormScorer(), wrong)
+    kv.groups[0].attach(storage, KeyNormScorer(), weights)
+    seq = Seq("a")
+    run(kv, storage, seq, 100)  # 100 stored per head: compressed to each head's share
+    streams = kv.groups[0].streams["a"]
+    assert torch.equal(streams.lengths, (weights * BUDGET).long())
+    assert torch.equal(streams.num_blocks, -(-streams.lengths // BS))
+    run(kv, storage, seq, 10)  # 50 on average, under budget + a block: nothing dropped
+    assert torch.equal(streams.lengths, (weights * BUDGET).long() + 10)
+    kv.free(seq)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+def test_a_policy_without_weights_refuses_them():
+    kv, storage = build("perhead-span")
+    with pytest.raises(ValueError, match="takes no head weights"):
+        kv.groups[0].attach(storage, KeyNormScorer(), torch.ones(LAYERS, HEADS))

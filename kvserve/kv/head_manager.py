@@ -17,6 +17,7 @@ prefix index and no hit is taken (every sequence is computed from its first toke
 parent's streams into new head blocks."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,6 +101,14 @@ class HeadStreamManager:
                                  f"{self.num_heads} KV heads")
             if float(head_weights.mean()) > 1 + 1e-6 or bool((head_weights < 0).any()):
                 raise ValueError("head weights must be at least 0 and average at most 1")
+            p = self.policy
+            kept = p.sink_tokens + p.recent_tokens + self.block_size  # what a head may have to keep (check_budget)
+            smallest = float(head_weights.min())
+            if smallest * p.budget_tokens < kept:  # else the heads would hold more than the plan counts
+                raise ValueError(
+                    f"kv_budget_tokens={p.budget_tokens} gives the head with the smallest share ({smallest:.2f}x) "
+                    "fewer tokens than every head keeps (the sinks, the recent window and the block being filled: "
+                    f"{kept}); give at least {math.ceil(kept / smallest)} tokens or lower kv_recent_tokens")
         self.head_weights = head_weights
 
     # ---- the coordinator's calls -------------------------------------------------------------------------------

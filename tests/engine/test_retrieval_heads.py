@@ -89,7 +89,7 @@ def test_the_engine_keeps_each_heads_weighted_share_and_gives_every_block_back(m
     path.write_text(json.dumps({"method": METHOD, "scores": [[0.0, 0.9], [0.0, 0.0]]}))
     budget = 48
     llm = LLM(str(model_dir), kv_cache_memory="1MiB", max_model_len=256, max_num_batched_tokens=32,
-              kv_eviction="headkv-span", kv_sink_tokens=4, kv_recent_tokens=8, kv_budget_tokens=budget)
+              kv_eviction="headkv-span", kv_sink_tokens=4, kv_recent_tokens=4, kv_budget_tokens=budget)
     manager = llm.engine.kv.groups[0]
     assert manager.head_weights.tolist() == head_weights(torch.tensor([[0.0, 0.9], [0.0, 0.0]])).tolist()
     tokens = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -106,3 +106,15 @@ def test_the_engine_keeps_each_heads_weighted_share_and_gives_every_block_back(m
     assert lengths and torch.equal(lengths[-1], (manager.head_weights * budget).floor().long())
     stats = llm.stats()
     assert stats["num_evicted_blocks"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_a_budget_too_small_for_the_smallest_share_is_refused_by_name(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    path = tmp_path / DIRECTORY_NAME / f"{model_digest(model_dir)}-m{METHOD}.json"
+    path.parent.mkdir(mode=0o700)
+    path.write_text(json.dumps({"method": METHOD, "scores": [[0.0, 0.9], [0.0, 0.0]]}))  # the others 0.51x
+    with pytest.raises(ValueError, match=r"kv_budget_tokens=48 gives the head with the smallest share \(0.51x\).*"
+                                         r"\(the sinks, the recent window and the block being filled: 28\); give at "
+                                         r"least 55 tokens"):
+        LLM(str(model_dir), kv_cache_memory="1MiB", max_model_len=256, kv_eviction="headkv-span",
+            kv_sink_tokens=4, kv_recent_tokens=8, kv_budget_tokens=48)

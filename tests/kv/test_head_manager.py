@@ -123,9 +123,10 @@ def test_weighted_heads_keep_their_own_shares_and_the_sequence_holds_the_budget_
     policy = make_policy("headkv-span", SINKS, RECENT, BUDGET)
     kv = KVCacheManager(400, BS, enable_prefix_caching=True, eviction=policy)
     storage = HeadStreamKVCache(KVLayout.uniform(LAYERS), 400, BS, HEADS, DIM, num_query_heads=HEADS)
-    weights = torch.tensor([[0.5, 2.0, 0.5], [1.0, 1.0, 1.0]])
+    weights = torch.tensor([[0.75, 1.5, 0.75], [1.0, 1.0, 1.0]])
     for wrong, match in ((None, "needs head weights"), (torch.ones(3, 2), "shape"),
-                         (torch.full((LAYERS, HEADS), 1.1), "average at most 1")):
+                         (torch.full((LAYERS, HEADS), 1.1), "average at most 1"),
+                         (torch.tensor([[0.1, 1.9, 1.0], [1.0, 1.0, 1.0]]), "smallest share")):
         with pytest.raises(ValueError, match=match):
             kv.groups[0].attach(storage, KeyNormScorer(), wrong)
     kv.groups[0].attach(storage, KeyNormScorer(), weights)

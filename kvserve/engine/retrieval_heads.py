@@ -26,13 +26,13 @@ from kvserve.private_files import not_private, write_private
 logger = logging.getLogger("kvserve")
 
 SAMPLES, PROMPT_TOKENS, SEED = 20, 2000, 7  # the measurement: 20 prompts of about 2,000 tokens, seeded
-SLOPE = 4.0  # a head's share of the budget ∝ 1 + SLOPE·√score (docs/quality.md, "Retrieval heads")
+SLOPE = 4.0  # a head's share of the budget ∝ 1 + SLOPE·√score (docs/quality.md, "Retrieval heads get more")
 METHOD = 1  # the measurement's version, part of the kept file's name: a change of method measures again
 DIRECTORY_NAME = "retrieval-heads"
 # past the text `kvserve eval` scores by default (its first tokens), so that no measurement there reads what chose
 # the budgets
 SKIP_CHARACTERS = 100_000
-ROWS = 12  # the prompt's last rows whose attention is kept: the answer's ("is 1234567."), with room
+ROWS = 12  # the prompt's last rows whose attention is kept: those predicting the answer's tokens, with room
 WORDS = ("cedar", "marble", "copper", "violet", "north", "silver", "harbor", "quartz", "willow", "ember")
 
 
@@ -55,7 +55,7 @@ def describe(scores: torch.Tensor, weights: torch.Tensor, source: str) -> str:
 
 def load_or_measure(model_path: Path, num_layers: int, num_kv_heads: int, cache_dir: Path) -> tuple[torch.Tensor, str]:
     """The model's scores [L, KV heads] and where they came from: the kept file when it is this user's, readable and
-    of the model's shape, else measured now (logged first: it takes a minute on a small model) and kept."""
+    of the model's shape, else measured now (logged first: about 100 s for SmolLM2 on two cores) and kept."""
     path = cache_dir / DIRECTORY_NAME / f"{model_digest(model_path)}-m{METHOD}.json"
     scores, problem = read_scores(path, num_layers, num_kv_heads)
     if scores is not None:
